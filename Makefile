@@ -1,0 +1,46 @@
+# Every target sets up what it needs: a fresh clone runs `make run` or `make test` directly.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.jenga-vmm-installed
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLists.txt
+
+.PHONY: run test lint format build stubs clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch 2.13.0 is the local CPU wheel; installing it first stops pip from fetching a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q "scikit-build-core>=0.10" "pybind11>=2.13"
+	$(PIP) install -q --no-build-isolation -e '.[dev]'
+	touch $(STAMP)
+
+# Incremental rebuild of the C++ module (build/ keeps the CMake tree between runs).
+build: $(STAMP)
+	@$(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
+	@$(PY) -c "import vmm._core" || (echo "extension failed to build/import" && exit 1)
+
+run: build
+	$(VENV)/bin/vmm-bench --quick
+
+test: build
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/clang-format --dry-run --Werror $(shell find csrc -name '*.cpp' -o -name '*.hpp')
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(shell find csrc -name '*.cpp' -o -name '*.hpp')
+
+stubs: build
+	$(VENV)/bin/pybind11-stubgen vmm._core -o . --numpy-array-remove-parameters
+	$(VENV)/bin/ruff format vmm/_core
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,15 @@
+// Registration hooks of the one private extension module `vmm._core`.
+// Each subsystem owns one submodule and one register function; module.cpp only wires them.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace jvmm {
+
+// vmm host backend (memfd + mmap): `vmm._core.host`.
+void register_host(pybind11::module_ m);
+
+// jenga allocator core (free lists, request association, LRU, hash index): `vmm._core.jenga`.
+void register_jenga(pybind11::module_ m);
+
+}  // namespace jvmm

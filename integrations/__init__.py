@@ -1,0 +1,1 @@
+"""Engine integrations (vLLM, Hugging Face transformers). Each imports its engine lazily."""

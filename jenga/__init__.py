@@ -1,0 +1,1 @@
+"""jenga: the two-level LCM allocator for heterogeneous KV caches. Integers only, no torch."""

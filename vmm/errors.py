@@ -1,0 +1,54 @@
+"""Exceptions raised by `vmm`. Every message carries the numbers that explain it.
+
+Each error is raised either before any state changed or after a full rollback, so
+catching one never leaves a pool, range or plan half-applied.
+"""
+
+from __future__ import annotations
+
+
+class VmmError(Exception):
+    """Base class of every error `vmm` raises on purpose."""
+
+
+class OutOfMemory(VmmError):
+    """The pool's byte budget, or the device/OS, cannot provide the chunks asked for."""
+
+    def __init__(self, message: str, *, needed: int = 0, free: int = 0, total: int = 0):
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+        self.total = total
+
+
+class AlignmentError(VmmError, ValueError):
+    """An address, offset or size is not a multiple of the granularity (or is <= 0)."""
+
+
+class MappingError(VmmError):
+    """A slot is in the wrong state: mapping over a mapped slot, unmapping an unmapped one."""
+
+
+class RangeError(VmmError, IndexError):
+    """An offset, slot or tensor view lies outside its virtual range."""
+
+
+class VmaBudgetExceeded(VmmError):
+    """The host backend would exceed its share of `vm.max_map_count` mappings."""
+
+
+class ClosedError(VmmError):
+    """Use of a pool, range or backend after `close()`."""
+
+
+class BackendError(VmmError):
+    """A driver call or syscall failed for a reason not covered above (errno / CUresult)."""
+
+    def __init__(self, message: str, *, op: str = "", code: int = 0):
+        super().__init__(message)
+        self.op = op
+        self.code = code
+
+
+class BackendUnavailable(VmmError):
+    """The requested backend cannot run here (no driver, no device, not Linux)."""
