@@ -12,4 +12,7 @@ void register_host(pybind11::module_ m);
 // jenga allocator core (free lists, request association, LRU, hash index): `vmm._core.jenga`.
 void register_jenga(pybind11::module_ m);
 
+// raw baselines for vmm-bench (plain C loops of the same syscalls): `vmm._core.bench`.
+void register_bench(pybind11::module_ m);
+
 }  // namespace jvmm
