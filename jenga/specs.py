@@ -22,6 +22,7 @@ differ by `LayerSpec.model`, so they always fall into different groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -210,11 +211,12 @@ class ModelSpec:
                 )
 
     def _check_layer_ids_unique(self) -> None:
-        """A (model, layer id) pair belongs to exactly one group."""
-        seen: dict[tuple[str, int], str] = {}
+        """A (model, layer id) pair is in one attention-kind group and at most one Mamba
+        group (a parallel hybrid such as Hymba runs attention and Mamba heads in one layer)."""
+        seen: dict[tuple[str, int, bool], str] = {}
         for g in self.groups:
             for layer in g.all_layer_ids:
-                key = (g.spec.model, layer)
+                key = (g.spec.model, layer, g.spec.kind is Kind.MAMBA)
                 if key in seen:
                     raise SpecError(
                         f"model {self.name!r}: layer {layer} of {g.spec.model!r} is in "
@@ -244,3 +246,40 @@ class ModelSpec:
         raise KeyError(
             f"model {self.name!r} has no group {name!r}; groups: {[g.name for g in self.groups]}"
         )
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token adds over all cache-storing layers if every layer kept it."""
+        return sum(g.num_layers * g.spec.bytes_per_token for g in self.groups)
+
+
+def default_group_name(spec: LayerSpec) -> str:
+    """`kind`, prefixed by a non-target model and suffixed by a token fraction.
+
+    Examples: ``full``, ``sliding_window``, ``draft.full``, ``full@1/4``.
+    """
+    name = str(spec.kind)
+    if spec.model != "target":
+        name = f"{spec.model}.{name}"
+    if spec.token_fraction != (1, 1):
+        name += "@{}/{}".format(*spec.token_fraction)
+    return name
+
+
+def group_layers(layer_specs: Sequence[tuple[int, LayerSpec]]) -> tuple[KVGroup, ...]:
+    """Group ``(layer id, spec)`` pairs by equal spec, in order of first appearance.
+
+    Names come from `default_group_name`; a second distinct spec with the same name gets
+    ``#2``, ``#3``, ... appended.
+    """
+    spec_to_layers: dict[LayerSpec, list[int]] = {}
+    for layer, spec in layer_specs:
+        spec_to_layers.setdefault(spec, []).append(layer)
+    groups: list[KVGroup] = []
+    name_counts: dict[str, int] = {}
+    for spec, layers in spec_to_layers.items():
+        base = default_group_name(spec)
+        name_counts[base] = name_counts.get(base, 0) + 1
+        name = base if name_counts[base] == 1 else f"{base}#{name_counts[base]}"
+        groups.append(KVGroup(name, spec, tuple(layers)))
+    return tuple(groups)
