@@ -217,8 +217,10 @@ def chunks_for_page(
     """(k, within_epsilon): the smallest k with tail(k) <= epsilon * k * chunk.
 
     tail(k) = k*C mod p, with at least one block (k*C >= p). k never exceeds the exact
-    LCM's ``lcm(p, C) / C`` (tail 0 there). With `max_chunks` below that and no k within
-    epsilon, the k <= max_chunks with the smallest tail fraction is returned, flagged.
+    LCM's ``lcm(p, C) / C`` (tail 0 there, and nowhere below it), nor ``p / (epsilon*C)``
+    (from there on the tail, always < p, is within epsilon), so the scan is short. With
+    `max_chunks` below the answer, the k <= max_chunks with the smallest tail fraction is
+    returned, flagged.
     """
     _check_positive(small_page_bytes=small_page_bytes, chunk_bytes=chunk_bytes)
     if not 0.0 <= epsilon < 1.0:
@@ -230,8 +232,15 @@ def chunks_for_page(
         raise SpecError(
             f"small page {small_page_bytes} B needs {min_k} chunks of {chunk_bytes} B, cap is {cap}"
         )
+    if epsilon == 0.0 and lcm_k <= cap:
+        return lcm_k, True
+    last = (
+        cap
+        if epsilon == 0.0
+        else min(cap, max(min_k, math.ceil(small_page_bytes / (epsilon * chunk_bytes))))
+    )
     best_k, best_fraction = min_k, 1.0
-    for k in range(min_k, cap + 1):
+    for k in range(min_k, last + 1):
         fraction = (k * chunk_bytes % small_page_bytes) / (k * chunk_bytes)
         if fraction <= epsilon:
             return k, True

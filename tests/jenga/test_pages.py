@@ -1,6 +1,10 @@
 """Page math on hand-built specs: every expected number is computed by hand in a comment."""
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jenga.pages import (
     GroupPages,
     PageTable,
@@ -225,3 +229,35 @@ def test_inconsistent_rows_are_rejected():
         GroupPages("x", 256, 1, 1, 0, 1, 2048)
     with pytest.raises(SpecError, match=r"negative large page counts \{'x': -1\}"):
         PageTable("vmm", 2048, (row,)).waste_fraction(large_pages={"x": -1})
+
+
+# ------------------------------------------------------------------- properties
+
+
+def brute_force_chunks(p, c, epsilon, max_chunks):
+    """Reference: scan every k from one block's worth up to the cap."""
+    lcm_k = math.lcm(p, c) // c
+    cap = lcm_k if max_chunks is None else min(lcm_k, max_chunks)
+    ks = range(-(-p // c), cap + 1)
+    within = [k for k in ks if (k * c % p) <= epsilon * k * c]
+    if within:
+        return within[0], True
+    return min(ks, key=lambda k: ((k * c % p) / (k * c), k)), False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    p=st.integers(1, 5000),
+    c=st.integers(1, 512),
+    epsilon=st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.2]),
+    max_chunks=st.one_of(st.none(), st.integers(1, 60)),
+)
+def test_chunks_for_page_matches_brute_force(p, c, epsilon, max_chunks):
+    min_k = -(-p // c)
+    if max_chunks is not None and max_chunks < min_k:
+        with pytest.raises(SpecError, match=f"needs {min_k} chunks"):
+            chunks_for_page(p, c, epsilon=epsilon, max_chunks=max_chunks)
+        return
+    assert chunks_for_page(p, c, epsilon=epsilon, max_chunks=max_chunks) == brute_force_chunks(
+        p, c, epsilon, max_chunks
+    )
