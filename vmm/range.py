@@ -93,8 +93,10 @@ class VirtualRange:
     # ---- validation -------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed or self.pool._closed:
-            what = "range" if self._closed else "pool"
+            what = "pool" if self.pool._closed else "range"
             raise ClosedError(f"virtual range {self.name!r} used after its {what} was closed")
+        if self.pool._broken:
+            self.pool._check_open()
 
     def _check_slots(self, slots: Sequence[int], op: str) -> None:
         self._check_open()

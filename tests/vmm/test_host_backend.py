@@ -7,9 +7,9 @@ import errno
 import os
 
 import pytest
+from vmm.host import HostBackend
 
 import vmm
-from vmm.host import HostBackend
 
 G = 64 << 10
 
@@ -122,7 +122,7 @@ def test_misaligned_and_unknown_addresses(backend):
         backend.reserve(1000)
     with pytest.raises(vmm.AlignmentError, match="unknown handle 7"):
         backend.map([va], [7])
-    with pytest.raises(vmm.MappingError, match="slot 1 .* which is not mapped"):
+    with pytest.raises(vmm.MappingError, match=r"slot 1 .* which is not mapped"):
         backend.unmap([va + G])
     backend.map([va], [h])
     with pytest.raises(vmm.MappingError, match="already mapped to handle 0"):
