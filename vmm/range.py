@@ -216,7 +216,7 @@ class VirtualRange:
         later (reading an unmapped, non-zero-backed slot faults). The tensor keeps the
         address range reserved while it lives. Raises RangeError past the range."""
         views, info = self._views, _tensor.DTYPES.get(dtype)
-        if views is not None and info is not None and info[3] is None:
+        if views is not None and info is not None and info[3] is None and type(shape) is tuple:
             try:  # fast path (~1.5 µs): C++ capsule, torch adopts it; errors take the slow one
                 capsule = views.capsule(offset, shape, strides or (), info[0], info[1], 1)
                 return _tensor.adopt_capsule(capsule)
