@@ -20,6 +20,10 @@ G = 64 << 10
 NUM_RANGES, NUM_SLOTS = 3, 6
 slots_st = st.lists(st.integers(0, NUM_SLOTS - 1), min_size=1, max_size=3)
 range_st = st.integers(0, NUM_RANGES - 1)
+PlanStep = tuple[str, int, list[int], int, list[int]]
+plan_op_st = st.tuples(
+    st.sampled_from(["map", "unmap", "share", "remap"]), range_st, slots_st, range_st, slots_st
+)
 
 
 class Model:
@@ -170,30 +174,20 @@ class PoolMachine(RuleBasedStateMachine):
                 self.model.created -= excess
             self.model.budget = budget
 
-    @rule(
-        ops=st.lists(st.tuples(st.sampled_from(["map", "unmap"]), range_st, slots_st), max_size=4),
-        fault_at=st.integers(0, 6),
-    )
-    def plan(self, ops: list[tuple[str, int, list[int]]], fault_at: int) -> None:
+    @rule(data=st.data(), fault_at=st.integers(0, 8))
+    def plan(self, data: st.DataObject, fault_at: int) -> None:
+        ops = self._draw_plan(data)
         plan = vmm.MappingPlan()
-        for kind, r, slots in ops:
-            getattr(plan, kind)(self.ranges[r], slots)
-        trial, err = self.model.copy(), None
-        for kind, r, slots in ops:
-            err = trial.map_new(r, slots, None) if kind == "map" else trial.unmap(r, slots)
-            if err is not None:
-                break
-            if kind == "map":  # simulate with the lowest free handles, as the pool does
-                fresh = sorted(trial.free)[: len(slots)]
-                trial.created += len(slots) - len(fresh)
-                fresh += [-1 - i for i in range(len(slots) - len(fresh))]
-                for s, h in zip(slots, fresh, strict=True):
-                    trial.where[(r, s)] = h
-                trial.free -= set(fresh)
+        for kind, r, slots, dst, dst_slots in ops:
+            if kind in ("map", "unmap"):
+                getattr(plan, kind)(self.ranges[r], slots)
+            else:
+                getattr(plan, kind)(self.ranges[r], slots, self.ranges[dst], dst_slots)
+        err = self._predict(ops)
         before = self.backend.syscalls
         self.backend.inject_fault(fault_at, errno.ENOMEM)
         try:
-            self.plan_result = plan.apply()
+            results = plan.apply()
         except (vmm.BackendError, vmm.OutOfMemory, vmm.MappingError) as exc:
             fired = fault_at > 0 and self.backend.syscalls - before >= fault_at
             assert err is not None or fired, f"unexpected {exc!r}"
@@ -201,11 +195,61 @@ class PoolMachine(RuleBasedStateMachine):
         finally:
             self.backend.inject_fault(0, 0)
         assert err is None, f"expected {err}"
-        for (kind, r, slots), handles in zip(ops, self.plan_result, strict=True):
+        for (kind, r, slots, dst, dst_slots), handles in zip(ops, results, strict=True):
             if kind == "map":
                 assert self.model.map_new(r, slots, handles) is None
-            else:
+            elif kind == "unmap":
                 assert self.model.unmap(r, slots) is None
+            else:
+                assert self.model.link(kind, r, slots, dst, dst_slots) is None
+
+    def _draw_plan(self, data: st.DataObject) -> list[PlanStep]:
+        """1-4 ops, mostly valid against the model as the plan goes (some deliberately not)."""
+        where = set(self.model.where)
+        ops: list[PlanStep] = []
+        for _ in range(data.draw(st.integers(1, 4))):
+            kind = data.draw(st.sampled_from(["map", "unmap", "share", "remap"]))
+            mapped = sorted(where)
+            unmapped = sorted({(r, s) for r in range(NUM_RANGES) for s in range(NUM_SLOTS)} - where)
+            valid = data.draw(st.integers(0, 7)) > 0
+            src_pool = mapped if kind != "map" else unmapped
+            if not valid or not src_pool:
+                ops.append((kind, *data.draw(plan_op_st)[1:]))  # random, likely invalid
+                continue
+            r, s = data.draw(st.sampled_from(src_pool))
+            if kind in ("map", "unmap"):
+                ops.append((kind, r, [s], 0, []))
+                (where.add if kind == "map" else where.discard)((r, s))
+                continue
+            if not unmapped:
+                continue
+            dst, d = data.draw(st.sampled_from(unmapped))
+            ops.append((kind, r, [s], dst, [d]))
+            where.add((dst, d))
+            if kind == "remap":
+                where.discard((r, s))
+        return [op for op in ops if op[0] in ("map", "unmap") or len(op[2]) == len(op[4])]
+
+    def _predict(self, ops: list[PlanStep]) -> Any:
+        """The error the plan must raise (None: it must succeed unless a fault fires)."""
+        trial = self.model.copy()
+        for kind, r, slots, dst, dst_slots in ops:
+            if kind == "map":
+                err = trial.map_new(r, slots, None)
+                if err is None:  # simulate with the lowest free handles, as the pool does
+                    fresh = sorted(trial.free)[: len(slots)]
+                    trial.created += len(slots) - len(fresh)
+                    fresh += [-1000 - trial.created - i for i in range(len(slots) - len(fresh))]
+                    for s, h in zip(slots, fresh, strict=True):
+                        trial.where[(r, s)] = h
+                    trial.free -= set(fresh)
+            elif kind == "unmap":
+                err = trial.unmap(r, slots)
+            else:
+                err = trial.link(kind, r, slots, dst, dst_slots)
+            if err is not None:
+                return err
+        return None
 
     @invariant()
     def pool_matches_model(self) -> None:
@@ -228,6 +272,6 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=20, deadline=None, derandomize=True
+    max_examples=60, stateful_step_count=25, deadline=None, derandomize=True
 )
 TestPoolMachine = PoolMachine.TestCase
