@@ -86,6 +86,17 @@ class VirtualRange:
         """Every mapped slot and its chunk."""
         return {s: h for s, h in enumerate(self._slot_to_handle) if h >= 0}
 
+    @property
+    def num_views(self) -> int | None:
+        """Live DLPack tensors over this range (host), or None where views are not counted.
+
+        Closing a range with live views is allowed: they keep the addresses reserved, but
+        their slots are no longer backed, so using one then faults."""
+        holders = getattr(self._views, "holders", None)
+        if holders is None:
+            return None
+        return int(holders) - 2  # minus this range's factory and the backend's table
+
     def address(self, slot: int) -> int:
         """Virtual address of `slot`."""
         self._check_slots((slot,), "address")

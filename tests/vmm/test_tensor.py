@@ -108,9 +108,15 @@ def test_tensor_keeps_the_reservation_until_it_dies(host_pool):
     rng = host_pool.reserve(4 * host_pool.granularity)
     va, size = rng.va, rng.size
     rng.map([0])
+    assert rng.num_views == 0
     t = rng.tensor((8,), torch.int32)
+    u = rng.tensor((2, 2), torch.int64, offset=64)
+    assert rng.num_views == 2
+    del u
+    assert rng.num_views == 1
     t.fill_(3)
     rng.close()
+    assert rng.num_views is None
     assert kernel_vmas(va, size) == 1  # still reserved (PROT_NONE): no other mmap lands here
     del t
     gc.collect()
