@@ -8,21 +8,11 @@ import os
 
 import pytest
 from vmm.host import HostBackend
+from vmm_helpers import kernel_vmas
 
 import vmm
 
 G = 64 << 10
-
-
-def kernel_vmas(va: int, size: int) -> int:
-    """VMAs of this process that intersect [va, va + size), read from /proc/self/maps."""
-    count = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo < va + size and hi > va:
-                count += 1
-    return count
 
 
 @pytest.fixture

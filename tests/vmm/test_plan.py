@@ -9,10 +9,9 @@ import errno
 import pytest
 import torch
 from vmm.host import HostBackend
-from vmm_helpers import check, snapshot
+from vmm_helpers import HOST_GRANULARITY, check, snapshot
 
 import vmm
-from conftest import HOST_GRANULARITY
 
 
 def setup(pool: vmm.ChunkPool) -> list[vmm.VirtualRange]:

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from vmm_helpers import check
+from vmm_helpers import check, kernel_vmas
 
 import vmm
 
@@ -103,8 +103,6 @@ def test_zero_backed_range_reads_zeros_until_mapped(make_pool):
 
 
 def test_tensor_keeps_the_reservation_until_it_dies(host_pool):
-    from test_host_backend import kernel_vmas
-
     rng = host_pool.reserve(4 * host_pool.granularity)
     va, size = rng.va, rng.size
     rng.map([0])
