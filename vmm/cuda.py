@@ -96,7 +96,7 @@ class CudaBackend(Backend):
         self,
         device: int | None = None,
         *,
-        chunk_size: int | None = None,
+        granularity: int | None = None,
         zero_chunk: bool = True,
         zero_fill: bool = True,
     ):
@@ -118,15 +118,15 @@ class CudaBackend(Backend):
         self._require_vmm_support()
         self._ctx = self._drv.call("cuDevicePrimaryCtxRetain", self._dev)
         try:
-            self._set_up(chunk_size, zero_chunk)
+            self._set_up(granularity, zero_chunk)
         except BaseException:
             self._abandon_set_up()
             raise
 
     # ---- set-up -------------------------------------------------------------------
-    def _set_up(self, chunk_size: int | None, zero_chunk: bool) -> None:
+    def _set_up(self, granularity: int | None, zero_chunk: bool) -> None:
         self._prop = self._allocation_prop()
-        self._granularity = self._choose_granularity(chunk_size)
+        self._granularity = self._choose_granularity(granularity)
         self._rw = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
         self._ro = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READ")
         with self._context():
@@ -170,17 +170,17 @@ class CudaBackend(Backend):
         desc.flags = getattr(mod.CUmemAccess_flags, flag)
         return [desc]
 
-    def _choose_granularity(self, chunk_size: int | None) -> int:
+    def _choose_granularity(self, wanted: int | None) -> int:
         option = self._drv.mod.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         minimum = int(self._drv.call("cuMemGetAllocationGranularity", self._prop, option))
-        if chunk_size is None:
+        if wanted is None:
             return minimum
-        if chunk_size <= 0 or chunk_size % minimum or chunk_size & (chunk_size - 1):
+        if wanted <= 0 or wanted % minimum or wanted & (wanted - 1):
             raise AlignmentError(
-                f"chunk_size {chunk_size} must be a power of two and a multiple of the "
+                f"granularity {wanted} must be a power of two and a multiple of the "
                 f"device granularity {minimum}"
             )
-        return chunk_size
+        return wanted
 
     def _probe_zero_chunk(self) -> int | None:
         """Create the zero chunk and check the device accepts a read-only mapping of it."""

@@ -24,6 +24,7 @@ Only the calls the VMM backend and vmm-bench use are named here; others go throu
 from __future__ import annotations
 
 import importlib
+import time
 from types import ModuleType
 from typing import Any
 
@@ -55,11 +56,18 @@ class Driver:
     def __init__(self, module: ModuleType):
         self.mod = module
         self.num_calls: dict[str, int] = {}
+        #: when a dict, `call` appends each call's wall time (ns) under its name (vmm-bench)
+        self.timings: dict[str, list[int]] | None = None
 
     def call(self, name: str, *args: Any) -> Any:
         """Run driver function `name`; return its single output, a tuple of several, or None."""
         self.num_calls[name] = self.num_calls.get(name, 0) + 1
-        result = getattr(self.mod, name)(*args)
+        if self.timings is None:
+            result = getattr(self.mod, name)(*args)
+        else:
+            t0 = time.perf_counter_ns()
+            result = getattr(self.mod, name)(*args)
+            self.timings.setdefault(name, []).append(time.perf_counter_ns() - t0)
         err = result[0]
         if err:
             raise self.error(name, err)
