@@ -66,28 +66,55 @@ class BenchArgs:
     modes: tuple[str, ...]
     layouts: tuple[str, ...]
     rounds: int
+    create_count: int | None
     views: int
     device: int
     zero_fill: bool
     progress: bool
+    quick: bool
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vmm-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("host", "cuda", "auto"), default="auto")
-    p.add_argument("--chunk-sizes", type=_csv(parse_size), default=None,
-                   help="comma list, e.g. 64K,256K,2M,8M (default; --quick: 64K,2M)")
-    p.add_argument("--counts", type=_csv(int), default=None,
-                   help="chunks per case, comma list (default 1000; --quick 1000)")
-    p.add_argument("--modes", type=_csv(str), default=["one_by_one", "batched"],
-                   help="one_by_one (one call per chunk) and/or batched (one call for all)")
-    p.add_argument("--layouts", type=_csv(str), default=["contiguous", "scattered"],
-                   help="host memfd offsets per slot: contiguous (i) / scattered (2i)")
+    p.add_argument(
+        "--chunk-sizes",
+        type=_csv(parse_size),
+        default=None,
+        help="comma list, e.g. 64K,256K,2M,8M (default; --quick: 64K,2M)",
+    )
+    p.add_argument(
+        "--counts",
+        type=_csv(int),
+        default=None,
+        help="chunks per case, comma list (default 1000; --quick 1000)",
+    )
+    p.add_argument(
+        "--modes",
+        type=_csv(str),
+        default=["one_by_one", "batched"],
+        help="one_by_one (one call per chunk) and/or batched (one call for all)",
+    )
+    p.add_argument(
+        "--layouts",
+        type=_csv(str),
+        default=["contiguous", "scattered"],
+        help="host memfd offsets per slot: contiguous (i) / scattered (2i)",
+    )
     p.add_argument("--rounds", type=int, default=None, help="repetitions (default 5; quick 3)")
+    p.add_argument(
+        "--create-count",
+        type=int,
+        default=None,
+        help="chunks per create/release round (default: each count; quick 100)",
+    )
     p.add_argument("--views", type=int, default=None, help="tensor views timed (default 5000)")
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
-    p.add_argument("--zero-fill", action="store_true",
-                   help="cuda: let CudaBackend.create zero-fill chunks (raw never does)")
+    p.add_argument(
+        "--zero-fill",
+        action="store_true",
+        help="cuda: let CudaBackend.create zero-fill chunks (raw never does)",
+    )
     p.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -97,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_args(ns: argparse.Namespace) -> BenchArgs:
     quick = ns.quick
-    sizes = ns.chunk_sizes or ([64 << 10, 2 << 20] if quick else [64 << 10, 256 << 10, 2 << 20, 8 << 20])
+    sizes = ns.chunk_sizes or (
+        [64 << 10, 2 << 20] if quick else [64 << 10, 256 << 10, 2 << 20, 8 << 20]
+    )
     counts = ns.counts or [BAR_COUNT]
     for mode in ns.modes:
         if mode not in ("one_by_one", "batched"):
@@ -106,13 +135,15 @@ def resolve_args(ns: argparse.Namespace) -> BenchArgs:
         if layout not in ("contiguous", "scattered"):
             raise SystemExit(f"vmm-bench: unknown layout {layout!r} (contiguous, scattered)")
     rounds = ns.rounds or (3 if quick else 5)
+    create_count = ns.create_count or (100 if quick else None)
     views = ns.views or (2000 if quick else 5000)
-    if rounds < 1 or views < 1 or min(counts) < 1:
-        raise SystemExit("vmm-bench: --rounds, --views and --counts must be >= 1")
+    if rounds < 1 or views < 1 or min(counts) < 1 or (create_count or 1) < 1:
+        raise SystemExit("vmm-bench: --rounds, --views, --counts, --create-count must be >= 1")
     return BenchArgs(
         backend=ns.backend, chunk_sizes=tuple(sizes), counts=tuple(counts),
-        modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds, views=views,
-        device=ns.device, zero_fill=ns.zero_fill, progress=not ns.no_progress,
+        modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds,
+        create_count=create_count, views=views, device=ns.device, zero_fill=ns.zero_fill,
+        progress=not ns.no_progress, quick=quick,
     )  # fmt: skip
 
 
@@ -157,31 +188,49 @@ def _pool_factory(make_backend: Callable[[int], Any]) -> Callable[[int, int], An
 
 
 # ---- running -------------------------------------------------------------------------------
-def cases_of(args: BenchArgs, backend: str) -> list[Case]:
+#: (mode, layout) pairs --quick leaves out: the bars need only the other two
+QUICK_SKIP = (("one_by_one", "scattered"), ("batched", "contiguous"))
+
+
+def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
+    """(case, lifecycle case or None): create/release/reserve/free are measured once per
+    chunk size x count x mode, with the first layout's case."""
     layouts = args.layouts if backend == "host" else ("contiguous",)
-    return [
-        Case(size, count, mode, layout, args.rounds)
-        for size in args.chunk_sizes
-        for count in args.counts
-        for mode in args.modes
-        for layout in layouts
-    ]
+    out: list[tuple[Case, Case | None]] = []
+    for size in args.chunk_sizes:
+        for count in args.counts:
+            for mode in args.modes:
+                pairs = [(mode, lay) for lay in layouts]
+                if args.quick:
+                    pairs = [p for p in pairs if p not in QUICK_SKIP] or pairs[:1]
+                lifecycle = Case(size, args.create_count or count, mode, "-", args.rounds)
+                for i, (_, layout) in enumerate(pairs):
+                    out.append(
+                        (
+                            Case(size, count, mode, layout, args.rounds),
+                            lifecycle if i == 0 else None,
+                        )
+                    )
+    return out
 
 
-def _run_one(args: BenchArgs, backend: str, case: Case) -> list[OpResult]:
+def _run_one(args: BenchArgs, backend: str, case: Case, lifecycle: Case | None) -> list[OpResult]:
     from vmm import bench_host
 
     if backend == "host":
         pools = _pool_factory(_host_backend)
         return bench_host.run_case(
-            case, _host_backend, lambda c: bench_host.ours_apply_plan(pools, c)
+            case,
+            _host_backend,
+            lambda c, samples: bench_host.ours_apply_plan(pools, c, samples),
+            lifecycle,
         )
     from vmm import bench_cuda
 
     make = _cuda_factory(args)
     pools = _pool_factory(make)
     return bench_cuda.run_case(
-        case, make, lambda c: bench_host.ours_apply_plan(pools, c), args.device
+        case, make, lambda c, samples: bench_host.ours_apply_plan(pools, c, samples), args.device
     )
 
 
@@ -200,8 +249,8 @@ def run(args: BenchArgs) -> Report:
     cases = cases_of(args, backend)
     view_size = BAR_CHUNK if BAR_CHUNK in args.chunk_sizes else args.chunk_sizes[0]
     with _progress(args.progress, len(cases) + 1) as advance:
-        for case in cases:
-            report.results.extend(_run_one(args, backend, case))
+        for case, lifecycle in cases:
+            report.results.extend(_run_one(args, backend, case, lifecycle))
             gc.collect()
             advance()
         report.results.append(_run_views(args, backend, view_size))

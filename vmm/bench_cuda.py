@@ -130,7 +130,7 @@ def ours_round(backend: Any, case: Case, samples: Samples) -> None:
 def run_case(
     case: Case,
     make_backend: Callable[[int], Any],
-    apply_plan: Callable[[Case], float] | None,
+    apply_plan: Callable[[Case, Samples], None] | None,
     ordinal: int,
 ) -> list[OpResult]:
     """All CUDA ops of one case, `rounds` rounds of raw and ours interleaved."""
@@ -145,8 +145,8 @@ def run_case(
                 ours_round(backend, case, ours)
             finally:
                 backend.close()
-            if apply_plan is not None and case.mode == "batched":
-                ours.setdefault("apply_plan", []).append(apply_plan(case))
+        if apply_plan is not None and case.mode == "batched":
+            apply_plan(case, ours)
     ops = (*CUDA_OPS, "apply_plan")
     return [
         OpResult(

@@ -52,7 +52,7 @@ class Case:
     chunk_size: int
     num_chunks: int
     mode: str  # "one_by_one" | "batched"
-    layout: str  # "contiguous" | "scattered"
+    layout: str  # "contiguous" | "scattered" | "-" (lifecycle ops)
     rounds: int
 
 
@@ -87,18 +87,29 @@ def _per_chunk(samples: Samples, op: str, values: list[int], mode: str) -> None:
 
 
 # ---- raw -------------------------------------------------------------------------------
-def raw_round(case: Case, samples: Samples) -> None:
-    """One raw C cycle over the case's order, added to `samples` per op."""
+def raw_lifecycle_round(case: Case, samples: Samples) -> None:
+    """create / reserve / release / free of one raw C cycle, added to `samples`."""
     from vmm._core import bench
 
-    order = chunk_order(case.layout, case.num_chunks)
-    times: dict[str, list[int]] = bench.raw_host_cycle(case.chunk_size, order)
-    for op in ("create", "map", "unmap", "release"):
+    times: dict[str, list[int]] = bench.raw_host_cycle(
+        case.chunk_size, chunk_order("contiguous", case.num_chunks)
+    )
+    for op in ("create", "release"):
         _per_chunk(samples, op, times[op], case.mode)
     for op in ("reserve", "free_reservation"):
         samples.setdefault(op, []).extend(float(v) for v in times[op])
-    # apply_plan's floor is the same one-by-one mmap loop, per chunk
-    _per_chunk(samples, "apply_plan", times["map"], "batched")
+
+
+def raw_map_rounds(case: Case, samples: Samples) -> None:
+    """`rounds` raw map + unmap passes over the case's order; apply_plan's floor too."""
+    from vmm._core import bench
+
+    n = case.num_chunks
+    times = bench.raw_host_map_rounds(case.chunk_size, chunk_order(case.layout, n), case.rounds)
+    for r in range(case.rounds):
+        for op in ("map", "unmap"):
+            _per_chunk(samples, op, times[op][r * n : (r + 1) * n], case.mode)
+        _per_chunk(samples, "apply_plan", times["map"][r * n : (r + 1) * n], "batched")
 
 
 # ---- ours ------------------------------------------------------------------------------
@@ -141,70 +152,81 @@ def ours_reserve_free(backend: Any, case: Case, samples: Samples) -> None:
     samples.setdefault("free_reservation", []).append(float(t))
 
 
-def ours_map_unmap(backend: Any, case: Case, samples: Samples) -> None:
-    """Map slot i <- chunk order[i], then unmap, through `backend` (setup untimed)."""
+def ours_map_rounds(backend: Any, case: Case, samples: Samples) -> None:
+    """`rounds` passes of map slot i <- chunk order[i], then unmap, through `backend`
+    (chunks and reservation set up once, untimed)."""
     g, n = case.chunk_size, case.num_chunks
     order = chunk_order(case.layout, n)
     created = backend.create(max(order) + 1)
     handles = [created[i] for i in order]
     va = backend.reserve(g * n)
     vas = [va + i * g for i in range(n)]
+    pairs = list(zip(vas, handles, strict=True))
     try:
-        if case.mode == "one_by_one":
-            pairs = list(zip(vas, handles, strict=True))
-            t_map, _ = _timed_calls(lambda p: backend.map([p[0]], [p[1]]), pairs)
-            t_unmap, _ = _timed_calls(lambda v: backend.unmap([v]), vas)
-            _per_chunk(samples, "map", t_map, "one_by_one")
-            _per_chunk(samples, "unmap", t_unmap, "one_by_one")
-        else:
-            t, _ = _timed_once(lambda: backend.map(vas, handles))
-            samples.setdefault("map", []).append(t / n)
-            t, _ = _timed_once(lambda: backend.unmap(vas))
-            samples.setdefault("unmap", []).append(t / n)
+        for _ in range(case.rounds):
+            if case.mode == "one_by_one":
+                t_map, _ = _timed_calls(lambda p: backend.map([p[0]], [p[1]]), pairs)
+                t_unmap, _ = _timed_calls(lambda v: backend.unmap([v]), vas)
+                _per_chunk(samples, "map", t_map, "one_by_one")
+                _per_chunk(samples, "unmap", t_unmap, "one_by_one")
+            else:
+                t, _ = _timed_once(lambda: backend.map(vas, handles))
+                samples.setdefault("map", []).append(t / n)
+                t, _ = _timed_once(lambda: backend.unmap(vas))
+                samples.setdefault("unmap", []).append(t / n)
     finally:
         backend.free_reservation(va, g * n)
         backend.release(created)
 
 
 def run_case(
-    case: Case, make_backend: Callable[[int], Any], apply_plan: Callable[..., float] | None
+    case: Case,
+    make_backend: Callable[[int], Any],
+    apply_plan: Callable[[Case, Samples], None] | None,
+    lifecycle: Case | None,
 ) -> list[OpResult]:
-    """All host ops of one case: `rounds` rounds of ours and raw, interleaved."""
+    """The host ops of one case. `lifecycle` (None: skip) is the case whose create,
+    reserve, release and free are measured, one fresh backend per round; map, unmap and
+    apply_plan run `rounds` passes over chunks created once."""
     ours: Samples = {}
     raw: Samples = {}
     with gc_paused():
-        for _ in range(case.rounds):
-            raw_round(case, raw)
+        for _ in range(lifecycle.rounds if lifecycle else 0):
+            assert lifecycle is not None
+            raw_lifecycle_round(lifecycle, raw)
             backend = make_backend(case.chunk_size)
             try:
-                ours_create_release(backend, case, ours)
-                ours_reserve_free(backend, case, ours)
-                ours_map_unmap(backend, case, ours)
+                ours_create_release(backend, lifecycle, ours)
+                ours_reserve_free(backend, lifecycle, ours)
             finally:
                 backend.close()
-            if apply_plan is not None and case.mode == "batched":
-                per_chunk = apply_plan(make_backend(case.chunk_size), case)
-                ours.setdefault("apply_plan", []).append(per_chunk)
-    out = []
-    for op in HOST_OPS:
-        if op not in ours or op not in raw:
-            continue
-        layout = case.layout if op in ("map", "unmap", "apply_plan") else "-"
-        unit = "ns_per_call" if op in ("reserve", "free_reservation") else "ns_per_chunk"
-        out.append(
-            OpResult(
-                op=op,
-                backend="host",
-                chunk_size=case.chunk_size,
-                num_chunks=case.num_chunks,
-                mode=case.mode,
-                layout=layout,
-                ours=Summary.of(ours[op]),
-                raw=Summary.of(raw[op]),
-                unit=unit,
-            )
-        )
-    return out
+        raw_map_rounds(case, raw)
+        backend = make_backend(case.chunk_size)
+        try:
+            ours_map_rounds(backend, case, ours)
+        finally:
+            backend.close()
+        if apply_plan is not None and case.mode == "batched":
+            apply_plan(case, ours)
+    return [_result(case, lifecycle, op, ours[op], raw[op]) for op in HOST_OPS if op in ours]
+
+
+def _result(
+    case: Case, lifecycle: Case | None, op: str, ours: list[float], raw: list[float]
+) -> OpResult:
+    per_call = op in ("reserve", "free_reservation")
+    source = case if op in ("map", "unmap", "apply_plan") or lifecycle is None else lifecycle
+    return OpResult(
+        op=op,
+        backend="host",
+        chunk_size=source.chunk_size,
+        num_chunks=source.num_chunks,
+        mode=source.mode,
+        layout=case.layout if op in ("map", "unmap", "apply_plan") else "-",
+        ours=Summary.of(ours),
+        raw=Summary.of(raw),
+        unit="ns_per_call" if per_call else "ns_per_chunk",
+    )
 
 
 def tensor_view_case(
@@ -245,10 +267,11 @@ def tensor_view_case(
     )
 
 
-def ours_apply_plan(make_pool: Callable[[int, int], Any], case: Case) -> float:
-    """ns per chunk of `MappingPlan().map(range, all slots).apply()` over ready chunks.
+def ours_apply_plan(make_pool: Callable[[int, int], Any], case: Case, samples: Samples) -> None:
+    """`rounds` x ns per chunk of `pool.apply(MappingPlan().map(target, all N slots))` over
+    ready chunks (the target is unmapped again between rounds, untimed).
 
-    Contiguous: the pool's N ready chunks are adjacent memfd offsets. Scattered: 2N chunks
+    Contiguous: the pool's ready chunks are adjacent memfd offsets. Scattered: 2N chunks
     are mapped at a scratch range and every other one unmapped, so the pool hands out
     chunks 1, 3, 5, ... and no two neighbouring slots can share one mmap.
     """
@@ -266,11 +289,11 @@ def ours_apply_plan(make_pool: Callable[[int, int], Any], case: Case) -> float:
             pool.reserve_ahead = n
             pool.top_up()
         target = pool.reserve(n * g, name="target")
-        plan = MappingPlan().map(target, list(range(n)))
-        t, _ = _timed_once(lambda: pool.apply(plan))
-        target.close()
-        if scattered:
-            scratch.close()
+        slots = list(range(n))
+        for _ in range(case.rounds):
+            plan = MappingPlan().map(target, slots)
+            t, _ = _timed_once(lambda: pool.apply(plan))  # noqa: B023 - called at once
+            samples.setdefault("apply_plan", []).append(t / n)
+            target.unmap(slots)
     finally:
         pool.close()
-    return t / n

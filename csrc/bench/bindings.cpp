@@ -15,11 +15,11 @@ void register_bench(py::module_ m) {
         py::call_guard<py::gil_scoped_release>(),
         "One pool's life in plain syscalls, each timed in C++: returns {op: [ns per call]} "
         "for pool, create, reserve, map, unmap, release, free_reservation. `order[i]` is the "
-        "memfd chunk mapped at slot i (a permutation of 0..n-1).");
-  m.def("raw_host_single_maps", &bench::raw_host_single_maps, py::arg("chunk_size"),
-        py::arg("num_chunks"), py::arg("rounds"), py::call_guard<py::gil_scoped_release>(),
-        "ns of each single mmap(MAP_FIXED|MAP_SHARED) of one chunk, `rounds` passes over "
-        "`num_chunks` slots (unmapped between passes, untimed).");
+        "memfd chunk mapped at slot i (distinct, >= 0).");
+  m.def("raw_host_map_rounds", &bench::raw_host_map_rounds, py::arg("chunk_size"), py::arg("order"),
+        py::arg("rounds"), py::call_guard<py::gil_scoped_release>(),
+        "Only map and unmap, each slot one by one, `rounds` times over one populated memfd "
+        "and one reservation (set up untimed): {'map': [ns...], 'unmap': [ns...]}.");
   m.def("raw_view_capsule", &bench::raw_view_capsule, py::arg("addr"), py::arg("nbytes"),
         py::arg("cuda_device") = -1,
         "A bare 'dltensor' capsule of `nbytes` uint8 at `addr` (CPU, or CUDA device N); "

@@ -6,8 +6,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <stdexcept>
 #include <system_error>
 
 namespace jvmm::bench {
@@ -110,28 +112,29 @@ int64_t timed_unmap(uintptr_t va, size_t slot, size_t chunk_size) {
   return t1 - t0;
 }
 
-void check_permutation(const std::vector<int64_t>& order) {
-  std::vector<bool> seen(order.size(), false);
-  for (int64_t h : order) {
-    if (h < 0 || static_cast<size_t>(h) >= order.size() || seen[static_cast<size_t>(h)]) {
-      throw std::invalid_argument("order must be a permutation of 0..n-1");
-    }
-    seen[static_cast<size_t>(h)] = true;
+// The chunk indices `order` names, ascending; throws if one repeats or is negative.
+std::vector<int64_t> used_chunks(const std::vector<int64_t>& order) {
+  std::vector<int64_t> used(order);
+  std::sort(used.begin(), used.end());
+  if (used.front() < 0) throw std::invalid_argument("order holds a negative chunk index");
+  if (std::adjacent_find(used.begin(), used.end()) != used.end()) {
+    throw std::invalid_argument("order names a chunk twice");
   }
+  return used;
 }
 
 }  // namespace
 
 OpTimes raw_host_cycle(size_t chunk_size, const std::vector<int64_t>& order) {
   if (chunk_size == 0 || order.empty()) throw std::invalid_argument("empty cycle");
-  check_permutation(order);
+  const std::vector<int64_t> used = used_chunks(order);
   const size_t n = order.size();
   OpTimes out;
   int64_t t0 = now_ns();
-  RawMemfd memfd(n * chunk_size);
+  RawMemfd memfd(static_cast<size_t>(used.back() + 1) * chunk_size);
   out["pool"].push_back(now_ns() - t0);
-  for (size_t h = 0; h < n; ++h) {
-    out["create"].push_back(timed_fallocate(memfd.fd(), 0, int64_t(h), chunk_size, "fallocate"));
+  for (int64_t h : used) {
+    out["create"].push_back(timed_fallocate(memfd.fd(), 0, h, chunk_size, "fallocate"));
   }
   t0 = now_ns();
   RawReservation res(n * chunk_size);
@@ -141,9 +144,8 @@ OpTimes raw_host_cycle(size_t chunk_size, const std::vector<int64_t>& order) {
   }
   for (size_t i = 0; i < n; ++i) out["unmap"].push_back(timed_unmap(res.va(), i, chunk_size));
   const int punch = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE;
-  for (size_t h = 0; h < n; ++h) {
-    out["release"].push_back(
-        timed_fallocate(memfd.fd(), punch, int64_t(h), chunk_size, "fallocate(punch)"));
+  for (int64_t h : used) {
+    out["release"].push_back(timed_fallocate(memfd.fd(), punch, h, chunk_size, "fallocate(punch)"));
   }
   t0 = now_ns();
   res.release();
@@ -151,20 +153,21 @@ OpTimes raw_host_cycle(size_t chunk_size, const std::vector<int64_t>& order) {
   return out;
 }
 
-std::vector<int64_t> raw_host_single_maps(size_t chunk_size, size_t num_chunks, size_t rounds) {
-  if (chunk_size == 0 || num_chunks == 0) throw std::invalid_argument("empty run");
-  RawMemfd memfd(num_chunks * chunk_size);
-  for (size_t h = 0; h < num_chunks; ++h) {
-    timed_fallocate(memfd.fd(), 0, int64_t(h), chunk_size, "fallocate");
-  }
-  RawReservation res(num_chunks * chunk_size);
-  std::vector<int64_t> out;
-  out.reserve(num_chunks * rounds);
+OpTimes raw_host_map_rounds(size_t chunk_size, const std::vector<int64_t>& order, size_t rounds) {
+  if (chunk_size == 0 || order.empty()) throw std::invalid_argument("empty cycle");
+  const std::vector<int64_t> used = used_chunks(order);
+  const size_t n = order.size();
+  RawMemfd memfd(static_cast<size_t>(used.back() + 1) * chunk_size);
+  for (int64_t h : used) timed_fallocate(memfd.fd(), 0, h, chunk_size, "fallocate");
+  RawReservation res(n * chunk_size);
+  OpTimes out;
+  out["map"].reserve(n * rounds);
+  out["unmap"].reserve(n * rounds);
   for (size_t r = 0; r < rounds; ++r) {
-    for (size_t i = 0; i < num_chunks; ++i) {
-      out.push_back(timed_map(memfd.fd(), res.va(), i, int64_t(i), chunk_size));
+    for (size_t i = 0; i < n; ++i) {
+      out["map"].push_back(timed_map(memfd.fd(), res.va(), i, order[i], chunk_size));
     }
-    for (size_t i = 0; i < num_chunks; ++i) timed_unmap(res.va(), i, chunk_size);
+    for (size_t i = 0; i < n; ++i) out["unmap"].push_back(timed_unmap(res.va(), i, chunk_size));
   }
   return out;
 }

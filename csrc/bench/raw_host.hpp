@@ -17,8 +17,8 @@
 //     release   fallocate(PUNCH_HOLE|KEEP_SIZE, h*G, G)   per chunk
 //     free_reservation  munmap(va, size)                    (1 value per cycle)
 //
-//   `order` is the memfd chunk index mapped at slot i: the identity lets the kernel merge
-//   neighbouring mappings, a permutation keeps every slot its own VMA.
+//   `order[i]` is the memfd chunk index mapped at slot i: the identity lets the kernel merge
+//   neighbouring mappings; 2i (or any non-adjacent pattern) keeps every slot its own VMA.
 //
 // Limitations
 //   Linux only. A cycle's VMAs must fit under vm.max_map_count (the caller sizes it).
@@ -35,13 +35,13 @@ namespace jvmm::bench {
 // Nanoseconds per call, keyed by op name (see the table above).
 using OpTimes = std::map<std::string, std::vector<int64_t>>;
 
-// Runs one cycle over `order.size()` chunks of `chunk_size` bytes. `order` must be a
-// permutation of 0..n-1. Throws std::system_error (errno) if a syscall fails, after
-// undoing what the cycle created.
+// Runs one cycle over `order.size()` chunks of `chunk_size` bytes; `order` holds distinct
+// non-negative memfd chunk indices (create/release touch exactly those, ascending). Throws
+// std::system_error (errno) if a syscall fails, after undoing what the cycle created.
 OpTimes raw_host_cycle(size_t chunk_size, const std::vector<int64_t>& order);
 
-// The map step alone, one mmap per slot, repeated `rounds` times over one reservation
-// (each round unmaps afterwards, untimed): the baseline of a single map from Python.
-std::vector<int64_t> raw_host_single_maps(size_t chunk_size, size_t num_chunks, size_t rounds);
+// The map and unmap steps alone, `rounds` times over one populated memfd and one
+// reservation (set up untimed): {"map": [...], "unmap": [...]}, n * rounds values each.
+OpTimes raw_host_map_rounds(size_t chunk_size, const std::vector<int64_t>& order, size_t rounds);
 
 }  // namespace jvmm::bench
