@@ -66,6 +66,7 @@ class BenchArgs:
     modes: tuple[str, ...]
     layouts: tuple[str, ...]
     rounds: int
+    map_rounds: int
     create_count: int | None
     views: int
     device: int
@@ -101,7 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=["contiguous", "scattered"],
         help="host memfd offsets per slot: contiguous (i) / scattered (2i)",
     )
-    p.add_argument("--rounds", type=int, default=None, help="repetitions (default 5; quick 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="create/reserve/release rounds, a fresh backend each (default 5; quick 3)",
+    )
+    p.add_argument(
+        "--map-rounds",
+        type=int,
+        default=None,
+        help="map/unmap/apply passes over chunks created once (default 30; quick 10)",
+    )
     p.add_argument(
         "--create-count",
         type=int,
@@ -135,13 +147,14 @@ def resolve_args(ns: argparse.Namespace) -> BenchArgs:
         if layout not in ("contiguous", "scattered"):
             raise SystemExit(f"vmm-bench: unknown layout {layout!r} (contiguous, scattered)")
     rounds = ns.rounds or (3 if quick else 5)
+    map_rounds = ns.map_rounds or (10 if quick else 30)
     create_count = ns.create_count or (100 if quick else None)
     views = ns.views or (2000 if quick else 5000)
-    if rounds < 1 or views < 1 or min(counts) < 1 or (create_count or 1) < 1:
+    if min(rounds, map_rounds, views) < 1 or min(counts) < 1 or (create_count or 1) < 1:
         raise SystemExit("vmm-bench: --rounds, --views, --counts, --create-count must be >= 1")
     return BenchArgs(
         backend=ns.backend, chunk_sizes=tuple(sizes), counts=tuple(counts),
-        modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds,
+        modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds, map_rounds=map_rounds,
         create_count=create_count, views=views, device=ns.device, zero_fill=ns.zero_fill,
         progress=not ns.no_progress, quick=quick,
     )  # fmt: skip
@@ -205,12 +218,8 @@ def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
                     pairs = [p for p in pairs if p not in QUICK_SKIP] or pairs[:1]
                 lifecycle = Case(size, args.create_count or count, mode, "-", args.rounds)
                 for i, (_, layout) in enumerate(pairs):
-                    out.append(
-                        (
-                            Case(size, count, mode, layout, args.rounds),
-                            lifecycle if i == 0 else None,
-                        )
-                    )
+                    case = Case(size, count, mode, layout, args.map_rounds)
+                    out.append((case, lifecycle if i == 0 else None))
     return out
 
 

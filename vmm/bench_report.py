@@ -150,38 +150,54 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _us(ns: float) -> str:
-    return f"{ns / 1000.0:.2f}"
+    us = ns / 1000.0
+    return f"{us:.2f}" if us < 100 else f"{us:.0f}"
+
+
+def _stats(s: Summary) -> str:
+    return " / ".join(_us(v) for v in (s.p50, s.avg, s.p99, s.max))
 
 
 def _size(num_bytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if num_bytes >= 1 << shift and num_bytes % (1 << shift) == 0:
-            return f"{num_bytes >> shift} {unit}"
-    return f"{num_bytes} B"
+            return f"{num_bytes >> shift}{unit}"
+    return f"{num_bytes}B"
+
+
+_MODES = {"one_by_one": "1-by-1", "batched": "batched"}
+_LAYOUTS = {"contiguous": "contig", "scattered": "scatter", "-": ""}
 
 
 def render(report: Report, console: Any = None) -> None:
-    """Print the results table and the bars with rich."""
+    """Print the results table (µs: p50 / avg / p99 / max) and the bars with rich."""
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
-    table = Table(title="vmm-bench: µs per chunk (per call for reserve, tensor_view)")
-    for col in ("op", "backend", "chunk", "n", "mode", "layout"):
-        table.add_column(col)
-    for col in ("ours avg", "p50", "p99", "max", "raw avg", "p50", "p99", "max", "ours/raw"):
-        table.add_column(col, justify="right")
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: wide enough for one line per row
+            console = Console(width=150)
+    backend = report.args.get("backend", "?")
+    table = Table(
+        title=f"vmm-bench ({backend}): µs per chunk, per call for reserve/free/tensor_view",
+        caption="ours/raw = ratio of medians",
+    )
+    table.add_column("op")
+    table.add_column("chunk×n", justify="right")
+    table.add_column("mode")
+    table.add_column("layout")
+    table.add_column("ours p50 / avg / p99 / max", justify="right", no_wrap=True)
+    table.add_column("raw p50 / avg / p99 / max", justify="right", no_wrap=True)
+    table.add_column("ours/raw", justify="right")
     for r in report.results:
-        ratio = f"{r.ratio_p50:.2f}x"
         table.add_row(
-            r.op, r.backend, _size(r.chunk_size), str(r.num_chunks), r.mode, r.layout,
-            *(_us(v) for v in (r.ours.avg, r.ours.p50, r.ours.p99, r.ours.max)),
-            *(_us(v) for v in (r.raw.avg, r.raw.p50, r.raw.p99, r.raw.max)),
-            ratio,
+            r.op, f"{_size(r.chunk_size)}×{r.num_chunks}", _MODES.get(r.mode, r.mode),
+            _LAYOUTS.get(r.layout, r.layout), _stats(r.ours), _stats(r.raw), f"{r.ratio_p50:.2f}",
         )  # fmt: skip
     console.print(table)
     for bar in report.bars:
         verdict = "[green]PASS[/green]" if bar.passed else "[red]FAIL[/red]"
         console.print(
-            f"{verdict} {bar.name}: {bar.value:.2f} {bar.unit} (limit {bar.limit:g}) {bar.detail}"
+            f"{verdict} {bar.name}: {bar.value:.2f} {bar.unit} (limit {bar.limit:g}; {bar.detail})"
         )
