@@ -134,24 +134,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def resolve_args(ns: argparse.Namespace) -> BenchArgs:
+    """Flags plus the defaults of a full or a --quick run; SystemExit on bad values."""
     quick = ns.quick
-    sizes = ns.chunk_sizes or (
-        [64 << 10, 2 << 20] if quick else [64 << 10, 256 << 10, 2 << 20, 8 << 20]
-    )
-    counts = ns.counts or [BAR_COUNT]
+    full_sizes = [64 << 10, 256 << 10, 2 << 20, 8 << 20]
+    sizes = _given(ns.chunk_sizes, [64 << 10, 2 << 20] if quick else full_sizes)
+    counts = _given(ns.counts, [BAR_COUNT])
     for mode in ns.modes:
         if mode not in ("one_by_one", "batched"):
             raise SystemExit(f"vmm-bench: unknown mode {mode!r} (one_by_one, batched)")
     for layout in ns.layouts:
         if layout not in ("contiguous", "scattered"):
             raise SystemExit(f"vmm-bench: unknown layout {layout!r} (contiguous, scattered)")
-    rounds = ns.rounds or (3 if quick else 5)
-    map_rounds = ns.map_rounds or (10 if quick else 30)
-    create_count = ns.create_count or (100 if quick else None)
-    views = ns.views or (2000 if quick else 5000)
-    if min(rounds, map_rounds, views) < 1 or min(counts) < 1 or (create_count or 1) < 1:
-        raise SystemExit("vmm-bench: --rounds, --views, --counts, --create-count must be >= 1")
+    rounds = _given(ns.rounds, 3 if quick else 5)
+    map_rounds = _given(ns.map_rounds, 10 if quick else 30)
+    create_count = _given(ns.create_count, 100 if quick else None)
+    views = _given(ns.views, 2000 if quick else 5000)
+    numbers = [rounds, map_rounds, views, *counts, create_count or 1]
+    if not sizes or not counts or not ns.modes or not ns.layouts or min(numbers) < 1:
+        raise SystemExit(
+            "vmm-bench: --rounds, --map-rounds, --views, --counts, --create-count must be "
+            f">= 1 and lists non-empty (got rounds={rounds}, map_rounds={map_rounds}, "
+            f"views={views}, counts={counts}, create_count={create_count})"
+        )
     return BenchArgs(
         backend=ns.backend, chunk_sizes=tuple(sizes), counts=tuple(counts),
         modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds, map_rounds=map_rounds,
