@@ -104,7 +104,8 @@ def ours_round(backend: Any, case: Case, samples: Samples) -> None:
     handles = backend.create(n)
     va = backend.reserve(n * g)
     vas = [va + i * g for i in range(n)]
-    backend._drv.timings = timings = {}
+    timings: dict[str, list[int]] = {}
+    backend._drv.timings = timings
     try:
         if case.mode == "one_by_one":
             t_map, _ = _timed_calls(

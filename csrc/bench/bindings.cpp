@@ -11,19 +11,15 @@ namespace py = pybind11;
 namespace jvmm {
 
 void register_bench(py::module_ m) {
+  // Docstrings stay one short line: the generated stubs keep them on one line.
   m.def("raw_host_cycle", &bench::raw_host_cycle, py::arg("chunk_size"), py::arg("order"),
         py::call_guard<py::gil_scoped_release>(),
-        "One pool's life in plain syscalls, each timed in C++: returns {op: [ns per call]} "
-        "for pool, create, reserve, map, unmap, release, free_reservation. `order[i]` is the "
-        "memfd chunk mapped at slot i (distinct, >= 0).");
+        "ns per call of each syscall of one pool's life (see raw_host.hpp).");
   m.def("raw_host_map_rounds", &bench::raw_host_map_rounds, py::arg("chunk_size"), py::arg("order"),
         py::arg("rounds"), py::call_guard<py::gil_scoped_release>(),
-        "Only map and unmap, each slot one by one, `rounds` times over one populated memfd "
-        "and one reservation (set up untimed): {'map': [ns...], 'unmap': [ns...]}.");
+        "ns per map and unmap call, `rounds` passes over chunks set up once.");
   m.def("raw_view_capsule", &bench::raw_view_capsule, py::arg("addr"), py::arg("nbytes"),
-        py::arg("cuda_device") = -1,
-        "A bare 'dltensor' capsule of `nbytes` uint8 at `addr` (CPU, or CUDA device N); "
-        "it does not keep the memory alive.");
+        py::arg("cuda_device") = -1, "A bare uint8 'dltensor' capsule at addr (owns nothing).");
 }
 
 }  // namespace jvmm
