@@ -46,7 +46,14 @@ from typing import Any
 
 from vmm.backend import Backend
 from vmm.cuda_driver import Driver, load_driver
-from vmm.errors import AlignmentError, BackendError, ClosedError, MappingError, RangeError
+from vmm.errors import (
+    AlignmentError,
+    BackendError,
+    ClosedError,
+    MappingError,
+    OutOfMemory,
+    RangeError,
+)
 
 _TWO_MIB = 2 << 20
 _VMM_SUPPORTED_ATTR = "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"
@@ -84,6 +91,14 @@ def _runs(keyed: Sequence[tuple[int, int]], granularity: int) -> list[tuple[int,
 class CudaBackend(Backend):
     """`vmm.backend.Backend` on one CUDA device through cuda-python.
 
+    Args:
+        device: CUDA ordinal; None = torch's current device (0 without torch/CUDA).
+        granularity: chunk size, a power-of-two multiple of the device's minimum
+            allocation granularity (default: that minimum, 2 MiB on current GPUs).
+        zero_chunk: create the shared read-only zero chunk (if the device allows it).
+        zero_fill: `create` clears new chunks (the contract says they read as zeros).
+        driver: an initialised `vmm.cuda_driver.Driver` (default: `load_driver()`).
+
     Invariants (checked by `check_invariants`):
       * every key of `_slot_handle` (mapped read-write) and every member of `_zero_slots`
         lies in exactly one reservation, and no slot is in both;
@@ -99,8 +114,9 @@ class CudaBackend(Backend):
         granularity: int | None = None,
         zero_chunk: bool = True,
         zero_fill: bool = True,
+        driver: Driver | None = None,
     ):
-        self._drv: Driver = load_driver()
+        self._drv: Driver = load_driver() if driver is None else driver
         self._ordinal = _current_torch_device() if device is None else int(device)
         self.device = f"cuda:{self._ordinal}"
         self._zero_fill = zero_fill
@@ -232,6 +248,17 @@ class CudaBackend(Backend):
                 self._map_count[int(obj)] = 0
             if zero_fill:
                 self._zero_fill_handles(made)
+        except OutOfMemory as exc:
+            num_made = len(made)
+            self._release_quietly(made)
+            free, total = self._drv.mem_info()
+            raise OutOfMemory(
+                f"create of {count} chunks of {self._granularity} bytes failed after "
+                f"{num_made} (all released): {exc}; device now has {free} bytes free of {total}",
+                needed=count * self._granularity,
+                free=free,
+                total=total,
+            ) from exc
         except BaseException:
             self._release_quietly(made)
             raise

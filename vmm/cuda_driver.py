@@ -80,7 +80,7 @@ class Driver:
         code = int(err)
         label = self.error_name(err)
         if code == _OUT_OF_MEMORY:
-            free, total = self._mem_info()
+            free, total = self.mem_info()
             return OutOfMemory(
                 f"{name} failed: {label} ({code}); device has {free} bytes free of {total}",
                 free=free,
@@ -97,7 +97,8 @@ class Driver:
             pass
         return getattr(err, "name", str(err))
 
-    def _mem_info(self) -> tuple[int, int]:
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device bytes, or (0, 0) if the driver cannot say."""
         try:
             res, free, total = self.mod.cuMemGetInfo()
             if not res:
@@ -107,9 +108,10 @@ class Driver:
         return 0, 0
 
 
-def load_driver() -> Driver:
-    """Import cuda-python and initialise the driver; BackendUnavailable with the reason."""
-    module = import_driver_module()
+def load_driver(module: ModuleType | None = None) -> Driver:
+    """Initialise the driver of `module` (default: cuda-python's, imported now);
+    BackendUnavailable with the reason if it cannot run."""
+    module = import_driver_module() if module is None else module
     driver = Driver(module)
     try:
         driver.call("cuInit", 0)
