@@ -196,3 +196,16 @@ def test_raw_view_capsule_is_zero_copy() -> None:
 def test_docs_exist() -> None:
     doc = Path(__file__).resolve().parents[1] / "docs" / "vmm-bench.md"
     assert "vmm-bench --quick" in doc.read_text()
+
+
+def test_max_mib_cuts_counts_to_fit() -> None:
+    argv = ["--chunk-sizes", "2M", "--counts", "10", "--max-mib", "8"]
+    args = bench.resolve_args(bench.build_parser().parse_args(argv))
+    cases = bench.cases_of(args, "host")
+    got = [(c.mode, c.layout, c.num_chunks, life and life.num_chunks) for c, life in cases]
+    assert got == [
+        ("one_by_one", "contiguous", 4, 4),  # 8 MiB / 2 MiB
+        ("one_by_one", "scattered", 2, None),  # two chunks held per slot
+        ("batched", "contiguous", 4, 4),
+        ("batched", "scattered", 2, None),
+    ]

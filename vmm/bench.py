@@ -73,6 +73,7 @@ class BenchArgs:
     zero_fill: bool
     progress: bool
     quick: bool
+    max_bytes: int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="chunks per create/release round (default: each count; quick 100)",
     )
     p.add_argument("--views", type=int, default=None, help="tensor views timed (default 5000)")
+    p.add_argument(
+        "--max-mib",
+        type=int,
+        default=4096,
+        help="most memory one case may populate; larger counts are cut to fit "
+        "(scattered cases hold 2 chunks per slot)",
+    )
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
     p.add_argument(
         "--zero-fill",
@@ -165,7 +173,7 @@ def resolve_args(ns: argparse.Namespace) -> BenchArgs:
         backend=ns.backend, chunk_sizes=tuple(sizes), counts=tuple(counts),
         modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds, map_rounds=map_rounds,
         create_count=create_count, views=views, device=ns.device, zero_fill=ns.zero_fill,
-        progress=not ns.no_progress, quick=quick,
+        progress=not ns.no_progress, quick=quick, max_bytes=ns.max_mib << 20,
     )  # fmt: skip
 
 
@@ -216,7 +224,8 @@ QUICK_SKIP = (("one_by_one", "scattered"), ("batched", "contiguous"))
 
 def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
     """(case, lifecycle case or None): create/release/reserve/free are measured once per
-    chunk size x count x mode, with the first layout's case."""
+    chunk size x count x mode, with the first layout's case. Counts are cut so that no
+    case populates more than `max_bytes` (the table shows the count actually run)."""
     layouts = args.layouts if backend == "host" else ("contiguous",)
     out: list[tuple[Case, Case | None]] = []
     for size in args.chunk_sizes:
@@ -225,9 +234,11 @@ def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
                 pairs = [(mode, lay) for lay in layouts]
                 if args.quick:
                     pairs = [p for p in pairs if p not in QUICK_SKIP] or pairs[:1]
-                lifecycle = Case(size, args.create_count or count, mode, "-", args.rounds)
+                fit = max(args.max_bytes // size, 1)
+                lifecycle = Case(size, min(args.create_count or count, fit), mode, "-", args.rounds)
                 for i, (_, layout) in enumerate(pairs):
-                    case = Case(size, count, mode, layout, args.map_rounds)
+                    n = min(count, max(fit // 2, 1) if layout == "scattered" else fit)
+                    case = Case(size, n, mode, layout, args.map_rounds)
                     out.append((case, lifecycle if i == 0 else None))
     return out
 
