@@ -96,10 +96,9 @@ def raw_round(raw: RawCuda, case: Case, samples: Samples) -> None:
 
 def ours_round(backend: Any, case: Case, samples: Samples) -> None:
     """Same cycle through CudaBackend; set_access is read from the driver wrapper's timings."""
-    from vmm.bench_host import ours_create_release, ours_reserve_free
+    from vmm.bench_host import ours_lifecycle
 
-    ours_create_release(backend, case, samples)
-    ours_reserve_free(backend, case, samples)
+    ours_lifecycle(backend, case, samples)
     g, n = case.chunk_size, case.num_chunks
     handles = backend.create(n)
     va = backend.reserve(n * g)

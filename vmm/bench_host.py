@@ -12,7 +12,8 @@ Approach
 One round of a case (chunk size G, N chunks, mode, layout) runs, on a fresh backend:
 
     create / release    N chunks: N calls of 1 (one_by_one) or one call of N (batched)
-    reserve / free      one reservation of N*G bytes (one sample per round, per call)
+    reserve / free      one reservation of N*G bytes (one sample per round, per call),
+                        freed after every slot was mapped and unmapped, as in the raw cycle
     map / unmap         N slots, slot i <- chunk order[i]: N calls or one batched call
     apply_plan          a MappingPlan of N map ops through ChunkPool.apply (batched only)
 
@@ -129,27 +130,31 @@ def _timed_once(fn: Callable[[], Any]) -> tuple[int, Any]:
     return _clock() - t0, out
 
 
-def ours_create_release(backend: Any, case: Case, samples: Samples) -> None:
-    n = case.num_chunks
+def ours_lifecycle(backend: Any, case: Case, samples: Samples) -> None:
+    """The raw cycle's steps through `backend`: create and reserve (timed), map and unmap
+    every slot (untimed: measured by the map rounds), release and free (timed), so each
+    timed step does the same work as its raw counterpart."""
+    n, g = case.num_chunks, case.chunk_size
     if case.mode == "one_by_one":
         t_create, outs = _timed_calls(backend.create, [1] * n)
         handles = [out[0] for out in outs]
-        t_release, _ = _timed_calls(lambda h: backend.release([h]), handles)
-        _per_chunk(samples, "create", t_create, "one_by_one")
-        _per_chunk(samples, "release", t_release, "one_by_one")
-        return
-    t, handles = _timed_once(lambda: backend.create(n))
-    samples.setdefault("create", []).append(t / n)
-    t, _ = _timed_once(lambda: backend.release(handles))
-    samples.setdefault("release", []).append(t / n)
-
-
-def ours_reserve_free(backend: Any, case: Case, samples: Samples) -> None:
-    size = case.chunk_size * case.num_chunks
-    t, va = _timed_once(lambda: backend.reserve(size))
+    else:
+        t, handles = _timed_once(lambda: backend.create(n))
+        t_create = [t // n] * n
+    t, va = _timed_once(lambda: backend.reserve(n * g))
     samples.setdefault("reserve", []).append(float(t))
-    t, _ = _timed_once(lambda: backend.free_reservation(va, size))
+    vas = [va + i * g for i in range(n)]
+    backend.map(vas, handles)
+    backend.unmap(vas)
+    if case.mode == "one_by_one":
+        t_release, _ = _timed_calls(lambda h: backend.release([h]), handles)
+    else:
+        t, _ = _timed_once(lambda: backend.release(handles))
+        t_release = [t // n] * n
+    t, _ = _timed_once(lambda: backend.free_reservation(va, n * g))
     samples.setdefault("free_reservation", []).append(float(t))
+    _per_chunk(samples, "create", t_create, case.mode)
+    _per_chunk(samples, "release", t_release, case.mode)
 
 
 def ours_map_rounds(backend: Any, case: Case, samples: Samples) -> None:
@@ -196,8 +201,7 @@ def run_case(
             raw_lifecycle_round(lifecycle, raw)
             backend = make_backend(case.chunk_size)
             try:
-                ours_create_release(backend, lifecycle, ours)
-                ours_reserve_free(backend, lifecycle, ours)
+                ours_lifecycle(backend, lifecycle, ours)
             finally:
                 backend.close()
         raw_map_rounds(case, raw)
