@@ -396,17 +396,25 @@ class CudaBackend(Backend):
             self._commit_unmap(vas, handles)
 
     def stats(self) -> dict[str, int]:
-        num_calls = self._drv.num_calls
-        out = {
-            "backend.chunks.current": len(self._map_count) - (self._zero is not None),
-            "backend.reservations.current": len(self._reservations),
-            "backend.reserved_bytes.current": sum(self._reservations.values()),
-            "backend.slots.mapped": len(self._slot_handle),
-            "backend.slots.zero": len(self._zero_slots),
-        }
-        for name in ("cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"):
-            out[f"backend.calls.{name}"] = num_calls.get(name, 0)
-        return out
+        """Gauges under the `vmm.stats` scheme: `bytes.physical.current` is the device
+        memory this backend holds in live handles (the zero chunk included)."""
+        return {"bytes.physical.current": len(self._map_count) * self._granularity}
+
+    # ---- cuda only ----------------------------------------------------------------
+    @property
+    def num_chunks(self) -> int:
+        """Live chunks from `create` (the zero chunk excluded); ChunkPool checks it."""
+        return len(self._map_count) - (self._zero is not None)
+
+    @property
+    def num_zero_slots(self) -> int:
+        """Slots backed by the read-only zero chunk."""
+        return len(self._zero_slots)
+
+    @property
+    def driver_calls(self) -> dict[str, int]:
+        """Driver calls made so far, by name (cumulative, rollbacks included)."""
+        return dict(self._drv.num_calls)
 
     def close(self) -> None:
         with self._lock:
