@@ -18,7 +18,7 @@ Approach
     the last w tokens (the window the last computed token attended); a chunked local
     layer keeps the current chunk; cross attention keeps the whole image for the life
     of the request; a vision-embedding cache keeps the image until the prompt is done;
-    Mamba keeps one state.
+    Mamba keeps one state; a PyramidKV-style full layer keeps its token share.
 
 Limitations
     Needed bytes are summed per request, so tokens shared by two running requests (a
@@ -63,6 +63,8 @@ def kept_interval(spec: LayerSpec, length: int, prompt_done: bool) -> tuple[int,
         return length, length
     if kind is Kind.MAMBA:
         return 0, 0
+    if kind is Kind.FULL:
+        return length - spec.tokens_kept(length), length  # PyramidKV keeps a share
     return 0, length
 
 

@@ -1,0 +1,68 @@
+"""The paper's waste figures, exactly: analytic (`needs`) and measured by the engine."""
+
+from fractions import Fraction
+
+import pytest
+
+from jenga.sim import baselines
+from jenga.sim.engine import Engine, EngineConfig
+from jenga.sim.hardware import get_gpu
+from jenga.sim.metrics import summarize
+from jenga.sim.models import get_model
+from jenga.sim.needs import needed_bytes, uniform_bytes, uniform_waste
+from jenga.sim.workloads import Request, Trace, image_ids, random_ids
+
+GIB = 1 << 30
+
+
+def test_llama_vision_mmmu_uniform_waste_is_79_6_percent():
+    model = get_model("llama-3.2-11b-vision")
+    waste = uniform_waste(model, 6236, image_tokens=6193)
+    exact = 1 - Fraction(32 * 43 + 8 * 6193, 40 * 6236)
+    assert waste == pytest.approx(float(exact), abs=1e-12)
+    assert round(100 * waste, 1) == 79.6
+
+
+def test_gemma2_at_8k_max_waste_is_25_percent():
+    assert uniform_waste(get_model("gemma-2-9b"), 8192) == 0.25
+
+
+def test_ministral_at_128k_max_waste_is_56_25_percent():
+    assert uniform_waste(get_model("ministral-8b"), 131072) == 0.5625
+
+
+def test_needed_bytes_by_kind():
+    gemma = get_model("gemma-2-9b")
+    per_token_layer = 2 * 8 * 256 * 2
+    assert needed_bytes(gemma, 100) == 42 * 100 * per_token_layer
+    assert needed_bytes(gemma, 5000) == (21 * 5000 + 21 * 4096) * per_token_layer
+    vision = get_model("llama-3.2-11b-vision")
+    assert needed_bytes(vision, 6000, image_tokens=6193) == 8 * 6000 * 4096
+    assert uniform_bytes(vision, 10) == 40 * 10 * 4096
+
+
+def _one_request_run(model_name: str, allocator: str, prompt: tuple[int, ...], image: int):
+    model = get_model(model_name)
+    alloc = getattr(baselines, allocator)(model, 60 * GIB)
+    request = Request("r0", prompt, output=(1, 2), image_tokens=image)
+    engine = Engine(model, get_gpu("h100-80gb"), alloc,
+                    EngineConfig(max_num_batched_tokens=1 << 20, check_invariants_every=1))
+    return engine.run(Trace("one", (request,)))
+
+
+def test_engine_measures_uniform_waste_on_mmmu_shape():
+    prompt = image_ids(7, 6193) + random_ids(__import__("random").Random(0), 43)
+    result = _one_request_run("llama-3.2-11b-vision", "uniform", prompt, 6193)
+    live, needed = result.timeline["live_bytes"][0], result.timeline["needed_bytes"][0]
+    assert live == 6240 * 40 * 4096  # 390 blocks of 16 tokens, every layer
+    assert needed == (32 * 43 + 8 * 6193) * 4096
+    assert round(100 * (1 - needed / live), 1) == 79.6
+
+
+@pytest.mark.parametrize(("allocator", "waste"), [("uniform", 0.25), ("vllm_hybrid", 0.0)])
+def test_engine_measures_gemma_8k_waste(allocator, waste):
+    prompt = tuple(range(8192))
+    result = _one_request_run("gemma-2-9b", allocator, prompt, 0)
+    first = result.timeline
+    assert 1 - first["needed_bytes"][0] / first["live_bytes"][0] == waste
+    assert summarize(result).steps == 2
