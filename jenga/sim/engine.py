@@ -17,8 +17,8 @@ Approach
            does not fit, at the budget or at ``max_num_seqs``;
         3. execute: advance computed tokens; a request whose sequence is computed emits
            its next output token; finished requests are released;
-        4. refresh (allocate at the computed length: releases blocks that left a
-           window), then record the step (memory, batch, time).
+        4. record the step: memory held versus what the step's tokens needed
+           (`needs.step_needed_bytes`), decode batch, simulated time.
 
     Simulated time comes from `GPU.step_time_s` (a documented roofline). Allocator
     CPU time is the measured wall time of every allocator call in the step.
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jenga.sim.hardware import GPU
-from jenga.sim.needs import needed_bytes
+from jenga.sim.needs import needed_bytes, step_needed_bytes
 from jenga.sim.protocol import RequestState, SimAllocator, SimError
 from jenga.sim.workloads import Trace
 from jenga.specs import ModelSpec
@@ -164,28 +164,36 @@ class Engine:
 
     def _execute(
         self, scheduled: list[tuple[RequestState, int]], running: list[RequestState], now: float
-    ) -> tuple[int, list[RequestState]]:
+    ) -> tuple[int, list[RequestState], int]:
         decode_batch = 0
         finished = []
+        needed = 0
         for s, n in scheduled:
             if n == 1 and s.num_generated >= 1 and s.num_computed == len(s.tokens) - 1:
                 decode_batch += 1
+            step_need = step_needed_bytes(self.model, s.num_computed, s.num_computed + n,
+                                          s.image_tokens, s.prompt_done)
             s.num_computed += n
             if s.num_computed < len(s.tokens):
+                needed += step_need
                 continue
             s.tokens.append(s.request.output[s.num_generated])
             s.num_generated += 1
             if s.num_generated == s.request.output_len:
                 s.finish_s = now
                 finished.append(s)
+                step_need = 0
+            needed += step_need
         for s in finished:
             running.remove(s)
             self._release(s)
-        return decode_batch, finished
+        return decode_batch, finished, needed
 
-    def _kv_needed(self, running: list[RequestState]) -> int:
+    def _kv_read(self, scheduled: list[tuple[RequestState, int]]) -> int:
         return sum(
-            needed_bytes(self.model, s.num_computed, s.image_tokens, s.prompt_done) for s in running
+            step_needed_bytes(self.model, s.num_computed, s.num_computed + n, s.image_tokens,
+                              s.prompt_done)
+            for s, n in scheduled
         )
 
     def _record(self, result: RunResult, row: dict[str, float]) -> None:
@@ -217,19 +225,16 @@ class Engine:
             if not scheduled:
                 self._raise_stuck(running, waiting)
                 continue
-            kv_read = self._kv_needed(running)
             tokens = sum(n for _, n in scheduled)
-            now += self.gpu.step_time_s(self.model.weight_bytes, kv_read, tokens)
-            decode_batch, finished = self._execute(scheduled, running, now)
-            for s in running:
-                self._allocate(s, s.num_computed)  # releases what left a window; never fails
+            now += self.gpu.step_time_s(self.model.weight_bytes, self._kv_read(scheduled), tokens)
+            decode_batch, finished, step_needed = self._execute(scheduled, running, now)
             done += len(finished)
             result.finish_s.extend(s.finish_s for s in finished if s.finish_s is not None)
             result.num_preemptions += self._preempted_in_step
             self._record(result, {
                 "step": step, "time_s": now, "batched_tokens": tokens, "decode_batch": decode_batch,
                 "num_running": len(running), "num_waiting": len(waiting),
-                "needed_bytes": self._kv_needed(running), "alloc_cpu_s": self._alloc_s,
+                "needed_bytes": step_needed, "alloc_cpu_s": self._alloc_s,
                 "preemptions": self._preempted_in_step,
             })
             step += 1

@@ -20,6 +20,9 @@ Approach
     of the request; a vision-embedding cache keeps the image until the prompt is done;
     Mamba keeps one state; a PyramidKV-style full layer keeps its token share.
 
+    The engine measures waste per step against `step_needed_bytes`: what the step's
+    tokens read or write (a prefill chunk also needs the window before it).
+
 Limitations
     Needed bytes are summed per request, so tokens shared by two running requests (a
     common prefix) count twice; waste is then underestimated, never overestimated.
@@ -81,6 +84,31 @@ def group_needed_bytes(group: KVGroup, n: int, image_tokens: int, prompt_done: b
 def needed_bytes(model: ModelSpec, n: int, image_tokens: int = 0, prompt_done: bool = False) -> int:
     """Bytes the whole model must hold for one request with ``n`` computed tokens."""
     return sum(group_needed_bytes(g, n, image_tokens, prompt_done) for g in model.groups)
+
+
+def step_needed_bytes(
+    model: ModelSpec, first: int, end: int, image_tokens: int = 0, prompt_done: bool = False
+) -> int:
+    """Bytes a step that computes sequence tokens ``[first, end)`` of a request reads or writes.
+
+    Per group: from the start of the interval kept at ``first`` (what the chunk's first
+    token attends) through ``end``. For decode (``end = first + 1``) this is what the next
+    step needs too; for a prefill chunk it adds the chunk to the window before it.
+    """
+    total = 0
+    for g in model.groups:
+        spec = g.spec
+        if spec.kind is Kind.MAMBA:
+            total += g.num_layers * spec.page_bytes
+            continue
+        role = role_of(spec)
+        lo = group_length(role, first, image_tokens)
+        hi = group_length(role, end, image_tokens)
+        start = kept_interval(spec, lo, prompt_done)[0] if lo else 0
+        if spec.kind is Kind.VISION_EMBEDDING and prompt_done:
+            start = hi
+        total += g.num_layers * spec.bytes_per_token * (hi - min(start, hi))
+    return total
 
 
 def uniform_bytes(model: ModelSpec, n: int) -> int:

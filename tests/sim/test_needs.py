@@ -44,7 +44,7 @@ def test_needed_bytes_by_kind():
 def _one_request_run(model_name: str, allocator: str, prompt: tuple[int, ...], image: int):
     model = get_model(model_name)
     alloc = getattr(baselines, allocator)(model, 60 * GIB)
-    request = Request("r0", prompt, output=(1, 2), image_tokens=image)
+    request = Request("r0", prompt, output=(1, 2, 3), image_tokens=image)
     engine = Engine(model, get_gpu("h100-80gb"), alloc,
                     EngineConfig(max_num_batched_tokens=1 << 20, check_invariants_every=1))
     return engine.run(Trace("one", (request,)))
@@ -59,10 +59,17 @@ def test_engine_measures_uniform_waste_on_mmmu_shape():
     assert round(100 * (1 - needed / live), 1) == 79.6
 
 
-@pytest.mark.parametrize(("allocator", "waste"), [("uniform", 0.25), ("vllm_hybrid", 0.0)])
-def test_engine_measures_gemma_8k_waste(allocator, waste):
-    prompt = tuple(range(8192))
-    result = _one_request_run("gemma-2-9b", allocator, prompt, 0)
-    first = result.timeline
-    assert 1 - first["needed_bytes"][0] / first["live_bytes"][0] == waste
-    assert summarize(result).steps == 2
+@pytest.mark.parametrize(
+    ("allocator", "held_tokens"),
+    [("uniform", 42 * 8208), ("vllm_hybrid", 21 * 8208 + 21 * 4112)],
+)
+def test_engine_measures_gemma_8k_decode_waste(allocator, held_tokens):
+    """At the decode step after an 8,192-token prompt, uniform holds 8,208 slots in all 42
+    layers; the step needs 8,193 tokens in the 21 full layers and 4,097 in the 21 sliding.
+    The hybrid baseline released the sliding blocks wholly before token 4,096."""
+    result = _one_request_run("gemma-2-9b", allocator, tuple(range(8192)), 0)
+    tl = result.timeline
+    per_token_layer = 2 * 8 * 256 * 2
+    assert tl["needed_bytes"][1] == (21 * 8193 + 21 * 4097) * per_token_layer
+    assert tl["live_bytes"][1] == held_tokens * per_token_layer
+    assert summarize(result).steps == 3
