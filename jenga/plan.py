@@ -78,7 +78,9 @@ OP_MAP = 0
 OP_UNMAP = 1
 
 
-def plan_from_arrays(kinds: list[int], groups: list[int], pages: list[int], reused: list[int]) -> MappingPlan:
+def plan_from_arrays(
+    kinds: list[int], groups: list[int], pages: list[int], reused: list[int]
+) -> MappingPlan:
     """Build a plan from the C++ core's parallel arrays (``kinds``: OP_MAP / OP_UNMAP)."""
     ops: list[PlanOp] = []
     for kind, group, page, units in zip(kinds, groups, pages, reused, strict=True):
