@@ -1,0 +1,144 @@
+"""The real Jenga allocator (`jenga.allocator.JengaAllocator`, C++ core) behind the sim protocol.
+
+Rationale
+    The simulator must measure the project's allocator, not a model of it. This adapter
+    only translates: engine calls become `add_request` / `append_tokens` / `cache` /
+    `allocate` / `free`, and the core's `usage()` becomes byte counts. No allocation
+    decision is made here.
+
+Approach
+    Two configurations of the one core, differing only in the page table
+    (`jenga.pages`):
+
+        jenga_static  one buffer of large pages of lcm(all small pages) bytes, the page-
+                      layer partition of the paper's Fig. 7b (pool unit = one large page);
+        jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
+                      smallest k with a tail <= epsilon), chunks are the exchange unit.
+
+    Bytes: a block of group g holds ``page_bytes x layers`` real bytes; live = blocks
+    owned by requests, cached = evictable blocks. Committed = the whole buffer in
+    static mode; mapped units (chunks) x unit bytes in VMM mode.
+
+Limitations
+    Image tokens are given to the core as an `ImageSpan` over the prompt positions they
+    occupy, so full-attention groups allocate slots for those positions too (the core's
+    LLaVA-style convention). For Llama 3.2 Vision, whose self-attention layers never see
+    the image tokens, that is memory the model does not need, and the simulator counts
+    it as waste (see docs/reproduction.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jenga.allocator import (
+    AllocationOrder,
+    AllocatorConfig,
+    GroupConfig,
+    ImageSpan,
+    JengaAllocator,
+)
+from jenga.pages import PageTable, static_page_table, vmm_page_table
+from jenga.sim.protocol import AllocatorSnapshot, RequestState
+from jenga.specs import Kind, ModelSpec
+
+
+class JengaCoreAllocator:
+    """`SimAllocator` over one `JengaAllocator`; see the module note."""
+
+    def __init__(
+        self, name: str, model: ModelSpec, kv_bytes: int, table: PageTable,
+        order: AllocationOrder = AllocationOrder.PAPER,
+    ) -> None:
+        self.name = name
+        self.table = table
+        groups = []
+        for g in model.groups:
+            row = table.group(g.name)
+            per_block = g.spec.checkpoint_interval if g.spec.kind is Kind.MAMBA else g.spec.block_size
+            groups.append(GroupConfig(
+                g.name, g.spec.kind, per_block, row.blocks_per_large_page,
+                row.units_per_large_page, window=g.spec.window, chunk=g.spec.chunk,
+            ))
+        self._unit_bytes = table.unit_bytes
+        self._total_units = kv_bytes // table.unit_bytes
+        self.core = JengaAllocator(
+            AllocatorConfig(tuple(groups), self._total_units, order, model.max_model_len)
+        )
+        self._block_bytes = [g.spec.page_bytes * g.num_layers for g in model.groups]
+        self._group_names = [g.name for g in model.groups]
+        self._known_tokens: dict[str, int] = {}
+
+    @staticmethod
+    def _images(state: RequestState) -> tuple[ImageSpan, ...]:
+        image = state.image_tokens
+        if not image:
+            return ()
+        return (ImageSpan(0, image, hash(tuple(state.tokens[:image]))),)
+
+    def _sync_tokens(self, state: RequestState) -> None:
+        known = self._known_tokens[state.req_id]
+        if len(state.tokens) > known:
+            self.core.append_tokens(state.req_id, state.tokens[known:])
+            self._known_tokens[state.req_id] = len(state.tokens)
+
+    def _commit(self, state: RequestState) -> None:
+        self._sync_tokens(state)
+        self.core.cache(state.req_id, min(state.num_computed, self.core.num_tokens(state.req_id)))
+
+    def admit(self, state: RequestState) -> int:
+        hit = self.core.add_request(state.req_id, state.tokens, images=self._images(state))
+        self._known_tokens[state.req_id] = len(state.tokens)
+        state.num_computed = hit
+        return hit
+
+    def allocate(self, state: RequestState, num_tokens: int) -> bool:
+        self._commit(state)
+        delta = num_tokens - self.core.num_tokens(state.req_id)
+        if delta <= 0:
+            return True
+        return self.core.allocate(state.req_id, delta) is not None
+
+    def release(self, state: RequestState) -> None:
+        self._commit(state)
+        self.core.free(state.req_id)
+        del self._known_tokens[state.req_id]
+
+    def snapshot(self) -> AllocatorSnapshot:
+        use = self.core.usage()
+        live = [n * b for n, b in zip(use.used_blocks, self._block_bytes, strict=True)]
+        cached = sum(n * b for n, b in zip(use.cached_blocks, self._block_bytes, strict=True))
+        units = use.used_units if self.table.mode == "vmm" else use.total_units
+        return AllocatorSnapshot(
+            capacity_bytes=use.total_units * self._unit_bytes,
+            committed_bytes=units * self._unit_bytes,
+            live_bytes=sum(live),
+            cached_bytes=cached,
+            group_live_bytes=dict(zip(self._group_names, live, strict=True)),
+        )
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants(expensive=True)
+
+
+def jenga_static(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """Paper-faithful Jenga: LCM large pages in one static buffer."""
+    return JengaCoreAllocator("jenga_static", model, kv_bytes, static_page_table(model, strategy="lcm"))
+
+
+def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """Jenga on VMM: 2 MiB chunks, per-group large pages within 1 % tail."""
+    return JengaCoreAllocator("jenga_vmm", model, kv_bytes, vmm_page_table(model, epsilon=0.01))
+
+
+def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """Jenga on VMM with the compact step order (free slots of other requests first)."""
+    return JengaCoreAllocator("jenga_vmm_compact", model, kv_bytes,
+                              vmm_page_table(model, epsilon=0.01), AllocationOrder.COMPACT)
+
+
+FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
+    "jenga_static": jenga_static,
+    "jenga_vmm": jenga_vmm,
+    "jenga_vmm_compact": jenga_vmm_compact,
+}
