@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-VOCAB = 1 << 30  # id space for unique text; large so random prompts never collide
+VOCAB_BITS = 30  # id space for unique text (2^30 ids): random prompts never collide
 IMAGE_ID_BASE = 1 << 31  # image token ids live above every text id
 
 
@@ -91,7 +91,8 @@ class Trace:
 
 def random_ids(rng: random.Random, n: int) -> tuple[int, ...]:
     """``n`` ids from the text id space (unique to this call with high probability)."""
-    return tuple(rng.randrange(VOCAB) for _ in range(n))
+    draw = rng.getrandbits
+    return tuple([draw(VOCAB_BITS) for _ in range(n)])
 
 
 def image_ids(image_key: int, n: int) -> tuple[int, ...]:
@@ -173,22 +174,26 @@ def sharegpt(rng: random.Random, num_requests: int = 200, mean_input: int = 1085
 
 def articles_questions(
     rng: random.Random, num_articles: int = 8, questions_per_article: int = 8,
-    article_len: int = 4096, question_len: int = 64, output_len: int = 32,
+    article_len: int = 4096, question_len: int = 64, output_len: int = 32, shuffle: int = 1,
 ) -> list[Request]:
     """N articles x M questions (Jenga paper Fig. 17): each prompt = article + question.
 
-    Questions are interleaved round-robin over articles (q0 of every article, then q1,
-    ...), so an article's prefix must survive in the cache while the others are served.
+    ``shuffle=1`` (default) sends the N x M questions in a seeded random order;
+    ``shuffle=0`` round-robin over articles (q0 of every article, then q1, ...), which an
+    LRU cache smaller than all articles never hits.
     """
     for name, v in (("num_articles", num_articles), ("questions_per_article", questions_per_article),
                     ("article_len", article_len), ("question_len", question_len)):
         _positive(name, v)
     articles = [random_ids(rng, article_len) for _ in range(num_articles)]
-    return [
+    reqs = [
         _make(f"art{a}-q{q}", articles[a] + random_ids(rng, question_len), output_len, rng)
         for q in range(questions_per_article)
         for a in range(num_articles)
     ]
+    if shuffle:
+        rng.shuffle(reqs)
+    return reqs
 
 
 def multi_turn_chat(

@@ -35,11 +35,19 @@ def test_sharegpt_mean_input_near_1085():
 
 def test_articles_questions_share_the_article_prefix():
     reqs = make_trace("articles-questions", num_articles=3, questions_per_article=2,
-                      article_len=100, question_len=10).requests
+                      article_len=100, question_len=10, shuffle=0).requests
     assert [r.req_id for r in reqs] == ["art0-q0", "art1-q0", "art2-q0", "art0-q1", "art1-q1", "art2-q1"]
     assert reqs[0].prompt[:100] == reqs[3].prompt[:100]
     assert reqs[0].prompt[:100] != reqs[1].prompt[:100]
     assert reqs[0].prompt[100:] != reqs[3].prompt[100:]
+
+
+def test_articles_questions_shuffled_keeps_every_question_once():
+    reqs = make_trace("articles-questions", num_articles=3, questions_per_article=4,
+                      article_len=50).requests
+    ids = [r.req_id for r in reqs]
+    assert sorted(ids) == sorted(f"art{a}-q{q}" for a in range(3) for q in range(4))
+    assert ids != [f"art{a}-q{q}" for q in range(4) for a in range(3)]
 
 
 def test_multi_turn_quotes_history():
