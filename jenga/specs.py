@@ -7,10 +7,22 @@ needs to place the model on a GPU (weight bytes).
 
 Sizes are bytes; `page_bytes` is the small page of the Jenga paper for one layer: the
 bytes of one block (``block_size`` tokens, K and V) of one layer.
+
+Two model features beyond "one cache per layer" are expressed here, in integers:
+
+- cross-layer KV sharing (character.ai, Hymba): a group's `readers` are layers that attend
+  over another layer's cache and store none of their own, so they cost no memory and own
+  no virtual range;
+- per-layer token budgets (PyramidKV-style): `LayerSpec.token_fraction = (num, den)` keeps
+  ``ceil(length * num / den)`` of a request's tokens in that layer.
+
+Draft and target models of a speculative-decoding pair share one ModelSpec; their layers
+differ by `LayerSpec.model`, so they always fall into different groups.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -48,12 +60,17 @@ class LayerSpec:
     state_bytes: int | None = None  # MAMBA: bytes of one request's state in one layer
     checkpoint_interval: int = 512  # MAMBA: cache a state every N tokens for prefix hits
     model: str = "target"  # which model of a draft+target pair this layer belongs to
+    # FULL only: (num, den) share of a request's tokens this layer keeps (PyramidKV-style).
+    token_fraction: tuple[int, int] = (1, 1)
+    # CROSS_ATTENTION / VISION_EMBEDDING: tokens one image contributes (mllama: 4 tiles x 1601).
+    tokens_per_image: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise SpecError(f"block_size must be > 0, got {self.block_size}")
         if self.dtype_bytes <= 0:
             raise SpecError(f"dtype_bytes must be > 0, got {self.dtype_bytes}")
+        self._check_kind_fields()
         if self.kind is Kind.MAMBA:
             if self.state_bytes is None or self.state_bytes <= 0:
                 raise SpecError(f"mamba layer needs state_bytes > 0, got {self.state_bytes}")
@@ -72,6 +89,34 @@ class LayerSpec:
         if self.kind is Kind.CHUNKED_LOCAL and (self.chunk is None or self.chunk <= 0):
             raise SpecError(f"chunked_local layer needs chunk > 0, got {self.chunk}")
 
+    def _check_kind_fields(self) -> None:
+        """Fields that belong to one kind must not be set on another (a typo guard)."""
+        if self.window is not None and self.kind is not Kind.SLIDING_WINDOW:
+            raise SpecError(f"window={self.window} given for a {self.kind} layer")
+        if self.chunk is not None and self.kind is not Kind.CHUNKED_LOCAL:
+            raise SpecError(f"chunk={self.chunk} given for a {self.kind} layer")
+        if self.state_bytes is not None and self.kind is not Kind.MAMBA:
+            raise SpecError(f"state_bytes={self.state_bytes} given for a {self.kind} layer")
+        num, den = self.token_fraction
+        if (num, den) != (1, 1):
+            if self.kind is not Kind.FULL:
+                raise SpecError(f"token_fraction {num}/{den} given for a {self.kind} layer")
+            if not 0 < num <= den:
+                raise SpecError(f"token_fraction must satisfy 0 < num <= den, got {num}/{den}")
+        image_kinds = (Kind.CROSS_ATTENTION, Kind.VISION_EMBEDDING)
+        if self.tokens_per_image is not None:
+            if self.kind not in image_kinds:
+                raise SpecError(
+                    f"tokens_per_image={self.tokens_per_image} given for a {self.kind} layer"
+                )
+            if self.tokens_per_image <= 0:
+                raise SpecError(f"tokens_per_image must be > 0, got {self.tokens_per_image}")
+
+    def tokens_kept(self, length: int) -> int:
+        """Tokens of a `length`-token request this layer keeps (token_fraction, rounded up)."""
+        num, den = self.token_fraction
+        return -(-length * num // den)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token adds to this layer's cache (0 for Mamba: its state is fixed)."""
@@ -79,6 +124,11 @@ class LayerSpec:
             return 0
         width = self.num_kv_heads * self.head_dim * self.dtype_bytes
         return width if self.kind is Kind.VISION_EMBEDDING else 2 * width
+
+    @property
+    def num_kv_tensors(self) -> int:
+        """2 for attention kinds (K and V, which a layout may put in separate ranges), else 1."""
+        return 1 if self.kind in (Kind.MAMBA, Kind.VISION_EMBEDDING) else 2
 
     @property
     def page_bytes(self) -> int:
@@ -91,19 +141,47 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class KVGroup:
-    """Layers with equal specs; they share one block table per request."""
+    """Layers with equal specs; they share one block table per request.
+
+    Invariants: `layer_ids` (the layers that store a cache) are distinct and non-empty;
+    every reader ``(layer, owner)`` names an owner in `layer_ids` and a layer that is not
+    itself an owner; a reader appears once. Memory is counted over `layer_ids` only.
+    """
 
     name: str
     spec: LayerSpec
     layer_ids: tuple[int, ...]
+    readers: tuple[tuple[int, int], ...] = ()  # (layer, owner): layer reads owner's cache
 
     def __post_init__(self) -> None:
         if not self.layer_ids:
             raise SpecError(f"group {self.name!r} has no layers")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise SpecError(f"group {self.name!r} repeats a layer id: {self.layer_ids}")
+        owners = set(self.layer_ids)
+        seen: set[int] = set()
+        for layer, owner in self.readers:
+            if owner not in owners:
+                raise SpecError(
+                    f"group {self.name!r}: layer {layer} reads layer {owner}, "
+                    f"which stores no cache in this group (owners {sorted(owners)})"
+                )
+            if layer in owners or layer in seen:
+                raise SpecError(
+                    f"group {self.name!r}: layer {layer} is listed as a reader twice "
+                    "or is also an owner"
+                )
+            seen.add(layer)
 
     @property
     def num_layers(self) -> int:
+        """Layers that store a cache (owners); readers cost nothing."""
         return len(self.layer_ids)
+
+    @property
+    def all_layer_ids(self) -> tuple[int, ...]:
+        """Owners and readers, sorted: every model layer this group serves."""
+        return tuple(sorted((*self.layer_ids, *(layer for layer, _ in self.readers))))
 
 
 @dataclass(frozen=True)
@@ -124,6 +202,7 @@ class ModelSpec:
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise SpecError(f"model {self.name!r} has duplicate group names: {names}")
+        self._check_layer_ids_unique()
         for g in self.groups:
             w = g.spec.window
             if g.spec.kind is Kind.SLIDING_WINDOW and w is not None and w > self.max_model_len:
@@ -131,9 +210,34 @@ class ModelSpec:
                     f"group {g.name!r}: window {w} > max_model_len {self.max_model_len}"
                 )
 
+    def _check_layer_ids_unique(self) -> None:
+        """A (model, layer id) pair is in one attention-kind group and at most one Mamba
+        group (a parallel hybrid such as Hymba runs attention and Mamba heads in one layer)."""
+        seen: dict[tuple[str, int, bool], str] = {}
+        for g in self.groups:
+            for layer in g.all_layer_ids:
+                key = (g.spec.model, layer, g.spec.kind is Kind.MAMBA)
+                if key in seen:
+                    raise SpecError(
+                        f"model {self.name!r}: layer {layer} of {g.spec.model!r} is in "
+                        f"groups {seen[key]!r} and {g.name!r}"
+                    )
+                seen[key] = g.name
+
     @property
     def num_layers(self) -> int:
+        """Layers that store a cache, over all groups (readers of shared KV excluded)."""
         return sum(g.num_layers for g in self.groups)
+
+    @property
+    def num_model_layers(self) -> int:
+        """Every layer the groups serve, readers of shared KV included."""
+        return sum(len(g.all_layer_ids) for g in self.groups)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The model names in group order, each once ("target", then e.g. "draft")."""
+        return tuple(dict.fromkeys(g.spec.model for g in self.groups))
 
     def group(self, name: str) -> KVGroup:
         for g in self.groups:
@@ -142,3 +246,40 @@ class ModelSpec:
         raise KeyError(
             f"model {self.name!r} has no group {name!r}; groups: {[g.name for g in self.groups]}"
         )
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token adds over all cache-storing layers if every layer kept it."""
+        return sum(g.num_layers * g.spec.bytes_per_token for g in self.groups)
+
+
+def default_group_name(spec: LayerSpec) -> str:
+    """`kind`, prefixed by a non-target model and suffixed by a token fraction.
+
+    Examples: ``full``, ``sliding_window``, ``draft.full``, ``full@1/4``.
+    """
+    name = str(spec.kind)
+    if spec.model != "target":
+        name = f"{spec.model}.{name}"
+    if spec.token_fraction != (1, 1):
+        name += "@{}/{}".format(*spec.token_fraction)
+    return name
+
+
+def group_layers(layer_specs: Sequence[tuple[int, LayerSpec]]) -> tuple[KVGroup, ...]:
+    """Group ``(layer id, spec)`` pairs by equal spec, in order of first appearance.
+
+    Names come from `default_group_name`; a second distinct spec with the same name gets
+    ``#2``, ``#3``, ... appended.
+    """
+    spec_to_layers: dict[LayerSpec, list[int]] = {}
+    for layer, spec in layer_specs:
+        spec_to_layers.setdefault(spec, []).append(layer)
+    groups: list[KVGroup] = []
+    name_counts: dict[str, int] = {}
+    for spec, layers in spec_to_layers.items():
+        base = default_group_name(spec)
+        name_counts[base] = name_counts.get(base, 0) + 1
+        name = base if name_counts[base] == 1 else f"{base}#{name_counts[base]}"
+        groups.append(KVGroup(name, spec, tuple(layers)))
+    return tuple(groups)
