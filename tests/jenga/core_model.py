@@ -179,7 +179,9 @@ class CoreModel:
             out.append(got)
         return out
 
-    def try_step(self, step: int, g: int, owner: int, n: int, now: int, got: list[int]) -> int | None:
+    def try_step(
+        self, step: int, g: int, owner: int, n: int, now: int, got: list[int]
+    ) -> int | None:
         G = self.groups[g]
         pwf = self.pages_with_free(g)
         if step == 1:

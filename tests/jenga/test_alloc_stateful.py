@@ -17,18 +17,16 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from vmm._core import jenga as J
 
 from tests.jenga.core_model import MAP, CoreModel
-from vmm._core import jenga as J
 
 NUM_HASHES = 24  # small hash space: duplicate commits and shared prefixes happen often
 
 
 class CoreVsModel(RuleBasedStateMachine):
     @initialize(
-        shape=st.lists(
-            st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=3
-        ),
+        shape=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=3),
         total=st.integers(3, 12),
         compact=st.booleans(),
     )
@@ -166,7 +164,7 @@ class CoreVsModel(RuleBasedStateMachine):
         mapped_units = 0
         for g in range(self.G):
             assert self.core.eviction_order(g) == self.model.eviction_order(g)
-            pages, cached, free, used = self.core.group_counts(g)
+            pages, _cached, _free, used = self.core.group_counts(g)
             mapped_units += pages * self.upp[g]
             refs: dict[int, int] = {}
             for h in self.held.values():
