@@ -45,10 +45,11 @@ from enum import StrEnum
 
 from vmm._core import jenga as _core
 
+from jenga.pages import PageTable
 from jenga.plan import MappingPlan, plan_from_arrays
 from jenga.policies import Policy, make_policy
 from jenga.prefix import HashChain, image_block_hashes
-from jenga.specs import Kind
+from jenga.specs import Kind, ModelSpec
 
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
@@ -117,6 +118,7 @@ class GroupConfig:
     units_per_large_page: int = 1
     window: int | None = None
     chunk: int | None = None
+    token_fraction: tuple[int, int] = (1, 1)
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,38 @@ class AllocatorConfig:
     total_units: int
     order: AllocationOrder = AllocationOrder.PAPER
     max_model_len: int | None = None
+
+    @classmethod
+    def from_page_table(
+        cls,
+        model: ModelSpec,
+        table: PageTable,
+        total_units: int,
+        order: AllocationOrder = AllocationOrder.PAPER,
+    ) -> AllocatorConfig:
+        """One `GroupConfig` per model group from a `jenga.pages` page table row.
+
+        Mamba groups count one block per ``checkpoint_interval`` tokens; every other kind
+        one block per ``block_size`` tokens.
+        """
+        groups = []
+        for g in model.groups:
+            row = table.group(g.name)
+            spec = g.spec
+            per_block = spec.checkpoint_interval if spec.kind is Kind.MAMBA else spec.block_size
+            groups.append(
+                GroupConfig(
+                    g.name,
+                    spec.kind,
+                    per_block,
+                    row.blocks_per_large_page,
+                    row.units_per_large_page,
+                    window=spec.window,
+                    chunk=spec.chunk,
+                    token_fraction=spec.token_fraction,
+                )
+            )
+        return cls(tuple(groups), total_units, order, model.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -194,6 +228,9 @@ class JengaAllocator:
                     f"group {g.name!r}: blocks_per_large_page {g.blocks_per_large_page} and "
                     f"units_per_large_page {g.units_per_large_page} must be > 0"
                 )
+            limit = config.max_model_len
+            if g.window is not None and limit is not None and g.window > limit:
+                raise InvalidSize(f"group {g.name!r}: window {g.window} > max_model_len {limit}")
             if g.units_per_large_page > config.total_units:
                 raise PageTooLarge(
                     f"group {g.name!r}: a large page costs {g.units_per_large_page} units, "
@@ -201,7 +238,13 @@ class JengaAllocator:
                 )
         self.config = config
         self.policies: tuple[Policy, ...] = tuple(
-            make_policy(g.kind, g.tokens_per_block, window=g.window, chunk=g.chunk)
+            make_policy(
+                g.kind,
+                g.tokens_per_block,
+                window=g.window,
+                chunk=g.chunk,
+                token_fraction=g.token_fraction,
+            )
             for g in config.groups
         )
         self._core = _core.Core(

@@ -125,8 +125,10 @@ class _AttentionShape:
 
 def _attention_shape(text: Config) -> _AttentionShape:
     heads = _require_int(text, "num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or _require_int(text, "hidden_size") // heads
+    kv_heads = text.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads
+    head_dim = text.get("head_dim")
+    head_dim = _require_int(text, "hidden_size") // heads if head_dim is None else head_dim
     return _AttentionShape(int(kv_heads), int(head_dim))
 
 
@@ -321,17 +323,19 @@ _READERS: dict[str, Callable[[Config, HfOptions, int], LayerList]] = {
 
 _DENSE_FAMILIES = {"llama", "mistral", "ministral", "gemma2", "gemma3_text"}
 _GEMMA_FAMILIES = {"gemma2", "gemma3_text"}
+_DENSE_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
 
 def dense_parameter_count(config: Config) -> int | None:
-    """Parameters of a dense decoder from its shapes, or None for other families.
+    """Parameters of a dense decoder from its shapes; None for other families or when a
+    shape field (vocab_size, intermediate_size, ...) is missing.
 
     embeddings (x2 unless tied) + per layer (q, k, v, o, gate/up/down, norms) + final
     norm. Gemma has four norms per layer (Gemma 3 adds q/k norms of head_dim each) and
     ties its embeddings by default. Llama 3.1 8B: 8,030,261,248.
     """
     model_type = str(config.get("model_type"))
-    if model_type not in _DENSE_FAMILIES:
+    if model_type not in _DENSE_FAMILIES or any(k not in config for k in _DENSE_SHAPE_KEYS):
         return None
     gemma = model_type in _GEMMA_FAMILIES
     hidden = _require_int(config, "hidden_size")

@@ -106,11 +106,30 @@ class Policy:
 
 @dataclass(frozen=True)
 class FullAttentionPolicy(Policy):
-    """All tokens; the valid prefixes are exactly the leading run of cached blocks."""
+    """All tokens; the valid prefixes are exactly the leading run of cached blocks.
+
+    ``token_fraction = (num, den)`` (PyramidKV-style layers) keeps ``ceil(L * num / den)``
+    of a request's tokens; which tokens survive depends on attention scores, so such a
+    group serves no prefix hit.
+    """
+
+    token_fraction: tuple[int, int] = (1, 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        num, den = self.token_fraction
+        if not 0 < num <= den:
+            raise SpecError(f"token_fraction must satisfy 0 < num <= den, got {num}/{den}")
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        num, den = self.token_fraction
+        return _ceil_div(_ceil_div(length * num, den), self.tokens_per_block)
 
     def possible_prefix(
         self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
     ) -> set[int]:
+        if self.token_fraction != (1, 1):
+            return set()
         run = 0
         while run < len(is_hit) and is_hit[run]:
             run += 1
@@ -264,10 +283,17 @@ POLICY_BY_KIND: dict[Kind, type[Policy]] = {
 
 
 def make_policy(
-    kind: Kind, tokens_per_block: int, *, window: int | None = None, chunk: int | None = None
+    kind: Kind,
+    tokens_per_block: int,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    token_fraction: tuple[int, int] = (1, 1),
 ) -> Policy:
     """The policy for ``kind`` from the dispatch table, with its parameters checked."""
     cls = POLICY_BY_KIND[kind]
+    if cls is FullAttentionPolicy:
+        return FullAttentionPolicy(tokens_per_block, token_fraction=token_fraction)
     if cls is SlidingWindowPolicy:
         if window is None:
             raise SpecError("sliding_window policy needs a window")

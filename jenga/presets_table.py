@@ -1,0 +1,82 @@
+"""The presets' page tables as Markdown, for docs/jenga-pages.md.
+
+Run ``python -m jenga.presets_table`` to print both tables (VMM mode and static modes);
+``--chunk-bytes`` and ``--epsilon`` change the VMM parameters. The docs embed the
+default output between markers, and a test keeps them in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from jenga import presets
+from jenga.pages import (
+    DEFAULT_CHUNK_BYTES,
+    format_bytes,
+    static_page_table,
+    vmm_page_table,
+)
+
+
+def vmm_markdown(
+    names: Sequence[str] | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    epsilon: float = 0.01,
+) -> str:
+    """One row per group: small page, chosen k (and the exact LCM's k), blocks, tail."""
+    lines = [
+        "| model | group | layers (+readers) | small page | k (lcm k) | blocks / large page "
+        "| chunks / large page | tail |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names or presets.names():
+        model = presets.get(name)
+        table = vmm_page_table(model, chunk_bytes=chunk_bytes, epsilon=epsilon)
+        for group, row in zip(model.groups, table.groups, strict=True):
+            layers = f"{group.num_layers}" + (f" (+{len(group.readers)})" if group.readers else "")
+            tail = f"{format_bytes(row.tail_bytes)} ({row.tail_fraction:.2%})"
+            lines.append(
+                f"| {name} | {row.group} | {layers} | {format_bytes(row.small_page_bytes)} "
+                f"| {row.chunks_per_range} ({row.lcm_chunks_per_range}) "
+                f"| {row.blocks_per_large_page} | {row.units_per_large_page} | {tail} |"
+            )
+    return "\n".join(lines)
+
+
+def static_markdown(names: Sequence[str] | None = None) -> str:
+    """One row per model: page-layer small pages and the LCM, MAX and GCD choices."""
+    lines = [
+        "| model | small pages (page-layer) | LCM large page: pages per group "
+        "| MAX page: padding per group | GCD unit: units per group |",
+        "|---|---|---|---|---|",
+    ]
+    for name in names or presets.names():
+        model = presets.get(name)
+        lcm, mx, gcd = (static_page_table(model, strategy=s) for s in ("lcm", "max", "gcd"))
+        smalls = ", ".join(f"{g.group} {format_bytes(g.small_page_bytes)}" for g in lcm.groups)
+        per_lcm = ", ".join(str(g.blocks_per_large_page) for g in lcm.groups)
+        per_max = ", ".join(f"{g.tail_fraction:.1%}" for g in mx.groups)
+        per_gcd = ", ".join(str(g.units_per_large_page) for g in gcd.groups)
+        lines.append(
+            f"| {name} | {smalls} | {format_bytes(lcm.unit_bytes)}: {per_lcm} "
+            f"| {format_bytes(mx.unit_bytes)}: {per_max} "
+            f"| {format_bytes(gcd.unit_bytes)}: {per_gcd} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--epsilon", type=float, default=0.01)
+    args = parser.parse_args(argv)
+    print(vmm_markdown(chunk_bytes=args.chunk_bytes, epsilon=args.epsilon))
+    print()
+    print(static_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
