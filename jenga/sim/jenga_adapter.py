@@ -31,16 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jenga.allocator import (
-    AllocationOrder,
-    AllocatorConfig,
-    GroupConfig,
-    ImageSpan,
-    JengaAllocator,
-)
+from jenga.allocator import AllocationOrder, AllocatorConfig, ImageSpan, JengaAllocator
 from jenga.pages import PageTable, static_page_table, vmm_page_table
 from jenga.sim.protocol import AllocatorSnapshot, RequestState
-from jenga.specs import Kind, ModelSpec
+from jenga.specs import ModelSpec
 
 
 class JengaCoreAllocator:
@@ -52,18 +46,10 @@ class JengaCoreAllocator:
     ) -> None:
         self.name = name
         self.table = table
-        groups = []
-        for g in model.groups:
-            row = table.group(g.name)
-            per_block = g.spec.checkpoint_interval if g.spec.kind is Kind.MAMBA else g.spec.block_size
-            groups.append(GroupConfig(
-                g.name, g.spec.kind, per_block, row.blocks_per_large_page,
-                row.units_per_large_page, window=g.spec.window, chunk=g.spec.chunk,
-            ))
         self._unit_bytes = table.unit_bytes
         self._total_units = kv_bytes // table.unit_bytes
         self.core = JengaAllocator(
-            AllocatorConfig(tuple(groups), self._total_units, order, model.max_model_len)
+            AllocatorConfig.from_page_table(model, table, self._total_units, order)
         )
         self._block_bytes = [g.spec.page_bytes * g.num_layers for g in model.groups]
         self._group_names = [g.name for g in model.groups]
