@@ -346,7 +346,9 @@ def uniform(model: ModelSpec, capacity: int) -> PagedAllocator:
     """PagedAttention: one page size, every layer stores every token."""
     _reject_mamba(model, "uniform")
     per_token = sum(g.num_layers * g.spec.bytes_per_token for g in model.groups)
-    layout = GroupLayout("all", FULL_RULES, "all", BASE_BLOCK_TOKENS, BASE_BLOCK_TOKENS * per_token, 0)
+    layout = GroupLayout(
+        "all", FULL_RULES, "all", BASE_BLOCK_TOKENS, BASE_BLOCK_TOKENS * per_token, 0
+    )
     return PagedAllocator(PagedConfig("uniform", (layout,), (capacity,)))
 
 
@@ -370,8 +372,9 @@ def vllm_hybrid(model: ModelSpec, capacity: int) -> PagedAllocator:
     _reject_mamba(model, "vllm_hybrid")
     page = max(_small_page(g.spec) for g in model.groups)
     layouts = tuple(
-        GroupLayout(g.name, g.spec, role_of(g.spec), page // g.spec.bytes_per_token,
-                    g.num_layers * page, 0)
+        GroupLayout(
+            g.name, g.spec, role_of(g.spec), page // g.spec.bytes_per_token, g.num_layers * page, 0
+        )
         for g in model.groups
     )
     return PagedAllocator(PagedConfig("vllm_hybrid", layouts, (capacity,)))

@@ -12,10 +12,9 @@ import sys
 from dataclasses import replace
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from jenga.sim import report
-from jenga.sim.engine import EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
 from jenga.sim.models import UnknownModel, model_names
@@ -52,16 +51,22 @@ def _parse_params(items: list[str]) -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jenga-sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--scenario", default=DEFAULT_SCENARIO, help=f"one of {sorted(SCENARIOS)}")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
     p.add_argument("--reserved", type=float, help="share of GPU memory kept back (0.1)")
     p.add_argument("--kv-gib", type=float, help="KV cache size in GiB (overrides the GPU budget)")
     p.add_argument("--workload", help=f"one of {sorted(GENERATORS)}")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="workload parameter (repeatable), e.g. num_requests=50")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload parameter (repeatable), e.g. num_requests=50",
+    )
     p.add_argument("--seed", type=int)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
@@ -71,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
     p.add_argument("--plot-dir", help="write PNG plots there")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--list", action="store_true", help="list scenarios, models, workloads, allocators")
+    p.add_argument(
+        "--list", action="store_true", help="list scenarios, models, workloads, allocators"
+    )
     return p
 
 
@@ -81,14 +88,28 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     params.update(_parse_params(args.param))
     engine = replace(
         base.engine,
-        **{k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
-                             ("max_num_seqs", args.max_num_seqs)) if v is not None},
+        **{
+            k: v
+            for k, v in (
+                ("max_num_batched_tokens", args.max_num_batched_tokens),
+                ("max_num_seqs", args.max_num_seqs),
+            )
+            if v is not None
+        },
     )
     allocators = tuple(a.strip() for a in args.allocators.split(",")) if args.allocators else None
     return with_overrides(
-        base, model=args.model, gpu=args.gpu, reserved_share=args.reserved, kv_gib=args.kv_gib,
-        workload=args.workload, seed=args.seed, rate=args.rate, allocators=allocators,
-        workload_params=params, engine=engine,
+        base,
+        model=args.model,
+        gpu=args.gpu,
+        reserved_share=args.reserved,
+        kv_gib=args.kv_gib,
+        workload=args.workload,
+        seed=args.seed,
+        rate=args.rate,
+        allocators=allocators,
+        workload_params=params,
+        engine=engine,
     )
 
 
@@ -103,9 +124,15 @@ def _print_lists(console: Console) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     scenario = scenario_from_args(args)
     quiet = args.no_progress or args.json == "-"
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  console=console, disable=quiet, transient=True) as progress:
-        tasks: dict[str, int] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=console,
+        disable=quiet,
+        transient=True,
+    ) as progress:
+        tasks: dict[str, TaskID] = {}
 
         def on_step(name: str, done: int, total: int) -> None:
             if name not in tasks:
@@ -117,8 +144,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.json != "-":
         report.print_report(console, scenario, summaries, missing)
     if args.json:
-        report.write_json(report.to_json(scenario, summaries, results, missing, args.timelines),
-                          args.json)
+        report.write_json(
+            report.to_json(scenario, summaries, results, missing, args.timelines), args.json
+        )
     if args.plot_dir:
         for path in report.plot(results, summaries, args.plot_dir):
             console.print(f"wrote {path}")

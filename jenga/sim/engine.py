@@ -42,8 +42,17 @@ from jenga.sim.workloads import Trace
 from jenga.specs import ModelSpec
 
 TIMELINE_COLUMNS = (
-    "step", "time_s", "batched_tokens", "decode_batch", "num_running", "num_waiting",
-    "live_bytes", "needed_bytes", "cached_bytes", "committed_bytes", "alloc_cpu_s",
+    "step",
+    "time_s",
+    "batched_tokens",
+    "decode_batch",
+    "num_running",
+    "num_waiting",
+    "live_bytes",
+    "needed_bytes",
+    "cached_bytes",
+    "committed_bytes",
+    "alloc_cpu_s",
     "preemptions",
 )
 
@@ -81,7 +90,11 @@ class Engine:
     """Runs one trace through one allocator; see the module note."""
 
     def __init__(
-        self, model: ModelSpec, gpu: GPU, allocator: SimAllocator, config: EngineConfig,
+        self,
+        model: ModelSpec,
+        gpu: GPU,
+        allocator: SimAllocator,
+        config: EngineConfig,
         on_step: Callable[[int, int], None] | None = None,
     ) -> None:
         self.model, self.gpu, self.alloc, self.config = model, gpu, allocator, config
@@ -137,12 +150,20 @@ class Engine:
         return scheduled, budget
 
     def _admit_waiting(
-        self, running: list[RequestState], waiting: deque[RequestState], budget: int, now: float,
+        self,
+        running: list[RequestState],
+        waiting: deque[RequestState],
+        budget: int,
+        now: float,
         result: RunResult,
     ) -> list[tuple[RequestState, int]]:
         scheduled: list[tuple[RequestState, int]] = []
-        while (waiting and budget > 0 and len(running) < self.config.max_num_seqs
-               and waiting[0].request.arrival_s <= now):
+        while (
+            waiting
+            and budget > 0
+            and len(running) < self.config.max_num_seqs
+            and waiting[0].request.arrival_s <= now
+        ):
             s = waiting[0]
             hit = self._admit(s)
             n_new = min(len(s.tokens) - hit, budget)
@@ -171,8 +192,9 @@ class Engine:
         for s, n in scheduled:
             if n == 1 and s.num_generated >= 1 and s.num_computed == len(s.tokens) - 1:
                 decode_batch += 1
-            step_need = step_needed_bytes(self.model, s.num_computed, s.num_computed + n,
-                                          s.image_tokens, s.prompt_done)
+            step_need = step_needed_bytes(
+                self.model, s.num_computed, s.num_computed + n, s.image_tokens, s.prompt_done
+            )
             s.num_computed += n
             if s.num_computed < len(s.tokens):
                 needed += step_need
@@ -191,15 +213,19 @@ class Engine:
 
     def _kv_read(self, scheduled: list[tuple[RequestState, int]]) -> int:
         return sum(
-            step_needed_bytes(self.model, s.num_computed, s.num_computed + n, s.image_tokens,
-                              s.prompt_done)
+            step_needed_bytes(
+                self.model, s.num_computed, s.num_computed + n, s.image_tokens, s.prompt_done
+            )
             for s, n in scheduled
         )
 
     def _record(self, result: RunResult, row: dict[str, float]) -> None:
         snap = self.alloc.snapshot()
-        row.update(live_bytes=snap.live_bytes, cached_bytes=snap.cached_bytes,
-                   committed_bytes=snap.committed_bytes)
+        row.update(
+            live_bytes=snap.live_bytes,
+            cached_bytes=snap.cached_bytes,
+            committed_bytes=snap.committed_bytes,
+        )
         for col in TIMELINE_COLUMNS:
             result.timeline[col].append(row[col])
         for name, live in snap.group_live_bytes.items():
@@ -211,8 +237,9 @@ class Engine:
         states = [RequestState(r) for r in sorted(trace.requests, key=lambda r: r.arrival_s)]
         waiting: deque[RequestState] = deque(states)
         running: list[RequestState] = []
-        result = RunResult(self.alloc.name, {c: [] for c in TIMELINE_COLUMNS}, {},
-                           num_requests=len(states))
+        result = RunResult(
+            self.alloc.name, {c: [] for c in TIMELINE_COLUMNS}, {}, num_requests=len(states)
+        )
         now, step, done = 0.0, 0, 0
         while waiting or running:
             if not running and waiting[0].request.arrival_s > now:
@@ -231,12 +258,20 @@ class Engine:
             done += len(finished)
             result.finish_s.extend(s.finish_s for s in finished if s.finish_s is not None)
             result.num_preemptions += self._preempted_in_step
-            self._record(result, {
-                "step": step, "time_s": now, "batched_tokens": tokens, "decode_batch": decode_batch,
-                "num_running": len(running), "num_waiting": len(waiting),
-                "needed_bytes": step_needed, "alloc_cpu_s": self._alloc_s,
-                "preemptions": self._preempted_in_step,
-            })
+            self._record(
+                result,
+                {
+                    "step": step,
+                    "time_s": now,
+                    "batched_tokens": tokens,
+                    "decode_batch": decode_batch,
+                    "num_running": len(running),
+                    "num_waiting": len(waiting),
+                    "needed_bytes": step_needed,
+                    "alloc_cpu_s": self._alloc_s,
+                    "preemptions": self._preempted_in_step,
+                },
+            )
             step += 1
             self._maybe_check(step)
             if self._on_step is not None:

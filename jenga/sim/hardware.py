@@ -61,7 +61,9 @@ class GPU:
     def step_time_s(self, weight_bytes: int, kv_read_bytes: int, batched_tokens: int) -> float:
         """Simulated seconds of one engine step (roofline; see the module note)."""
         params = weight_bytes / 2  # bf16 weights
-        memory_s = (weight_bytes + kv_read_bytes) / (self.hbm_bytes_per_s * self.bandwidth_efficiency)
+        memory_s = (weight_bytes + kv_read_bytes) / (
+            self.hbm_bytes_per_s * self.bandwidth_efficiency
+        )
         compute_s = 2.0 * params * batched_tokens / (self.peak_flops * self.flops_efficiency)
         return self.step_overhead_s + max(memory_s, compute_s)
 

@@ -41,7 +41,11 @@ class JengaCoreAllocator:
     """`SimAllocator` over one `JengaAllocator`; see the module note."""
 
     def __init__(
-        self, name: str, model: ModelSpec, kv_bytes: int, table: PageTable,
+        self,
+        name: str,
+        model: ModelSpec,
+        kv_bytes: int,
+        table: PageTable,
         order: AllocationOrder = AllocationOrder.PAPER,
     ) -> None:
         self.name = name
@@ -109,7 +113,9 @@ class JengaCoreAllocator:
 
 def jenga_static(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     """Paper-faithful Jenga: LCM large pages in one static buffer."""
-    return JengaCoreAllocator("jenga_static", model, kv_bytes, static_page_table(model, strategy="lcm"))
+    return JengaCoreAllocator(
+        "jenga_static", model, kv_bytes, static_page_table(model, strategy="lcm")
+    )
 
 
 def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
@@ -119,8 +125,13 @@ def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
 
 def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     """Jenga on VMM with the compact step order (free slots of other requests first)."""
-    return JengaCoreAllocator("jenga_vmm_compact", model, kv_bytes,
-                              vmm_page_table(model, epsilon=0.01), AllocationOrder.COMPACT)
+    return JengaCoreAllocator(
+        "jenga_vmm_compact",
+        model,
+        kv_bytes,
+        vmm_page_table(model, epsilon=0.01),
+        AllocationOrder.COMPACT,
+    )
 
 
 FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {

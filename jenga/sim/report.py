@@ -32,16 +32,36 @@ from jenga.sim.scenarios import Scenario
 
 
 def table(scenario: Scenario, summaries: list[Summary], missing: tuple[str, ...]) -> Table:
-    t = Table(title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}",
-              box=box.SIMPLE_HEAD)
-    for col in ("allocator", "steps", "sim s", "avg decode batch", "max batch", "waste %",
-                "hit %", "preempt", "peak live GiB", "committed GiB", "alloc µs avg/p50/p99/max"):
+    t = Table(
+        title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in (
+        "allocator",
+        "steps",
+        "sim s",
+        "avg decode batch",
+        "max batch",
+        "waste %",
+        "hit %",
+        "preempt",
+        "peak live GiB",
+        "committed GiB",
+        "alloc µs avg/p50/p99/max",
+    ):
         t.add_column(col, justify="left" if col == "allocator" else "right", no_wrap=True)
     for s in summaries:
         t.add_row(
-            s.allocator, str(s.steps), f"{s.sim_time_s:.1f}", f"{s.avg_decode_batch:.2f}",
-            str(s.max_decode_batch), f"{100 * s.waste:.2f}", f"{100 * s.hit_rate:.1f}",
-            str(s.preemptions), f"{s.peak_live_gib:.1f}", f"{s.mean_committed_gib:.1f}",
+            s.allocator,
+            str(s.steps),
+            f"{s.sim_time_s:.1f}",
+            f"{s.avg_decode_batch:.2f}",
+            str(s.max_decode_batch),
+            f"{100 * s.waste:.2f}",
+            f"{100 * s.hit_rate:.1f}",
+            str(s.preemptions),
+            f"{s.peak_live_gib:.1f}",
+            f"{s.mean_committed_gib:.1f}",
             f"{s.alloc_us_avg:.0f}/{s.alloc_us_p50:.0f}/{s.alloc_us_p99:.0f}/{s.alloc_us_max:.0f}",
         )
     for name in missing:
@@ -57,7 +77,9 @@ def ratios(summaries: list[Summary], baseline: str = "uniform") -> dict[str, dic
     out = {}
     for s in summaries:
         out[s.allocator] = {
-            "decode_batch_x": s.avg_decode_batch / base.avg_decode_batch if base.avg_decode_batch else 0.0,
+            "decode_batch_x": s.avg_decode_batch / base.avg_decode_batch
+            if base.avg_decode_batch
+            else 0.0,
             "hit_rate_x": s.hit_rate / base.hit_rate if base.hit_rate else 0.0,
             "speedup_x": base.sim_time_s / s.sim_time_s if s.sim_time_s else 0.0,
         }
@@ -80,8 +102,11 @@ def print_report(
 
 
 def to_json(
-    scenario: Scenario, summaries: list[Summary], results: list[RunResult],
-    missing: tuple[str, ...], with_timelines: bool = False,
+    scenario: Scenario,
+    summaries: list[Summary],
+    results: list[RunResult],
+    missing: tuple[str, ...],
+    with_timelines: bool = False,
 ) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "scenario": {k: v for k, v in asdict(scenario).items() if k != "engine"},
@@ -107,16 +132,27 @@ def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
     tl = result.timeline
     t = tl["time_s"]
     needed = [n / GiB for n in tl["needed_bytes"]]
-    waste = [max(0.0, (lv - n)) / GiB for lv, n in zip(tl["live_bytes"], tl["needed_bytes"], strict=True)]
+    waste = [
+        max(0.0, (lv - n)) / GiB for lv, n in zip(tl["live_bytes"], tl["needed_bytes"], strict=True)
+    ]
     cached = [c / GiB for c in tl["cached_bytes"]]
     cap = result.capacity_bytes / GiB
     free = [max(0.0, cap - a - b - c) for a, b, c in zip(needed, waste, cached, strict=True)]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.stackplot(t, needed, waste, cached, free, labels=["needed", "waste", "cached", "free"],
-                 colors=["#4c72b0", "#dd8452", "#8c8c8c", "#e8e8e8"])
+    ax.stackplot(
+        t,
+        needed,
+        waste,
+        cached,
+        free,
+        labels=["needed", "waste", "cached", "free"],
+        colors=["#4c72b0", "#dd8452", "#8c8c8c", "#e8e8e8"],
+    )
     committed = [c / GiB for c in tl["committed_bytes"]]
     ax.plot(t, committed, color="black", lw=1, ls="--", label="committed")
-    ax.set(xlabel="simulated time (s)", ylabel="KV memory (GiB)", title=f"memory: {result.allocator}")
+    ax.set(
+        xlabel="simulated time (s)", ylabel="KV memory (GiB)", title=f"memory: {result.allocator}"
+    )
     ax.legend(loc="upper right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

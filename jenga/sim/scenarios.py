@@ -49,8 +49,14 @@ def _register_jenga() -> None:
 
 _register_jenga()
 
-DEFAULT_ALLOCATORS = ("uniform", "max_page", "static_partition", "vllm_hybrid", "jenga_static",
-                      "jenga_vmm")
+DEFAULT_ALLOCATORS = (
+    "uniform",
+    "max_page",
+    "static_partition",
+    "vllm_hybrid",
+    "jenga_static",
+    "jenga_vmm",
+)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class Scenario:
     seed: int = 0
     rate: float | None = None
     allocators: tuple[str, ...] = DEFAULT_ALLOCATORS
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = field(default_factory=EngineConfig)
     note: str = ""
 
     def kv_bytes(self, model: ModelSpec) -> int:
@@ -81,18 +87,46 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        Scenario("arxiv-ministral", "ministral-8b", "h100-80gb", "arxiv-qa",
-                 note="Jenga paper Fig. 15/16: Ministral 8B, arXiv-QA, H100 80 GB"),
-        Scenario("mmmu-llama-vision", "llama-3.2-11b-vision", "h100-80gb", "mmmu-pro",
-                 {"num_requests": 200}, note="Jenga paper Fig. 16: Llama 3.2 Vision, MMMU-pro"),
-        Scenario("articles-gemma", "gemma-2-9b", "h100-80gb", "articles-questions",
-                 {"num_articles": 16, "questions_per_article": 8, "article_len": 6000},
-                 kv_gib=6.0,
-                 note="Jenga paper Fig. 17: Gemma 2, N articles x M questions, cache < articles"),
-        Scenario("sharegpt-gemma3", "gemma-3-12b", "l4-24gb", "sharegpt", {"num_requests": 300},
-                 reserved_share=0.05, note="ShareGPT-like chat, Gemma 3 12B on an L4"),
-        Scenario("multiturn-llama", "llama-3.1-8b", "h100-80gb", "multi-turn",
-                 note="multi-turn chat, 500-token shared prefix, Llama 3.1 8B"),
+        Scenario(
+            "arxiv-ministral",
+            "ministral-8b",
+            "h100-80gb",
+            "arxiv-qa",
+            note="Jenga paper Fig. 15/16: Ministral 8B, arXiv-QA, H100 80 GB",
+        ),
+        Scenario(
+            "mmmu-llama-vision",
+            "llama-3.2-11b-vision",
+            "h100-80gb",
+            "mmmu-pro",
+            {"num_requests": 200},
+            note="Jenga paper Fig. 16: Llama 3.2 Vision, MMMU-pro",
+        ),
+        Scenario(
+            "articles-gemma",
+            "gemma-2-9b",
+            "h100-80gb",
+            "articles-questions",
+            {"num_articles": 16, "questions_per_article": 8, "article_len": 6000},
+            kv_gib=6.0,
+            note="Jenga paper Fig. 17: Gemma 2, N articles x M questions, cache < articles",
+        ),
+        Scenario(
+            "sharegpt-gemma3",
+            "gemma-3-12b",
+            "l4-24gb",
+            "sharegpt",
+            {"num_requests": 300},
+            reserved_share=0.05,
+            note="ShareGPT-like chat, Gemma 3 12B on an L4",
+        ),
+        Scenario(
+            "multiturn-llama",
+            "llama-3.1-8b",
+            "h100-80gb",
+            "multi-turn",
+            note="multi-turn chat, 500-token shared prefix, Llama 3.1 8B",
+        ),
     )
 }
 DEFAULT_SCENARIO = "arxiv-ministral"
@@ -110,13 +144,16 @@ def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]
     unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
     if unknown:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")
-    return (tuple(n for n in names if n in ALLOCATORS),
-            tuple(n for n in names if n not in ALLOCATORS))
+    return (
+        tuple(n for n in names if n in ALLOCATORS),
+        tuple(n for n in names if n not in ALLOCATORS),
+    )
 
 
 def build_trace(scenario: Scenario) -> Trace:
-    return make_trace(scenario.workload, seed=scenario.seed, rate=scenario.rate,
-                      **scenario.workload_params)
+    return make_trace(
+        scenario.workload, seed=scenario.seed, rate=scenario.rate, **scenario.workload_params
+    )
 
 
 def run_scenario(

@@ -106,14 +106,18 @@ def _positive(name: str, value: float) -> None:
         raise WorkloadError(f"{name} must be > 0, got {value}")
 
 
-def _make(req_id: str, prompt: tuple[int, ...], out_len: int, rng: random.Random, **kw: int) -> Request:
+def _make(
+    req_id: str, prompt: tuple[int, ...], out_len: int, rng: random.Random, **kw: int
+) -> Request:
     return Request(req_id=req_id, prompt=prompt, output=random_ids(rng, out_len), **kw)
 
 
 # --- the papers' traces ------------------------------------------------------------------
 
 
-def mmlu_pro(rng: random.Random, num_requests: int = 200, max_input: int = 3076, output_len: int = 64) -> list[Request]:
+def mmlu_pro(
+    rng: random.Random, num_requests: int = 200, max_input: int = 3076, output_len: int = 64
+) -> list[Request]:
     """MMLU-pro-like: question prompts up to 3,076 tokens (log-normal, median ~600)."""
     _positive("num_requests", num_requests)
     reqs = []
@@ -124,23 +128,37 @@ def mmlu_pro(rng: random.Random, num_requests: int = 200, max_input: int = 3076,
 
 
 def arxiv_qa(
-    rng: random.Random, num_requests: int = 20, min_input: int = 55_000, max_input: int = 110_000,
-    min_output: int = 50, max_output: int = 100,
+    rng: random.Random,
+    num_requests: int = 20,
+    min_input: int = 55_000,
+    max_input: int = 110_000,
+    min_output: int = 50,
+    max_output: int = 100,
 ) -> list[Request]:
     """arXiv-QA (Jenga paper §7.3): 20 long documents, inputs 55-110K, outputs 50-100."""
     _positive("num_requests", num_requests)
     if not 0 < min_input <= max_input or not 0 < min_output <= max_output:
-        raise WorkloadError(f"bad ranges: input {min_input}-{max_input}, output {min_output}-{max_output}")
+        raise WorkloadError(
+            f"bad ranges: input {min_input}-{max_input}, output {min_output}-{max_output}"
+        )
     return [
-        _make(f"arxiv-{i}", random_ids(rng, rng.randint(min_input, max_input)),
-              rng.randint(min_output, max_output), rng)
+        _make(
+            f"arxiv-{i}",
+            random_ids(rng, rng.randint(min_input, max_input)),
+            rng.randint(min_output, max_output),
+            rng,
+        )
         for i in range(num_requests)
     ]
 
 
 def mmmu_pro(
-    rng: random.Random, num_requests: int = 100, image_tokens: int = 6193, text_tokens: int = 43,
-    output_len: int = 32, num_images: int = 0,
+    rng: random.Random,
+    num_requests: int = 100,
+    image_tokens: int = 6193,
+    text_tokens: int = 43,
+    output_len: int = 32,
+    num_images: int = 0,
 ) -> list[Request]:
     """MMMU-pro-like: one image (6,193 tokens) + 43 text tokens per request.
 
@@ -158,7 +176,9 @@ def mmmu_pro(
     return reqs
 
 
-def sharegpt(rng: random.Random, num_requests: int = 200, mean_input: int = 1085, mean_output: int = 256) -> list[Request]:
+def sharegpt(
+    rng: random.Random, num_requests: int = 200, mean_input: int = 1085, mean_output: int = 256
+) -> list[Request]:
     """ShareGPT-like chat: log-normal input (mean ~1,085) and output lengths."""
     _positive("num_requests", num_requests)
     sigma = 0.9
@@ -173,8 +193,13 @@ def sharegpt(rng: random.Random, num_requests: int = 200, mean_input: int = 1085
 
 
 def articles_questions(
-    rng: random.Random, num_articles: int = 8, questions_per_article: int = 8,
-    article_len: int = 4096, question_len: int = 64, output_len: int = 32, shuffle: int = 1,
+    rng: random.Random,
+    num_articles: int = 8,
+    questions_per_article: int = 8,
+    article_len: int = 4096,
+    question_len: int = 64,
+    output_len: int = 32,
+    shuffle: int = 1,
 ) -> list[Request]:
     """N articles x M questions (Jenga paper Fig. 17): each prompt = article + question.
 
@@ -182,8 +207,12 @@ def articles_questions(
     ``shuffle=0`` round-robin over articles (q0 of every article, then q1, ...), which an
     LRU cache smaller than all articles never hits.
     """
-    for name, v in (("num_articles", num_articles), ("questions_per_article", questions_per_article),
-                    ("article_len", article_len), ("question_len", question_len)):
+    for name, v in (
+        ("num_articles", num_articles),
+        ("questions_per_article", questions_per_article),
+        ("article_len", article_len),
+        ("question_len", question_len),
+    ):
         _positive(name, v)
     articles = [random_ids(rng, article_len) for _ in range(num_articles)]
     reqs = [
@@ -197,16 +226,24 @@ def articles_questions(
 
 
 def multi_turn_chat(
-    rng: random.Random, num_clients: int = 16, num_rounds: int = 4, shared_prefix_len: int = 500,
-    request_len: int = 128, output_len: int = 128,
+    rng: random.Random,
+    num_clients: int = 16,
+    num_rounds: int = 4,
+    shared_prefix_len: int = 500,
+    request_len: int = 128,
+    output_len: int = 128,
 ) -> list[Request]:
     """Multi-turn chat (SGLang's generator; Jenga's with a 500-token shared system prompt).
 
     Turn k of a client quotes its whole history: shared prefix + (request, answer) of
     every previous turn + the new request. Turns of all clients are interleaved by round.
     """
-    for name, v in (("num_clients", num_clients), ("num_rounds", num_rounds),
-                    ("request_len", request_len), ("output_len", output_len)):
+    for name, v in (
+        ("num_clients", num_clients),
+        ("num_rounds", num_rounds),
+        ("request_len", request_len),
+        ("output_len", output_len),
+    ):
         _positive(name, v)
     system = random_ids(rng, shared_prefix_len) if shared_prefix_len > 0 else ()
     history = [system for _ in range(num_clients)]
@@ -224,10 +261,14 @@ def multi_turn_chat(
 
 
 def vllm_random(
-    rng: random.Random, num_requests: int = 200, input_len: int = 1024, output_len: int = 128,
-    range_ratio: float = 0.0, prefix_len: int = 0,
+    rng: random.Random,
+    num_requests: int = 200,
+    input_len: int = 1024,
+    output_len: int = 128,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
 ) -> list[Request]:
-    """vLLM ``--dataset-name random``: lengths uniform in [len*(1-r), len*(1+r)], a shared prefix."""
+    """vLLM ``--dataset-name random``: lengths uniform in [n(1-r), n(1+r)], a shared prefix."""
     _positive("num_requests", num_requests)
     if not 0.0 <= range_ratio < 1.0:
         raise WorkloadError(f"range_ratio must be in [0, 1), got {range_ratio}")
@@ -243,16 +284,29 @@ def vllm_random(
 
 
 def vllm_prefix_repetition(
-    rng: random.Random, num_requests: int = 200, prefix_len: int = 256, suffix_len: int = 256,
-    num_prefixes: int = 10, output_len: int = 128,
+    rng: random.Random,
+    num_requests: int = 200,
+    prefix_len: int = 256,
+    suffix_len: int = 256,
+    num_prefixes: int = 10,
+    output_len: int = 128,
 ) -> list[Request]:
     """vLLM ``--dataset-name prefix_repetition``: requests spread over `num_prefixes` prefixes."""
-    for name, v in (("num_requests", num_requests), ("prefix_len", prefix_len),
-                    ("suffix_len", suffix_len), ("num_prefixes", num_prefixes)):
+    for name, v in (
+        ("num_requests", num_requests),
+        ("prefix_len", prefix_len),
+        ("suffix_len", suffix_len),
+        ("num_prefixes", num_prefixes),
+    ):
         _positive(name, v)
     prefixes = [random_ids(rng, prefix_len) for _ in range(num_prefixes)]
     reqs = [
-        _make(f"prefrep-{i}", prefixes[i % num_prefixes] + random_ids(rng, suffix_len), output_len, rng)
+        _make(
+            f"prefrep-{i}",
+            prefixes[i % num_prefixes] + random_ids(rng, suffix_len),
+            output_len,
+            rng,
+        )
         for i in range(num_requests)
     ]
     rng.shuffle(reqs)
@@ -260,12 +314,20 @@ def vllm_prefix_repetition(
 
 
 def sglang_generated_shared_prefix(
-    rng: random.Random, num_groups: int = 8, prompts_per_group: int = 16, system_prompt_len: int = 2048,
-    question_len: int = 128, output_len: int = 128,
+    rng: random.Random,
+    num_groups: int = 8,
+    prompts_per_group: int = 16,
+    system_prompt_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 128,
 ) -> list[Request]:
     """SGLang ``generated-shared-prefix``: groups share a system prompt, each adds a question."""
-    for name, v in (("num_groups", num_groups), ("prompts_per_group", prompts_per_group),
-                    ("system_prompt_len", system_prompt_len), ("question_len", question_len)):
+    for name, v in (
+        ("num_groups", num_groups),
+        ("prompts_per_group", prompts_per_group),
+        ("system_prompt_len", system_prompt_len),
+        ("question_len", question_len),
+    ):
         _positive(name, v)
     systems = [random_ids(rng, system_prompt_len) for _ in range(num_groups)]
     reqs = [
@@ -292,7 +354,9 @@ GENERATORS: dict[str, Generator] = {
 }
 
 
-def stamp_arrivals(requests: list[Request], rng: random.Random, rate: float | None) -> list[Request]:
+def stamp_arrivals(
+    requests: list[Request], rng: random.Random, rate: float | None
+) -> list[Request]:
     """All at time 0 (``rate=None``) or Poisson arrivals at ``rate`` requests per second."""
     if rate is None:
         return [replace(r, arrival_s=0.0) for r in requests]

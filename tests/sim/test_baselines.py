@@ -1,7 +1,6 @@
 """Baseline paged allocators: exact prefix hits, eviction order, all-or-nothing, invariants."""
 
 import pytest
-
 from jenga.sim import baselines
 from jenga.sim.models import get_model
 from jenga.sim.protocol import RequestState, SimError

@@ -1,7 +1,6 @@
 """The engine loop: chunked prefill, decode, preemption by recompute, prefix hits."""
 
 import pytest
-
 from jenga.sim import baselines
 from jenga.sim.engine import Engine, EngineConfig
 from jenga.sim.hardware import get_gpu
@@ -53,8 +52,9 @@ def test_preemption_by_recompute_finishes_everything():
 
 def test_prefix_hit_rate_counts_first_admissions():
     shared = tuple(range(64))
-    trace = Trace("t", (req("a", (*shared, *range(100, 116)), 2),
-                        req("b", (*shared, *range(200, 216)), 2)))
+    trace = Trace(
+        "t", (req("a", (*shared, *range(100, 116)), 2), req("b", (*shared, *range(200, 216)), 2))
+    )
     result = run(trace, 100 * LLAMA_BLOCK, EngineConfig(max_num_seqs=1, check_invariants_every=1))
     assert (result.hit_tokens, result.prompt_tokens) == (64, 160)
     assert summarize(result).hit_rate == 0.4

@@ -3,7 +3,6 @@
 from fractions import Fraction
 
 import pytest
-
 from jenga.sim import baselines
 from jenga.sim.engine import Engine, EngineConfig
 from jenga.sim.hardware import get_gpu
@@ -45,8 +44,12 @@ def _one_request_run(model_name: str, allocator: str, prompt: tuple[int, ...], i
     model = get_model(model_name)
     alloc = getattr(baselines, allocator)(model, 60 * GIB)
     request = Request("r0", prompt, output=(1, 2, 3), image_tokens=image)
-    engine = Engine(model, get_gpu("h100-80gb"), alloc,
-                    EngineConfig(max_num_batched_tokens=1 << 20, check_invariants_every=1))
+    engine = Engine(
+        model,
+        get_gpu("h100-80gb"),
+        alloc,
+        EngineConfig(max_num_batched_tokens=1 << 20, check_invariants_every=1),
+    )
     return engine.run(Trace("one", (request,)))
 
 
