@@ -234,6 +234,7 @@ class Engine:
 
     def run(self, trace: Trace) -> RunResult:
         """Serve every request of ``trace``; raises SimError if one can never fit."""
+        self._check_lengths(trace)
         states = [RequestState(r) for r in sorted(trace.requests, key=lambda r: r.arrival_s)]
         waiting: deque[RequestState] = deque(states)
         running: list[RequestState] = []
@@ -279,6 +280,15 @@ class Engine:
             if step >= self.config.max_steps:
                 raise SimError(f"{self.alloc.name}: no finish after {step} steps")
         return result
+
+    def _check_lengths(self, trace: Trace) -> None:
+        limit = self.model.max_model_len
+        for r in trace.requests:
+            if r.prompt_len + r.output_len - 1 > limit:  # the last output is never computed
+                raise SimError(
+                    f"request {r.req_id}: {r.prompt_len} prompt + {r.output_len} output tokens "
+                    f"exceed {self.model.name}'s max_model_len {limit} (+1)"
+                )
 
     def _maybe_check(self, step: int) -> None:
         every = self.config.check_invariants_every

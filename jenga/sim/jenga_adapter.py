@@ -67,10 +67,11 @@ class JengaCoreAllocator:
         return (ImageSpan(0, image, hash(tuple(state.tokens[:image]))),)
 
     def _sync_tokens(self, state: RequestState) -> None:
+        """Tell the core the generated tokens that are computed (only those get hashed)."""
         known = self._known_tokens[state.req_id]
-        if len(state.tokens) > known:
-            self.core.append_tokens(state.req_id, state.tokens[known:])
-            self._known_tokens[state.req_id] = len(state.tokens)
+        if state.num_computed > known:
+            self.core.append_tokens(state.req_id, state.tokens[known : state.num_computed])
+            self._known_tokens[state.req_id] = state.num_computed
 
     def _commit(self, state: RequestState) -> None:
         self._sync_tokens(state)

@@ -64,15 +64,16 @@ def test_engine_measures_uniform_waste_on_mmmu_shape():
 
 @pytest.mark.parametrize(
     ("allocator", "held_tokens"),
-    [("uniform", 42 * 8208), ("vllm_hybrid", 21 * 8208 + 21 * 4112)],
+    [("uniform", 42 * 8192), ("vllm_hybrid", 21 * 8192 + 21 * 4112)],
 )
 def test_engine_measures_gemma_8k_decode_waste(allocator, held_tokens):
-    """At the decode step after an 8,192-token prompt, uniform holds 8,208 slots in all 42
-    layers; the step needs 8,193 tokens in the 21 full layers and 4,097 in the 21 sliding.
-    The hybrid baseline released the sliding blocks wholly before token 4,096."""
-    result = _one_request_run("gemma-2-9b", allocator, tuple(range(8192)), 0)
+    """At the first decode step after an 8,190-token prompt (8K context), uniform holds
+    8,192 slots in all 42 layers; the step needs 8,191 tokens in the 21 full layers and
+    4,097 in the 21 sliding. The hybrid baseline released the sliding blocks wholly before
+    token 4,094 (255 blocks)."""
+    result = _one_request_run("gemma-2-9b", allocator, tuple(range(8190)), 0)
     tl = result.timeline
     per_token_layer = 2 * 8 * 256 * 2
-    assert tl["needed_bytes"][1] == (21 * 8193 + 21 * 4097) * per_token_layer
+    assert tl["needed_bytes"][1] == (21 * 8191 + 21 * 4097) * per_token_layer
     assert tl["live_bytes"][1] == held_tokens * per_token_layer
     assert summarize(result).steps == 3
