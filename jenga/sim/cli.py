@@ -14,7 +14,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
-from jenga.sim import report
+from jenga.sim import report, sweep
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
 from jenga.sim.models import UnknownModel, model_names
@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-num-seqs", type=int)
+    p.add_argument(
+        "--sweep-kv-gib", metavar="LIST", help="run at each KV size, e.g. 4,6,8 (Fig. 17)"
+    )
     p.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
     p.add_argument("--plot-dir", help="write PNG plots there")
@@ -121,8 +124,26 @@ def _print_lists(console: Console) -> None:
     console.print("allocators:", ", ".join(sorted(ALLOCATORS)))
 
 
+def _run_sweep(args: argparse.Namespace, console: Console, scenario: Scenario) -> int:
+    try:
+        sizes = [float(x) for x in args.sweep_kv_gib.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SimError(f"--sweep-kv-gib expects numbers, got {args.sweep_kv_gib!r}") from exc
+    result = sweep.run_sweep(scenario, sizes)
+    if args.json != "-":
+        console.print(sweep.sweep_table(scenario, result))
+    if args.json:
+        doc = {"scenario": scenario.name, "sweep": sweep.sweep_json(result)}
+        report.write_json(doc, args.json)
+    if args.plot_dir:
+        console.print(f"wrote {sweep.plot_sweep(result, args.plot_dir)}")
+    return 0
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     scenario = scenario_from_args(args)
+    if args.sweep_kv_gib:
+        return _run_sweep(args, console, scenario)
     quiet = args.no_progress or args.json == "-"
     with Progress(
         TextColumn("{task.description}"),
