@@ -56,6 +56,7 @@ DEFAULT_ALLOCATORS = (
     "vllm_hybrid",
     "jenga_static",
     "jenga_vmm",
+    "jenga_vmm_compact",
 )
 
 
@@ -99,7 +100,7 @@ SCENARIOS: dict[str, Scenario] = {
             "llama-3.2-11b-vision",
             "h100-80gb",
             "mmmu-pro",
-            {"num_requests": 200},
+            {"num_requests": 200, "output_len": 128},
             note="Jenga paper Fig. 16: Llama 3.2 Vision, MMMU-pro",
         ),
         Scenario(
@@ -114,11 +115,19 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "sharegpt-gemma3",
             "gemma-3-12b",
+            "h100-80gb",
+            "sharegpt",
+            {"num_requests": 250},
+            note="ShareGPT-like chat, Gemma 3 12B (5:1 local:global) on an H100",
+        ),
+        Scenario(
+            "sharegpt-gemma2-l4",
+            "gemma-2-9b",
             "l4-24gb",
             "sharegpt",
-            {"num_requests": 300},
+            {"num_requests": 200, "max_input": 6000, "max_output": 1024},
             reserved_share=0.05,
-            note="ShareGPT-like chat, Gemma 3 12B on an L4",
+            note="ShareGPT-like chat, Gemma 2 9B on an L4 24 GB (a tight KV budget)",
         ),
         Scenario(
             "multiturn-llama",
@@ -140,7 +149,7 @@ def get_scenario(name: str) -> Scenario:
 
 def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Split ``names`` into (known here, missing); raise for names nobody knows."""
-    jenga_names = {"jenga_static", "jenga_vmm"}
+    jenga_names = {"jenga_static", "jenga_vmm", "jenga_vmm_compact"}
     unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
     if unknown:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")

@@ -177,17 +177,24 @@ def mmmu_pro(
 
 
 def sharegpt(
-    rng: random.Random, num_requests: int = 200, mean_input: int = 1085, mean_output: int = 256
+    rng: random.Random,
+    num_requests: int = 200,
+    mean_input: int = 1085,
+    mean_output: int = 256,
+    max_input: int = 16_000,
+    max_output: int = 2_048,
 ) -> list[Request]:
-    """ShareGPT-like chat: log-normal input (mean ~1,085) and output lengths."""
+    """ShareGPT-like chat: log-normal input (mean ~1,085) and output lengths, capped."""
     _positive("num_requests", num_requests)
+    _positive("max_input", max_input)
+    _positive("max_output", max_output)
     sigma = 0.9
     mu_in = math.log(mean_input) - sigma * sigma / 2
     mu_out = math.log(mean_output) - sigma * sigma / 2
     reqs = []
     for i in range(num_requests):
-        n_in = max(4, min(16_000, int(rng.lognormvariate(mu_in, sigma))))
-        n_out = max(1, min(2_048, int(rng.lognormvariate(mu_out, sigma))))
+        n_in = max(4, min(max_input, int(rng.lognormvariate(mu_in, sigma))))
+        n_out = max(1, min(max_output, int(rng.lognormvariate(mu_out, sigma))))
         reqs.append(_make(f"sharegpt-{i}", random_ids(rng, n_in), n_out, rng))
     return reqs
 

@@ -19,6 +19,7 @@ def test_json_has_every_allocator_and_ratios(tmp_path, capsys):
         "vllm_hybrid",
         "jenga_static",
         "jenga_vmm",
+        "jenga_vmm_compact",
     ]
     assert doc["missing_allocators"] == []
     assert doc["scenario"]["workload_params"] == {
