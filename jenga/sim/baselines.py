@@ -206,6 +206,21 @@ class PagedAllocator:
         first, last = start // bs, -(-end // bs)
         return last < len(sums) and sums[last] - sums[first] == last - first
 
+    def _full_prefix_bound(self, state: RequestState, sums: list[list[int]]) -> int:
+        """Sequence tokens covered by the leading cached run of every full-attention group:
+        no hit can be longer (a cheap bound that skips most candidates)."""
+        bound = len(state.tokens)
+        for gi, layout in enumerate(self._groups):
+            if layout.spec.kind is not Kind.FULL or layout.role == "image":
+                continue
+            group_sums = sums[gi]
+            run = 0
+            while run + 1 < len(group_sums) and group_sums[run + 1] == run + 1:
+                run += 1
+            offset = state.image_tokens if layout.role == "text" else 0
+            bound = min(bound, offset + run * layout.tokens_per_block)
+        return bound
+
     def _longest_hit(self, state: RequestState) -> int:
         upper = len(state.tokens) - 1
         image = state.image_tokens
@@ -214,7 +229,8 @@ class PagedAllocator:
         steps = [g.tokens_per_block for g in self._groups if g.role != "image"] or [1]
         step = math.lcm(*steps)
         sums = [self._cached_prefix_sums(state, gi, upper) for gi in range(len(self._groups))]
-        hit = image + ((upper - image) // step) * step
+        upper = min(upper, self._full_prefix_bound(state, sums))
+        hit = image + ((upper - image) // step) * step if upper >= image else 0
         while hit > 0 and hit >= image:
             if all(self._valid_hit(state, gi, hit, sums[gi]) for gi in range(len(self._groups))):
                 return hit
