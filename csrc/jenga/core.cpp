@@ -294,14 +294,37 @@ int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
   return added;
 }
 
-std::vector<int32_t> Core::lookup(int32_t g, const std::vector<uint64_t>& hashes) const {
-  const Group& G = group(g);
-  std::vector<int32_t> out(hashes.size(), -1);
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    auto it = G.hash_to_block.find(hashes[i]);
-    if (it != G.hash_to_block.end()) out[i] = it->second;
+int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const uint64_t* hashes,
+                         int64_t first_prefix, int64_t step) {
+  Group& G = grp((group(g), g));
+  const int64_t limit = static_cast<int64_t>(G.blocks.size());
+  for (const int32_t b : blocks) {
+    if (b >= limit || (b >= 0 && G.blocks[static_cast<size_t>(b)].state != State::kUsed)) {
+      throw std::invalid_argument("group " + str(g) + ": block " + str(b) +
+                                  " is not in use; only owned blocks can be cached");
+    }
   }
-  return out;
+  int64_t added = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i] < 0) continue;
+    Block& k = G.blocks[static_cast<size_t>(blocks[i])];
+    if (k.hashed) continue;
+    if (!G.hash_to_block.emplace(hashes[i], blocks[i]).second) continue;
+    k.hashed = true;
+    k.hash = hashes[i];
+    k.prefix_len = first_prefix + static_cast<int64_t>(i) * step;
+    added += 1;
+  }
+  counters_.hashes_committed += added;
+  return added;
+}
+
+void Core::lookup(int32_t g, const uint64_t* hashes, size_t n, int32_t* out) const {
+  const Group& G = group(g);
+  for (size_t i = 0; i < n; ++i) {
+    auto it = G.hash_to_block.find(hashes[i]);
+    out[i] = it == G.hash_to_block.end() ? -1 : it->second;
+  }
 }
 
 std::vector<PlanOp> Core::drain_plan() {

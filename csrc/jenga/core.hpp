@@ -124,8 +124,12 @@ class Core {
   // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.
   int64_t commit(int32_t group, const std::vector<int32_t>& blocks,
                  const std::vector<uint64_t>& hashes, const std::vector<int64_t>& prefix_lens);
-  // Block id per hash, or -1.
-  std::vector<int32_t> lookup(int32_t group, const std::vector<uint64_t>& hashes) const;
+  // Same, for a run of consecutive blocks: prefix_len of blocks[i] = first_prefix + i * step;
+  // entries < 0 (blocks the request released) are skipped.
+  int64_t commit_run(int32_t group, const std::vector<int32_t>& blocks, const uint64_t* hashes,
+                     int64_t first_prefix, int64_t step);
+  // Block id per hash, or -1 (out[i] for hashes[i], n entries).
+  void lookup(int32_t group, const uint64_t* hashes, size_t n, int32_t* out) const;
   // The plan ops emitted since the last drain.
   std::vector<PlanOp> drain_plan();
 
