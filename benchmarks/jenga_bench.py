@@ -111,7 +111,7 @@ def api_config(pool: int) -> AllocatorConfig:
 def api_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
     alloc = JengaAllocator(api_config(pool))
     tokens = per_op * BLOCK_TOKENS
-    prompt = list(range(tokens))
+    prompt = np.arange(tokens, dtype=np.int64)
     live: list[int] = []
     for rid in range(max(1, pool // (2 * per_op))):
         alloc.add_request(rid, prompt, use_cache=False)
@@ -147,7 +147,7 @@ def core_match(pool: int, per_op: int, ops: int) -> list[int]:
 
 def api_match(pool: int, per_op: int, ops: int) -> list[int]:
     alloc = JengaAllocator(api_config(pool))
-    prompt = list(range(per_op * BLOCK_TOKENS + 1))
+    prompt = np.arange(per_op * BLOCK_TOKENS + 1, dtype=np.int64)
     alloc.add_request("warm", prompt)
     assert alloc.allocate("warm", len(prompt)) is not None
     alloc.cache("warm", len(prompt))
@@ -179,7 +179,7 @@ def core_evict(pool: int, per_op: int, ops: int) -> list[int]:
 def api_prefill(pool: int, per_op: int, ops: int) -> list[int]:
     alloc = JengaAllocator(api_config(pool))
     tokens = per_op * BLOCK_TOKENS
-    prompt = list(range(tokens))
+    prompt = np.arange(tokens, dtype=np.int64)
 
     def op(i: int) -> None:
         rid = f"r{i}"

@@ -82,9 +82,8 @@ py::tuple page_info(const Core& core, int32_t g, int32_t p) {
 
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
-py::array_t<uint64_t> hash_blocks(
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> t, int64_t tokens_per_block,
-    uint64_t parent) {
+py::array_t<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
+                                  int64_t tokens_per_block, uint64_t parent) {
   if (t.ndim() != 1) throw py::value_error("tokens must be 1-D, got " + std::to_string(t.ndim()));
   const int64_t* data = t.data();
   const int64_t n = t.shape(0);
@@ -120,9 +119,8 @@ int64_t commit_run(Core& core, int32_t g, const std::vector<int32_t>& blocks, U6
                    int64_t first_prefix, int64_t step) {
   hashes = checked_1d(hashes);
   if (static_cast<size_t>(hashes.shape(0)) != blocks.size()) {
-    throw py::value_error("commit_run needs one hash per block: " +
-                          std::to_string(blocks.size()) + " blocks, " +
-                          std::to_string(hashes.shape(0)) + " hashes");
+    throw py::value_error("commit_run needs one hash per block: " + std::to_string(blocks.size()) +
+                          " blocks, " + std::to_string(hashes.shape(0)) + " hashes");
   }
   const uint64_t* h = hashes.data();
   py::gil_scoped_release nogil;
