@@ -80,13 +80,51 @@ py::tuple page_info(const Core& core, int32_t g, int32_t p) {
   return py::make_tuple(P.mapped, P.owner, P.num_free, P.num_cached);
 }
 
-std::vector<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+py::array_t<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
                                   int64_t tokens_per_block, uint64_t parent) {
   if (t.ndim() != 1) throw py::value_error("tokens must be 1-D, got " + std::to_string(t.ndim()));
   const int64_t* data = t.data();
   const int64_t n = t.shape(0);
+  std::vector<uint64_t> out;
+  {
+    py::gil_scoped_release nogil;
+    out = jenga::hash_token_blocks(data, n, tokens_per_block, parent);
+  }
+  py::array_t<uint64_t> arr(static_cast<py::ssize_t>(out.size()));
+  std::copy(out.begin(), out.end(), arr.mutable_data());
+  return arr;
+}
+
+U64Array checked_1d(U64Array a) {
+  if (a.ndim() != 1) throw py::value_error("hashes must be 1-D, got " + std::to_string(a.ndim()));
+  return a;
+}
+
+py::array_t<int32_t> lookup(const Core& core, int32_t g, U64Array hashes) {
+  hashes = checked_1d(hashes);
+  py::array_t<int32_t> out(hashes.shape(0));
+  const uint64_t* in = hashes.data();
+  int32_t* dst = out.mutable_data();
+  const size_t n = static_cast<size_t>(hashes.shape(0));
+  {
+    py::gil_scoped_release nogil;
+    core.lookup(g, in, n, dst);
+  }
+  return out;
+}
+
+int64_t commit_run(Core& core, int32_t g, const std::vector<int32_t>& blocks, U64Array hashes,
+                   int64_t first_prefix, int64_t step) {
+  hashes = checked_1d(hashes);
+  if (static_cast<size_t>(hashes.shape(0)) != blocks.size()) {
+    throw py::value_error("commit_run needs one hash per block: " + std::to_string(blocks.size()) +
+                          " blocks, " + std::to_string(hashes.shape(0)) + " hashes");
+  }
+  const uint64_t* h = hashes.data();
   py::gil_scoped_release nogil;
-  return jenga::hash_token_blocks(data, n, tokens_per_block, parent);
+  return core.commit_run(g, blocks, h, first_prefix, step);
 }
 
 }  // namespace
@@ -104,7 +142,12 @@ void register_jenga(py::module_ m) {
            Release())
       .def("commit", &Core::commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("prefix_lens"), Release())
-      .def("lookup", &Core::lookup, py::arg("group"), py::arg("hashes"), Release())
+      .def("commit_run", &commit_run, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
+           py::arg("first_prefix"), py::arg("step"),
+           "commit() for consecutive blocks: prefix_len[i] = first_prefix + i * step; "
+           "negative block ids are skipped")
+      .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
+           "Block id per hash (int32 array), -1 where absent")
       .def("drain_plan", &plan_arrays)
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
