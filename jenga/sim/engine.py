@@ -14,8 +14,7 @@ Approach
            blocks to the cache, recompute later) and retry;
         2. if nothing was preempted, admit arrived waiting requests in order: prefix
            lookup (``admit``), then allocate the first chunk; stop at the first that
-           does not fit, at the budget or at ``max_num_seqs`` (a request that did not
-           fit is retried only once running requests hold less memory than then);
+           does not fit, at the budget or at ``max_num_seqs``;
         3. execute: advance computed tokens; a request whose sequence is computed emits
            its next output token; finished requests are released;
         4. record the step: memory held versus what the step's tokens needed
@@ -102,7 +101,6 @@ class Engine:
         self._on_step = on_step
         self._alloc_s = 0.0
         self._preempted_in_step = 0
-        self._blocked: tuple[str, int] | None = None  # (request, live bytes) of a failed admit
 
     # --- timed allocator calls ----------------------------------------------------------
 
@@ -167,16 +165,12 @@ class Engine:
             and waiting[0].request.arrival_s <= now
         ):
             s = waiting[0]
-            if self._still_blocked(s):
-                break
             hit = self._admit(s)
             n_new = min(len(s.tokens) - hit, budget)
             if not self._allocate(s, hit + n_new):
                 self._release(s)
                 s.num_computed = 0
-                self._blocked = (s.req_id, self.alloc.snapshot().live_bytes)
                 break
-            self._blocked = None
             if not s.admitted:
                 s.admitted, s.hit_tokens = True, hit
                 result.hit_tokens += hit
@@ -186,14 +180,6 @@ class Engine:
             scheduled.append((s, n_new))
             budget -= n_new
         return scheduled
-
-    def _still_blocked(self, s: RequestState) -> bool:
-        """True when ``s`` failed to fit and nothing was released since: memory held by
-        requests only grew, so the same admission would fail again (skipping it saves the
-        prefix lookup; results are unchanged)."""
-        if self._blocked is None or self._blocked[0] != s.req_id:
-            return False
-        return self.alloc.snapshot().live_bytes >= self._blocked[1]
 
     # --- execution ----------------------------------------------------------------------
 
