@@ -113,6 +113,15 @@ SCENARIOS: dict[str, Scenario] = {
             note="Jenga paper Fig. 17: Gemma 2, N articles x M questions, cache < articles",
         ),
         Scenario(
+            "articles-gemma3",
+            "gemma-3-12b",
+            "h100-80gb",
+            "articles-questions",
+            {"num_articles": 16, "questions_per_article": 8, "article_len": 8000},
+            kv_gib=16.0,
+            note="Fig. 17 variant: Gemma 3 12B (1K window, 5:1), 8K-token articles, 16 GiB",
+        ),
+        Scenario(
             "sharegpt-gemma3",
             "gemma-3-12b",
             "h100-80gb",

@@ -80,3 +80,21 @@ def test_hybrid_fits_more_gemma_requests_than_uniform():
     hyb = summarize(run(trace, capacity, EngineConfig(), "vllm_hybrid", "gemma-2-9b"))
     assert hyb.avg_decode_batch > uni.avg_decode_batch
     assert hyb.waste < 0.01 < 0.2 < uni.waste
+
+
+@pytest.mark.parametrize("allocator", ["uniform", "vllm_hybrid"])
+def test_runs_are_deterministic(allocator):
+    trace = make_trace(
+        "articles-questions",
+        num_articles=4,
+        questions_per_article=3,
+        article_len=3000,
+        question_len=32,
+        output_len=8,
+    )
+    first = run(trace, 2 << 30, EngineConfig(), allocator, "gemma-2-9b")
+    second = run(trace, 2 << 30, EngineConfig(), allocator, "gemma-2-9b")
+    first.timeline.pop("alloc_cpu_s")
+    second.timeline.pop("alloc_cpu_s")
+    assert first.timeline == second.timeline
+    assert first.hit_tokens == second.hit_tokens > 0

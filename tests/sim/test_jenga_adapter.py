@@ -57,3 +57,20 @@ def test_prefix_hits_on_shared_prefixes():
     # the first prompt of each group misses; the other 6 hit all 512 system tokens
     assert result.hit_tokens == 6 * 512
     assert summarize(result).hit_rate == 6 * 512 / (8 * 544)
+
+
+def test_jenga_runs_are_deterministic():
+    trace = make_trace(
+        "articles-questions",
+        num_articles=4,
+        questions_per_article=3,
+        article_len=3000,
+        question_len=32,
+        output_len=8,
+    )
+    first = run("jenga_vmm", "gemma-2-9b", trace, 2 << 30, EngineConfig())
+    second = run("jenga_vmm", "gemma-2-9b", trace, 2 << 30, EngineConfig())
+    first.timeline.pop("alloc_cpu_s")
+    second.timeline.pop("alloc_cpu_s")
+    assert first.timeline == second.timeline
+    assert first.hit_tokens == second.hit_tokens > 0
