@@ -196,13 +196,24 @@ class PagedAllocator:
             sums.append(sums[-1] + ((gi, h) in self._index))
         return sums
 
-    def _valid_hit(self, state: RequestState, gi: int, hit: int, sums: list[int]) -> bool:
+    def _hit_interval(self, gi: int, state: RequestState, hit: int) -> tuple[int, int]:
+        """Tokens (group coordinates) that must be cached for a hit of ``hit`` tokens.
+
+        A vision-embedding cache is not needed once the hit covers the whole image (its
+        tokens were consumed when the image's positions were computed)."""
         layout = self._groups[gi]
-        bs = layout.tokens_per_block
         length = group_length(layout.role, hit, state.image_tokens)
         if length == 0:
+            return 0, 0
+        if layout.spec.kind is Kind.VISION_EMBEDDING and hit >= state.image_tokens:
+            return length, length
+        return kept_interval(layout.spec, length, prompt_done=False)
+
+    def _valid_hit(self, state: RequestState, gi: int, hit: int, sums: list[int]) -> bool:
+        bs = self._groups[gi].tokens_per_block
+        start, end = self._hit_interval(gi, state, hit)
+        if end == start:
             return True
-        start, end = kept_interval(layout.spec, length, prompt_done=False)
         first, last = start // bs, -(-end // bs)
         return last < len(sums) and sums[last] - sums[first] == last - first
 
@@ -217,7 +228,7 @@ class PagedAllocator:
             run = 0
             while run + 1 < len(group_sums) and group_sums[run + 1] == run + 1:
                 run += 1
-            offset = state.image_tokens if layout.role == "text" else 0
+            offset = state.image_tokens if layout.role == "text" else 0  # "all": none
             bound = min(bound, offset + run * layout.tokens_per_block)
         return bound
 
@@ -228,9 +239,11 @@ class PagedAllocator:
             return 0
         steps = [g.tokens_per_block for g in self._groups if g.role != "image"] or [1]
         step = math.lcm(*steps)
+        # block boundaries of text groups count from the image's end ("text") or from 0
+        offset = image if any(g.role == "text" for g in self._groups) else 0
         sums = [self._cached_prefix_sums(state, gi, upper) for gi in range(len(self._groups))]
         upper = min(upper, self._full_prefix_bound(state, sums))
-        hit = image + ((upper - image) // step) * step if upper >= image else 0
+        hit = offset + ((upper - offset) // step) * step
         while hit > 0 and hit >= image:
             if all(self._valid_hit(state, gi, hit, sums[gi]) for gi in range(len(self._groups))):
                 return hit
@@ -245,13 +258,13 @@ class PagedAllocator:
         hit = self._longest_hit(state)
         tables: list[list[int | None]] = []
         for gi, layout in enumerate(self._groups):
+            start, end = self._hit_interval(gi, state, hit)
             length = group_length(layout.role, hit, state.image_tokens)
-            start, end = kept_interval(layout.spec, length, prompt_done=False) if length else (0, 0)
-            num_blocks = -(-end // layout.tokens_per_block)
+            num_blocks = -(-length // layout.tokens_per_block)
             hashes = self._hashes(state, gi, num_blocks)
             table: list[int | None] = []
             for j in range(num_blocks):
-                if (j + 1) * layout.tokens_per_block <= start:
+                if end == start or (j + 1) * layout.tokens_per_block <= start:
                     table.append(None)
                     continue
                 block_id = self._index[(gi, hashes[j])]
@@ -377,7 +390,9 @@ def max_page(model: ModelSpec, capacity: int) -> PagedAllocator:
     _reject_mamba(model, "max_page")
     page = max(_small_page(g.spec) for g in model.groups)
     layouts = tuple(
-        GroupLayout(g.name, g.spec, role_of(g.spec), BASE_BLOCK_TOKENS, g.num_layers * page, 0)
+        GroupLayout(
+            g.name, g.spec, role_of(g.spec, model), BASE_BLOCK_TOKENS, g.num_layers * page, 0
+        )
         for g in model.groups
     )
     return PagedAllocator(PagedConfig("max_page", layouts, (capacity,)))
@@ -389,7 +404,12 @@ def vllm_hybrid(model: ModelSpec, capacity: int) -> PagedAllocator:
     page = max(_small_page(g.spec) for g in model.groups)
     layouts = tuple(
         GroupLayout(
-            g.name, g.spec, role_of(g.spec), page // g.spec.bytes_per_token, g.num_layers * page, 0
+            g.name,
+            g.spec,
+            role_of(g.spec, model),
+            page // g.spec.bytes_per_token,
+            g.num_layers * page,
+            0,
         )
         for g in model.groups
     )
@@ -402,7 +422,7 @@ def static_partition(model: ModelSpec, capacity: int) -> PagedAllocator:
     costs = [g.num_layers * _small_page(g.spec) for g in model.groups]
     blocks_each = capacity // sum(costs)
     layouts = tuple(
-        GroupLayout(g.name, g.spec, role_of(g.spec), BASE_BLOCK_TOKENS, cost, i)
+        GroupLayout(g.name, g.spec, role_of(g.spec, model), BASE_BLOCK_TOKENS, cost, i)
         for i, (g, cost) in enumerate(zip(model.groups, costs, strict=True))
     )
     pools = tuple(blocks_each * c for c in costs)

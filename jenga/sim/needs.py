@@ -10,8 +10,11 @@ Approach
     one *role* of that sequence:
 
         role "image": the image tokens only     (cross attention, vision embedding)
-        role "text":  everything after them     (self attention of any kind, Mamba)
-        role "all":   the whole sequence        (uniform paging: every layer, every token)
+        role "text":  everything after them     (self attention and Mamba in a model
+                                                 with cross attention: Llama 3.2 Vision)
+        role "all":   the whole sequence        (self attention and Mamba otherwise:
+                                                 LLaVA-style models put the image in the
+                                                 text stream; and uniform paging)
 
     `kept_interval` gives, in the group's own token coordinates, the tokens the group
     must still hold once ``n`` sequence tokens are computed. A sliding window of w keeps
@@ -35,9 +38,16 @@ from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec
 IMAGE_KINDS = frozenset({Kind.CROSS_ATTENTION, Kind.VISION_EMBEDDING})
 
 
-def role_of(spec: LayerSpec) -> str:
-    """Which part of the sequence a layer kind stores ("image" or "text")."""
-    return "image" if spec.kind in IMAGE_KINDS else "text"
+def role_of(spec: LayerSpec, model: ModelSpec) -> str:
+    """Which part of the sequence a group stores ("image", "text" or "all").
+
+    Image kinds store the image. Other layers see the image tokens only when the model
+    has no cross attention (the image's embeddings sit in the text stream).
+    """
+    if spec.kind in IMAGE_KINDS:
+        return "image"
+    has_cross = any(g.spec.kind is Kind.CROSS_ATTENTION for g in model.groups)
+    return "text" if has_cross else "all"
 
 
 def group_length(role: str, n: int, image_tokens: int) -> int:
@@ -71,19 +81,21 @@ def kept_interval(spec: LayerSpec, length: int, prompt_done: bool) -> tuple[int,
     return 0, length
 
 
-def group_needed_bytes(group: KVGroup, n: int, image_tokens: int, prompt_done: bool) -> int:
+def group_needed_bytes(
+    model: ModelSpec, group: KVGroup, n: int, image_tokens: int, prompt_done: bool
+) -> int:
     """Bytes group ``group`` must hold for one request with ``n`` computed tokens."""
     spec = group.spec
     if spec.kind is Kind.MAMBA:
         return group.num_layers * spec.page_bytes if n > 0 else 0
-    length = group_length(role_of(spec), n, image_tokens)
+    length = group_length(role_of(spec, model), n, image_tokens)
     start, end = kept_interval(spec, length, prompt_done)
     return group.num_layers * spec.bytes_per_token * (end - start)
 
 
 def needed_bytes(model: ModelSpec, n: int, image_tokens: int = 0, prompt_done: bool = False) -> int:
     """Bytes the whole model must hold for one request with ``n`` computed tokens."""
-    return sum(group_needed_bytes(g, n, image_tokens, prompt_done) for g in model.groups)
+    return sum(group_needed_bytes(model, g, n, image_tokens, prompt_done) for g in model.groups)
 
 
 def step_needed_bytes(
@@ -101,7 +113,7 @@ def step_needed_bytes(
         if spec.kind is Kind.MAMBA:
             total += g.num_layers * spec.page_bytes
             continue
-        role = role_of(spec)
+        role = role_of(spec, model)
         lo = group_length(role, first, image_tokens)
         hi = group_length(role, end, image_tokens)
         start = kept_interval(spec, lo, prompt_done)[0] if lo else 0

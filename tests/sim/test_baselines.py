@@ -126,3 +126,42 @@ def test_static_partition_pools_hold_equal_blocks():
 def test_mamba_models_are_rejected_with_a_reason():
     with pytest.raises(SimError, match="Mamba"):
         baselines.uniform(get_model("jamba-1.5-mini"), 1 << 34)
+
+
+def llava_state(req_id: str, image_key: int, text: tuple[int, ...]) -> RequestState:
+    from jenga.sim.workloads import image_ids
+
+    image = image_ids(image_key, 100)
+    prompt = image + text
+    return RequestState(Request(req_id, prompt, (5, 6), image_tokens=100))
+
+
+def test_llava_text_layers_store_the_image_positions():
+    model = get_model("llava-onevision-7b")
+    alloc = baselines.vllm_hybrid(model, 1 << 30)
+    assert [g.role for g in alloc.config.groups] == ["all", "image"]
+    s = llava_state("a", 1, tuple(range(40)))
+    run_prefill(alloc, s)
+    full, vision = alloc.config.groups
+    live = alloc.snapshot().group_live_bytes
+    assert live[full.name] == -(-140 // full.tokens_per_block) * full.block_cost
+    assert live[vision.name] == -(-100 // vision.tokens_per_block) * vision.block_cost
+
+
+def test_llava_hit_needs_no_vision_embedding_after_the_image():
+    model = get_model("llava-onevision-7b")
+    alloc = baselines.vllm_hybrid(model, 1 << 30)
+    a = llava_state("a", 1, tuple(range(200)))
+    run_prefill(alloc, a)
+    assert alloc.allocate(a, len(a.tokens))  # prompt done: the embeddings are released
+    alloc.release(a)
+    full = alloc.config.groups[0]
+    for block_id in list(alloc._lru[0]):
+        if alloc._blocks[block_id].group == 1:
+            alloc._lru[0].move_to_end(block_id, last=False)
+    while any(alloc._blocks[b].group == 1 for b in alloc._lru[0]):
+        alloc._evict_one(0)  # drop every cached vision-embedding block
+    b = llava_state("b", 1, (*range(200), 9))
+    expected = (300 // full.tokens_per_block) * full.tokens_per_block
+    assert run_prefill(alloc, b) == expected
+    assert run_prefill(alloc, llava_state("c", 2, tuple(range(200)))) == 0  # other image
