@@ -165,3 +165,19 @@ def test_llava_hit_needs_no_vision_embedding_after_the_image():
     expected = (300 // full.tokens_per_block) * full.tokens_per_block
     assert run_prefill(alloc, b) == expected
     assert run_prefill(alloc, llava_state("c", 2, tuple(range(200)))) == 0  # other image
+
+
+def test_page_shapes_for_a_draft_target_pair():
+    pair = get_model("llama-3.1-8b+llama-3.2-1b")  # target 64 KiB pages, draft 32 KiB
+    hybrid = baselines.vllm_hybrid(pair, 1 << 30).config.groups
+    assert [(g.tokens_per_block, g.block_cost) for g in hybrid] == [
+        (16, 32 * 64 * 1024),
+        (32, 16 * 64 * 1024),
+    ]
+    maxp = baselines.max_page(pair, 1 << 30).config.groups
+    assert [(g.tokens_per_block, g.block_cost) for g in maxp] == [
+        (16, 32 * 64 * 1024),
+        (16, 16 * 64 * 1024),
+    ]
+    uni = baselines.uniform(pair, 1 << 30).config.groups
+    assert [(g.tokens_per_block, g.block_cost) for g in uni] == [(16, 16 * (32 * 4096 + 16 * 2048))]

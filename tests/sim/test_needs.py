@@ -8,7 +8,7 @@ from jenga.sim.engine import Engine, EngineConfig
 from jenga.sim.hardware import get_gpu
 from jenga.sim.metrics import summarize
 from jenga.sim.models import get_model
-from jenga.sim.needs import needed_bytes, uniform_bytes, uniform_waste
+from jenga.sim.needs import needed_bytes, step_needed_bytes, uniform_bytes, uniform_waste
 from jenga.sim.workloads import Request, Trace, image_ids, random_ids
 
 GIB = 1 << 30
@@ -77,3 +77,41 @@ def test_engine_measures_gemma_8k_decode_waste(allocator, held_tokens):
     assert tl["needed_bytes"][1] == (21 * 8191 + 21 * 4097) * per_token_layer
     assert tl["live_bytes"][1] == held_tokens * per_token_layer
     assert summarize(result).steps == 3
+
+
+def test_chunked_local_keeps_the_current_chunk():
+    scout = get_model("llama-4-scout")  # 36 chunked layers (8192) + 12 full
+    per = scout.groups[0].spec.bytes_per_token
+    assert needed_bytes(scout, 10_000) == (36 * (10_000 - 8192) + 12 * 10_000) * per
+    assert needed_bytes(scout, 8192) == (36 * 8192 + 12 * 8192) * per
+
+
+def test_vision_embedding_until_the_prompt_is_done():
+    llava = get_model("llava-onevision-7b")
+    full, vision = llava.groups
+    during = needed_bytes(llava, 1000, image_tokens=700, prompt_done=False)
+    after = needed_bytes(llava, 1000, image_tokens=700, prompt_done=True)
+    assert during == 28 * 1000 * full.spec.bytes_per_token + 700 * vision.spec.bytes_per_token
+    assert after == 28 * 1000 * full.spec.bytes_per_token  # text layers hold the image positions
+
+
+def test_pyramidkv_layers_keep_their_share():
+    pyramid = get_model("pyramidkv-llama-3.1-8b")
+    per = pyramid.groups[0].spec.bytes_per_token
+    assert needed_bytes(pyramid, 1000) == 8 * (1000 + 750 + 500 + 250) * per
+
+
+def test_mamba_keeps_one_state():
+    jamba = get_model("jamba-1.5-mini")
+    mamba, full = jamba.groups
+    assert (
+        needed_bytes(jamba, 5000)
+        == 28 * mamba.spec.state_bytes + 4 * 5000 * full.spec.bytes_per_token
+    )
+
+
+def test_step_need_adds_the_window_before_a_chunk():
+    gemma = get_model("gemma-2-9b")
+    per = gemma.groups[0].spec.bytes_per_token
+    # a chunk [6000, 8000): sliding layers read from 6000 - 4096 = 1904
+    assert step_needed_bytes(gemma, 6000, 8000) == (21 * (8000 - 1904) + 21 * 8000) * per
