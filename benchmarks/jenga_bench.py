@@ -94,7 +94,7 @@ def core_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
     base = len(live)
 
     def op(i: int) -> None:
-        got = core.allocate(base + i, [per_op], base + i)
+        got = core.allocate_arrays(base + i, [per_op], base + i)
         assert got is not None
         live.append(got[0])
         core.release(0, live.pop(0), base + i)
@@ -168,7 +168,7 @@ def core_evict(pool: int, per_op: int, ops: int) -> list[int]:
     core.drain_plan()
 
     def op(i: int) -> None:
-        new = core.allocate(i + 1, [per_op], i + 2)
+        new = core.allocate_arrays(i + 1, [per_op], i + 2)
         assert new is not None
         core.release(0, new[0], i + 2)  # uncached: their pages return to the pool
         core.drain_plan()
