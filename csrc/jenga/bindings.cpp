@@ -182,8 +182,8 @@ void register_jenga(py::module_ m) {
            py::arg("compact_order") = false)
       .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
-      .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"),
-           py::arg("now"), py::arg("releases") = std::vector<I32Array>{},
+      .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
+           py::arg("releases") = std::vector<I32Array>{},
            "allocate() taking and returning int32 arrays")
       .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
