@@ -88,11 +88,14 @@ def evict(pool_blocks: int, per_op: int, ops: int) -> list[int]:
     blocks = pool.get_new_blocks(pool_blocks)
     cache(pool, blocks, [HASH(("evict", i)) for i in range(pool_blocks)])
     pool.free_blocks(reversed(blocks))
+    fresh = [[HASH(("new", i, j)) for j in range(per_op)] for i in range(ops)]
 
     def op(i: int) -> None:
-        pool.free_blocks(reversed(pool.get_new_blocks(per_op)))
+        new = pool.get_new_blocks(per_op)
+        cache(pool, new, fresh[i])
+        pool.free_blocks(reversed(new))
 
-    return timed(op, min(ops, pool_blocks // per_op - 1))
+    return timed(op, ops)
 
 
 def prefill(pool_blocks: int, per_op: int, ops: int) -> list[int]:

@@ -50,7 +50,7 @@ from vmm._core import jenga as _core
 from jenga.pages import PageTable
 from jenga.plan import MappingPlan, plan_from_arrays
 from jenga.policies import Policy, make_policy
-from jenga.prefix import HashChain, TokenBuffer, image_block_hashes
+from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
 NULL_BLOCK = -1
@@ -200,12 +200,12 @@ class Usage:
 @dataclass
 class _Request:
     internal_id: int
-    tokens: TokenBuffer
+    tokens: IntBuffer
     images: tuple[ImageSpan, ...]
     salt: int
     num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
     num_hit: int = 0
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[IntBuffer] = field(default_factory=list)  # int32 block ids per group
     first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
     num_committed: list[int] = field(default_factory=list)  # leading blocks offered to index
     chains: dict[int, HashChain] = field(default_factory=dict)  # tokens_per_block -> chain
@@ -312,7 +312,7 @@ class JengaAllocator:
         self._check_length(f"request {request_id!r} prompt", len(prompt))
         spans = _checked_images(images, len(prompt))
         req = _Request(self._next_internal, TokenBuffer(prompt), spans, salt)
-        req.tables = [[] for _ in self.config.groups]
+        req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
         req.num_committed = [0] * self.num_groups
         hit, hit_blocks = self._match(req) if use_cache else (0, [])
@@ -320,7 +320,7 @@ class JengaAllocator:
         for g, blocks in enumerate(hit_blocks):
             policy = self.policies[g]
             self._core.acquire(g, [b for b in blocks if b != NULL_BLOCK], now)
-            req.tables[g] = blocks
+            req.tables[g] = IntBuffer(blocks, np.int32)
             req.first_live[g] = min(policy.first_live_block(hit, spans), len(blocks))
             req.num_committed[g] = len(blocks)
         req.num_tokens = req.num_hit = hit
@@ -348,29 +348,27 @@ class JengaAllocator:
             )
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(f"request {request_id!r} after allocate", new)
-        releases: list[list[int]] = []
+        releases: list[np.ndarray] = []
         counts: list[int] = []
         firsts: list[int] = []
         for g, policy in enumerate(self.policies):
             table = req.tables[g]
             first = min(policy.first_live_block(old, req.images), len(table))
-            releases.append(table[req.first_live[g] : first])  # live entries: never NULL
+            releases.append(table.view(req.first_live[g], first))  # live: never NULL
             firsts.append(max(first, req.first_live[g]))
             counts.append(max(0, policy.num_blocks(new, req.images) - len(table)))
-        got = self._core.allocate(req.internal_id, counts, self._tick(), releases)
+        got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = plan_from_arrays(*self._core.drain_plan())
         if got is None:
             return None
+        released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         for g, blocks in enumerate(got):
             table = req.tables[g]
-            for i in range(req.first_live[g], firsts[g]):
-                table[i] = NULL_BLOCK
+            table.view(req.first_live[g], firsts[g])[:] = NULL_BLOCK
             req.first_live[g] = firsts[g]
             table.extend(blocks)
         req.num_tokens = new
-        return Allocation(
-            tuple(tuple(b) for b in got), tuple(tuple(r) for r in releases), plan, new
-        )
+        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
 
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
@@ -408,12 +406,13 @@ class JengaAllocator:
             if stop <= start:
                 return 0
             hashes = self._image_hashes(req, policy)[start:stop]
-            picked = [i for i in range(start, stop) if table[i] != NULL_BLOCK]
+            ids = table.view(start, stop).tolist()
+            picked = [i for i in range(start, stop) if ids[i - start] != NULL_BLOCK]
             req.num_committed[g] = stop
             return int(
                 self._core.commit(
                     g,
-                    [table[i] for i in picked],
+                    [ids[i - start] for i in picked],
                     [hashes[i - start] for i in picked],
                     [policy.prefix_length(i, req.images) for i in picked],
                 )
@@ -427,7 +426,7 @@ class JengaAllocator:
         req.num_committed[g] = stop
         return int(
             self._core.commit_run(
-                g, table[start:stop], chain.hashes[start:stop], (start + 1) * t, t
+                g, table.view(start, stop), chain.hashes[start:stop], (start + 1) * t, t
             )
         )
 
@@ -453,7 +452,7 @@ class JengaAllocator:
         req = self._request(request_id)
         now = self._tick()
         for g in range(self.num_groups):
-            self._core.release(g, req.tables[g][req.first_live[g] :], now)
+            self._core.release(g, req.tables[g].view(req.first_live[g]), now)
         del self._requests[request_id]
         self._freed.add(request_id)
         return plan_from_arrays(*self._core.drain_plan())
@@ -507,7 +506,7 @@ class JengaAllocator:
     # -- queries ----------------------------------------------------------------------
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:
         """The request's block ids in ``group`` by block index; `NULL_BLOCK` where released."""
-        return list(self._request(request_id).tables[self._group(group)])
+        return self._request(request_id).tables[self._group(group)].tolist()
 
     def _group(self, group: int | str) -> int:
         if isinstance(group, str):
@@ -573,7 +572,7 @@ class JengaAllocator:
         for g in range(self.num_groups):
             refs: dict[int, int] = {}
             for rid, req in self._requests.items():
-                table = req.tables[g]
+                table = req.tables[g].tolist()
                 assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
                     f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
                 )

@@ -62,31 +62,49 @@ def effective_tokens(
     return arr
 
 
-class TokenBuffer:
-    """A request's token ids in a growable int64 array (slices are views, not copies)."""
+class IntBuffer:
+    """A growable 1-D integer array: amortized O(1) appends, slices are views (no copies).
+
+    Holds a request's token ids (int64) and its block table per group (int32), so both
+    reach the C++ core as buffers rather than one Python int per entry.
+    """
 
     __slots__ = ("_buf", "size")
 
-    def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
-        arr = np.array(tokens, dtype=np.int64)
+    def __init__(self, values: Sequence[int] | np.ndarray = (), dtype: type = np.int64) -> None:
+        arr: np.ndarray = np.array(values, dtype=dtype)
         self._buf = arr
         self.size = len(arr)
 
     def __len__(self) -> int:
         return self.size
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        n = len(tokens)
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.size:
+            raise IndexError(f"index {i} out of range [0, {self.size})")
+        return int(self._buf[i])
+
+    def extend(self, values: Sequence[int] | np.ndarray) -> None:
+        n = len(values)
         if self.size + n > len(self._buf):
-            grown = np.empty(max(2 * len(self._buf), self.size + n, 16), dtype=np.int64)
+            grown = np.empty(max(2 * len(self._buf), self.size + n, 16), dtype=self._buf.dtype)
             grown[: self.size] = self._buf[: self.size]
             self._buf = grown
-        self._buf[self.size : self.size + n] = tokens
+        self._buf[self.size : self.size + n] = values
         self.size += n
 
     def view(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         stop = self.size if stop is None else min(stop, self.size)
         return self._buf[start:stop]
+
+    def tolist(self) -> list[int]:
+        out: list[int] = self._buf[: self.size].tolist()
+        return out
+
+
+def TokenBuffer(tokens: Sequence[int] | np.ndarray) -> IntBuffer:
+    """A request's token ids as an int64 `IntBuffer`."""
+    return IntBuffer(tokens, np.int64)
 
 
 class HashChain:
@@ -107,7 +125,7 @@ class HashChain:
     def hashes(self) -> np.ndarray:
         return self._buf[: self.count]
 
-    def extend(self, tokens: TokenBuffer, num_tokens: int, images: Sequence[object]) -> None:
+    def extend(self, tokens: IntBuffer, num_tokens: int, images: Sequence[object]) -> None:
         """Hash the complete blocks within ``tokens[:num_tokens]`` not hashed yet."""
         t = self.tokens_per_block
         done = self.count * t

@@ -115,8 +115,11 @@ py::array_t<int32_t> lookup(const Core& core, int32_t g, U64Array hashes) {
   return out;
 }
 
-int64_t commit_run(Core& core, int32_t g, const std::vector<int32_t>& blocks, U64Array hashes,
-                   int64_t first_prefix, int64_t step) {
+int64_t commit_run(Core& core, int32_t g,
+                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& arr,
+                   U64Array hashes, int64_t first_prefix, int64_t step) {
+  if (arr.ndim() != 1) throw py::value_error("blocks must be 1-D");
+  const std::vector<int32_t> blocks(arr.data(), arr.data() + arr.shape(0));
   hashes = checked_1d(hashes);
   if (static_cast<size_t>(hashes.shape(0)) != blocks.size()) {
     throw py::value_error("commit_run needs one hash per block: " + std::to_string(blocks.size()) +
@@ -125,6 +128,49 @@ int64_t commit_run(Core& core, int32_t g, const std::vector<int32_t>& blocks, U6
   const uint64_t* h = hashes.data();
   py::gil_scoped_release nogil;
   return core.commit_run(g, blocks, h, first_prefix, step);
+}
+
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+std::vector<int32_t> to_vector(const I32Array& a) {
+  if (a.ndim() != 1) throw py::value_error("blocks must be 1-D, got " + std::to_string(a.ndim()));
+  return std::vector<int32_t>(a.data(), a.data() + a.shape(0));
+}
+
+py::array_t<int32_t> to_array(const std::vector<int32_t>& v) {
+  py::array_t<int32_t> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+// allocate() with int32 arrays in and out: one memcpy per group instead of an int object
+// per block (the engine-facing API keeps block tables in arrays too).
+py::object allocate_arrays(Core& core, int64_t owner, const std::vector<int32_t>& counts,
+                           int64_t now, const std::vector<I32Array>& releases) {
+  std::vector<std::vector<int32_t>> rel;
+  rel.reserve(releases.size());
+  for (const I32Array& r : releases) rel.push_back(to_vector(r));
+  std::optional<std::vector<std::vector<int32_t>>> got;
+  {
+    py::gil_scoped_release nogil;
+    got = core.allocate(owner, counts, now, rel);
+  }
+  if (!got) return py::none();
+  py::list out;
+  for (const auto& blocks : *got) out.append(to_array(blocks));
+  return out;
+}
+
+void release_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
+  std::vector<int32_t> v = to_vector(blocks);
+  py::gil_scoped_release nogil;
+  core.release(g, v, now);
+}
+
+void acquire_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
+  std::vector<int32_t> v = to_vector(blocks);
+  py::gil_scoped_release nogil;
+  core.acquire(g, v, now);
 }
 
 }  // namespace
@@ -136,10 +182,11 @@ void register_jenga(py::module_ m) {
            py::arg("compact_order") = false)
       .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
-      .def("release", &Core::release, py::arg("group"), py::arg("blocks"), py::arg("now"),
-           Release())
-      .def("acquire", &Core::acquire, py::arg("group"), py::arg("blocks"), py::arg("now"),
-           Release())
+      .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
+           py::arg("releases") = std::vector<I32Array>{},
+           "allocate() taking and returning int32 arrays")
+      .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
+      .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("commit", &Core::commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("prefix_lens"), Release())
       .def("commit_run", &commit_run, py::arg("group"), py::arg("blocks"), py::arg("hashes"),

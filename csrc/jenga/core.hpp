@@ -220,7 +220,12 @@ class Core {
   void remove_from_free_set(Group& G, int32_t page);
   void add_to_free_set(Group& G, int32_t page);
 
+  struct PageTally {
+    int64_t mapped = 0, cached = 0, free_blocks = 0;
+  };
   void check_group(int32_t g, bool expensive) const;
+  std::vector<char> check_lru(const Group& G, const std::string& where) const;
+  void check_page(int32_t g, int32_t p, const std::vector<char>& in_lru, PageTally& tally) const;
 
   std::vector<Group> groups_;
   int64_t total_units_;
