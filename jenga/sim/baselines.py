@@ -1,9 +1,10 @@
-"""Baseline paged allocators: uniform paging, MAX page, vLLM-style hybrid, static partition.
+"""Baseline paged allocators: uniform paging, vLLM-style hybrid, static partition.
 
 Rationale
     The paper compares Jenga with PagedAttention-style engines. Those engines are *not*
     Jenga: they cut memory into equal pages and give each layer group one page per
-    block. One small, generic paged pool expresses all four baselines by configuration
+    block, and evict like vLLM's block pool (one LRU, a finished request's tail first).
+    One small, generic paged pool expresses these baselines by configuration
     (which groups, tokens per block, bytes charged per block, which pool), so the
     comparison differs only where the engines differ.
 
@@ -13,7 +14,6 @@ Approach
     every baseline, so byte accounting is exact (no cross-size fragmentation).
 
         uniform          one group "all", every layer stores every token, 16 tokens/block
-        max_page         real groups, every layer's page padded to the largest small page
         vllm_hybrid      real groups, equal page bytes: tokens/block = page // bytes/token
         static_partition real groups, one pool per group, equal blocks per group
 
@@ -22,6 +22,9 @@ Approach
     image's hash for text after an image). Sliding-window / chunked blocks that left the
     kept interval (`needs.kept_interval`) are released to the cache at once. A prefix
     hit is the longest length valid in every group (its kept interval fully cached).
+
+    The MAX-page baseline is not here: it is a page-table configuration of the real
+    Jenga core (`jenga_adapter.max_page`).
 
 Limitations
     No Mamba groups (raises SimError). LRU ties follow release order (tail first).
@@ -383,19 +386,6 @@ def uniform(model: ModelSpec, capacity: int) -> PagedAllocator:
 
 def _small_page(spec: LayerSpec) -> int:
     return spec.bytes_per_token * BASE_BLOCK_TOKENS
-
-
-def max_page(model: ModelSpec, capacity: int) -> PagedAllocator:
-    """Every layer's page padded to the largest small page (paper §4.4 MAX)."""
-    _reject_mamba(model, "max_page")
-    page = max(_small_page(g.spec) for g in model.groups)
-    layouts = tuple(
-        GroupLayout(
-            g.name, g.spec, role_of(g.spec, model), BASE_BLOCK_TOKENS, g.num_layers * page, 0
-        )
-        for g in model.groups
-    )
-    return PagedAllocator(PagedConfig("max_page", layouts, (capacity,)))
 
 
 def vllm_hybrid(model: ModelSpec, capacity: int) -> PagedAllocator:

@@ -15,9 +15,14 @@ Approach
         jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
-    Bytes: a block of group g holds ``page_bytes x layers`` real bytes; live = blocks
-    owned by requests, cached = evictable blocks. Committed = the whole buffer in
-    static mode; mapped units (chunks) x unit bytes in VMM mode.
+    A third configuration is the MAX baseline of the paper's §4.4 (``max_page``): the
+    same core with a static page table whose unit is the largest group block, every
+    other group's block padded to it.
+
+    Bytes: a block is charged its share of a large page (``large page bytes /
+    blocks per large page``: its real bytes plus its share of a VMM tail or of MAX
+    padding); live = blocks owned by requests, cached = evictable blocks. Committed =
+    the whole buffer in static modes; mapped units (chunks) x unit bytes in VMM mode.
 
 Limitations
     Image tokens are given to the core as an `ImageSpan` over the prompt positions they
@@ -55,7 +60,9 @@ class JengaCoreAllocator:
         self.core = JengaAllocator(
             AllocatorConfig.from_page_table(model, table, self._total_units, order)
         )
-        self._block_bytes = [g.spec.page_bytes * g.num_layers for g in model.groups]
+        # bytes a block is charged: its share of a large page (padding and tails included)
+        self._page_bytes = [table.group(g.name).large_page_total_bytes for g in model.groups]
+        self._blocks_per_page = [table.group(g.name).blocks_per_large_page for g in model.groups]
         self._group_names = [g.name for g in model.groups]
         self._known_tokens: dict[str, int] = {}
 
@@ -97,8 +104,8 @@ class JengaCoreAllocator:
 
     def snapshot(self) -> AllocatorSnapshot:
         use = self.core.usage()
-        live = [n * b for n, b in zip(use.used_blocks, self._block_bytes, strict=True)]
-        cached = sum(n * b for n, b in zip(use.cached_blocks, self._block_bytes, strict=True))
+        live = [self._charged(g, n) for g, n in enumerate(use.used_blocks)]
+        cached = sum(self._charged(g, n) for g, n in enumerate(use.cached_blocks))
         units = use.used_units if self.table.mode == "vmm" else use.total_units
         return AllocatorSnapshot(
             capacity_bytes=use.total_units * self._unit_bytes,
@@ -107,6 +114,9 @@ class JengaCoreAllocator:
             cached_bytes=cached,
             group_live_bytes=dict(zip(self._group_names, live, strict=True)),
         )
+
+    def _charged(self, group: int, num_blocks: int) -> int:
+        return num_blocks * self._page_bytes[group] // self._blocks_per_page[group]
 
     def check_invariants(self) -> None:
         self.core.check_invariants(expensive=True)
@@ -117,6 +127,11 @@ def jenga_static(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     return JengaCoreAllocator(
         "jenga_static", model, kv_bytes, static_page_table(model, strategy="lcm")
     )
+
+
+def max_page(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """MAX page (paper §4.4) on the Jenga core: every group block padded to the largest."""
+    return JengaCoreAllocator("max_page", model, kv_bytes, static_page_table(model, strategy="max"))
 
 
 def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
@@ -136,6 +151,7 @@ def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
 
 
 FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
+    "max_page": max_page,
     "jenga_static": jenga_static,
     "jenga_vmm": jenga_vmm,
     "jenga_vmm_compact": jenga_vmm_compact,

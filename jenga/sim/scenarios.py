@@ -33,7 +33,6 @@ AllocatorFactory = Callable[[ModelSpec, int], SimAllocator]
 
 ALLOCATORS: dict[str, AllocatorFactory] = {
     "uniform": baselines.uniform,
-    "max_page": baselines.max_page,
     "static_partition": baselines.static_partition,
     "vllm_hybrid": baselines.vllm_hybrid,
 }
@@ -158,7 +157,7 @@ def get_scenario(name: str) -> Scenario:
 
 def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Split ``names`` into (known here, missing); raise for names nobody knows."""
-    jenga_names = {"jenga_static", "jenga_vmm", "jenga_vmm_compact"}
+    jenga_names = {"max_page", "jenga_static", "jenga_vmm", "jenga_vmm_compact"}
     unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
     if unknown:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")

@@ -74,3 +74,14 @@ def test_jenga_runs_are_deterministic():
     second.timeline.pop("alloc_cpu_s")
     assert first.timeline == second.timeline
     assert first.hit_tokens == second.hit_tokens > 0
+
+
+def test_max_page_pads_every_block_to_the_largest():
+    """Draft+target: a target block (32 layers x 64 KiB) is 2 MiB, a draft block (16 x 32 KiB)
+    is 512 KiB padded to 2 MiB: MAX charges 7 + 7 blocks of 2 MiB for 100 tokens."""
+    trace = Trace("one", (Request("r0", tuple(range(100)), (1, 2, 3)),))
+    result = run("max_page", "llama-3.1-8b+llama-3.2-1b", trace, 1 << 30)
+    assert result.timeline["live_bytes"][0] == 14 * (2 << 20)
+    assert result.timeline["needed_bytes"][0] == 100 * (32 * 4096 + 16 * 2048)
+    vmm = run("jenga_vmm", "llama-3.1-8b+llama-3.2-1b", trace, 1 << 30)
+    assert vmm.timeline["live_bytes"][0] == 7 * 32 * (64 << 10) + 7 * 16 * (32 << 10)
