@@ -31,7 +31,7 @@ from jenga.sim.metrics import GiB, Summary
 from jenga.sim.scenarios import Scenario
 
 
-def table(scenario: Scenario, summaries: list[Summary], missing: tuple[str, ...]) -> Table:
+def table(scenario: Scenario, summaries: list[Summary], missing: dict[str, str]) -> Table:
     t = Table(
         title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}",
         box=box.SIMPLE_HEAD,
@@ -87,7 +87,7 @@ def ratios(summaries: list[Summary], baseline: str = "uniform") -> dict[str, dic
 
 
 def print_report(
-    console: Console, scenario: Scenario, summaries: list[Summary], missing: tuple[str, ...]
+    console: Console, scenario: Scenario, summaries: list[Summary], missing: dict[str, str]
 ) -> None:
     console.print(table(scenario, summaries, missing))
     for name, r in ratios(summaries).items():
@@ -97,15 +97,15 @@ def print_report(
                 f"  {name:>16} vs uniform: decode batch x{r['decode_batch_x']:.2f}, "
                 f"prefix hit rate {hit}, finishes x{r['speedup_x']:.2f} sooner"
             )
-    if missing:
-        console.print(f"[yellow]not run (allocator core not importable here): {', '.join(missing)}")
+    for name, reason in missing.items():
+        console.print(f"[yellow]{name} has no result: {reason}")
 
 
 def to_json(
     scenario: Scenario,
     summaries: list[Summary],
     results: list[RunResult],
-    missing: tuple[str, ...],
+    missing: dict[str, str],
     with_timelines: bool = False,
 ) -> dict[str, Any]:
     doc: dict[str, Any] = {
@@ -113,7 +113,7 @@ def to_json(
         "engine": asdict(scenario.engine),
         "summaries": [s.as_dict() for s in summaries],
         "ratios_vs_uniform": ratios(summaries),
-        "missing_allocators": list(missing),
+        "not_run": missing,
     }
     if with_timelines:
         doc["timelines"] = {r.allocator: r.timeline for r in results}

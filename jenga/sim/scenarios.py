@@ -175,22 +175,31 @@ def build_trace(scenario: Scenario) -> Trace:
 
 def run_scenario(
     scenario: Scenario, on_step: Callable[[str, int, int], None] | None = None
-) -> tuple[list[RunResult], tuple[str, ...]]:
-    """Run every available allocator of ``scenario`` on one trace; returns results, missing."""
+) -> tuple[list[RunResult], dict[str, str]]:
+    """Run every allocator of ``scenario`` on one trace.
+
+    Returns the results and, for each allocator that produced none, why: its core is not
+    importable here, or the run raised `SimError` (e.g. a request that never fits under
+    that allocator's page layout).
+    """
     model = get_model(scenario.model)
     gpu = get_gpu(scenario.gpu)
     kv_bytes = scenario.kv_bytes(model)
     present, missing = available(scenario.allocators)
+    not_run = {name: "allocator core not importable here" for name in missing}
     trace = build_trace(scenario)
     results = []
     for name in present:
         allocator = ALLOCATORS[name](model, kv_bytes)
         callback = None if on_step is None else (lambda d, t, n=name: on_step(n, d, t))
         engine = Engine(model, gpu, allocator, scenario.engine, on_step=callback)
-        results.append(engine.run(trace))
+        try:
+            results.append(engine.run(trace))
+        except SimError as exc:
+            not_run[name] = str(exc)
         del allocator, engine
         gc.collect()
-    return results, missing
+    return results, not_run
 
 
 def with_overrides(scenario: Scenario, **changes: object) -> Scenario:

@@ -25,7 +25,7 @@ from rich.table import Table
 from jenga.sim.metrics import Summary, summarize
 from jenga.sim.scenarios import Scenario, run_scenario
 
-Sweep = dict[float, list[Summary]]
+Sweep = dict[float, dict[str, Summary | None]]  # None: that allocator could not run
 
 
 def run_sweep(
@@ -35,13 +35,15 @@ def run_sweep(
 ) -> Sweep:
     out: Sweep = {}
     for kv in kv_gibs:
-        results, _ = run_scenario(replace(scenario, kv_gib=kv), on_step=on_step)
-        out[kv] = [summarize(r) for r in results]
+        results, not_run = run_scenario(replace(scenario, kv_gib=kv), on_step=on_step)
+        by_name: dict[str, Summary | None] = {r.allocator: summarize(r) for r in results}
+        by_name.update({name: None for name in not_run})
+        out[kv] = {name: by_name[name] for name in scenario.allocators if name in by_name}
     return out
 
 
 def sweep_table(scenario: Scenario, sweep: Sweep) -> Table:
-    names = [s.allocator for s in next(iter(sweep.values()))]
+    names = list(next(iter(sweep.values())))
     t = Table(
         title=f"{scenario.name}: prefix hit rate % / avg decode batch by KV size",
         box=box.SIMPLE_HEAD,
@@ -50,14 +52,19 @@ def sweep_table(scenario: Scenario, sweep: Sweep) -> Table:
     for name in names:
         t.add_column(name, justify="right", no_wrap=True)
     for kv, summaries in sweep.items():
-        t.add_row(
-            f"{kv:g}", *(f"{100 * s.hit_rate:.1f} / {s.avg_decode_batch:.2f}" for s in summaries)
-        )
+        t.add_row(f"{kv:g}", *(_cell(summaries.get(name)) for name in names))
     return t
 
 
+def _cell(s: Summary | None) -> str:
+    return "does not fit" if s is None else f"{100 * s.hit_rate:.1f} / {s.avg_decode_batch:.2f}"
+
+
 def sweep_json(sweep: Sweep) -> list[dict[str, object]]:
-    return [{"kv_gib": kv, "summaries": [s.as_dict() for s in ss]} for kv, ss in sweep.items()]
+    return [
+        {"kv_gib": kv, "summaries": {n: None if s is None else s.as_dict() for n, s in ss.items()}}
+        for kv, ss in sweep.items()
+    ]
 
 
 def plot_sweep(sweep: Sweep, plot_dir: str) -> Path:
@@ -67,10 +74,11 @@ def plot_sweep(sweep: Sweep, plot_dir: str) -> Path:
     import matplotlib.pyplot as plt
 
     sizes = list(sweep)
-    names = [s.allocator for s in sweep[sizes[0]]]
+    names = list(sweep[sizes[0]])
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, name in enumerate(names):
-        ax.plot(sizes, [100 * sweep[kv][i].hit_rate for kv in sizes], marker="o", label=name)
+    for name in names:
+        points = [(kv, s.hit_rate) for kv in sizes if (s := sweep[kv].get(name)) is not None]
+        ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=name)
     ax.set(xlabel="KV cache (GiB)", ylabel="prefix hit rate (%)", title="hit rate vs cache size")
     ax.legend(fontsize=7)
     fig.tight_layout()

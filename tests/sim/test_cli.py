@@ -21,7 +21,7 @@ def test_json_has_every_allocator_and_ratios(tmp_path, capsys):
         "jenga_vmm",
         "jenga_vmm_compact",
     ]
-    assert doc["missing_allocators"] == []
+    assert doc["not_run"] == {}
     assert doc["scenario"]["workload_params"] == {
         "num_requests": 3,
         "min_input": 2000,
@@ -59,6 +59,34 @@ def test_bad_input_exits_2_with_reason(capsys):
     assert "unknown allocators ['bogus']" in capsys.readouterr().out
     assert main(["--no-progress", "--param", "oops"]) == 2
     assert "--param expects key=value, got 'oops'" in capsys.readouterr().out
+
+
+def test_sweep_reports_allocators_that_cannot_fit(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    args = [
+        "--no-progress",
+        "--scenario",
+        "articles-gemma3",
+        "--param",
+        "num_articles=2",
+        "--param",
+        "questions_per_article=2",
+        "--allocators",
+        "uniform,max_page,jenga_vmm",
+        "--sweep-kv-gib",
+        "3,8",
+        "--json",
+        str(out),
+        "--plot-dir",
+        str(tmp_path),
+    ]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    at_3, at_8 = doc["sweep"]
+    assert at_3["kv_gib"] == 3.0 and at_3["summaries"]["max_page"] is None
+    assert at_8["summaries"]["max_page"]["allocator"] == "max_page"
+    assert "does not fit" in capsys.readouterr().out
+    assert (tmp_path / "hit_rate_vs_kv.png").stat().st_size > 1000
 
 
 def test_list(capsys):
