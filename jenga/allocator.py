@@ -53,6 +53,7 @@ from jenga.policies import Policy, make_policy
 from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
+_EMPTY_PLAN = MappingPlan()
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
 
@@ -358,7 +359,7 @@ class JengaAllocator:
             firsts.append(max(first, req.first_live[g]))
             counts.append(max(0, policy.num_blocks(new, req.images) - len(table)))
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
-        plan = plan_from_arrays(*self._core.drain_plan())
+        plan = self._drain_plan()
         if got is None:
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
@@ -455,6 +456,11 @@ class JengaAllocator:
             self._core.release(g, req.tables[g].view(req.first_live[g]), now)
         del self._requests[request_id]
         self._freed.add(request_id)
+        return self._drain_plan()
+
+    def _drain_plan(self) -> MappingPlan:
+        if self._core.num_plan_ops == 0:
+            return _EMPTY_PLAN
         return plan_from_arrays(*self._core.drain_plan())
 
     # -- prefix matching --------------------------------------------------------------

@@ -196,6 +196,7 @@ void register_jenga(py::module_ m) {
       .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
            "Block id per hash (int32 array), -1 where absent")
       .def("drain_plan", &plan_arrays)
+      .def_property_readonly("num_plan_ops", &Core::num_plan_ops)
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
       .def("page_eviction_order", &Core::page_eviction_order)

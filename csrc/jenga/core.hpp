@@ -153,6 +153,7 @@ class Core {
   void lookup(int32_t group, const uint64_t* hashes, size_t n, int32_t* out) const;
   // The plan ops emitted since the last drain.
   std::vector<PlanOp> drain_plan();
+  size_t num_plan_ops() const { return plan_.size(); }
 
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
