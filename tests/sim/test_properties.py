@@ -55,8 +55,13 @@ def test_every_request_finishes_and_invariants_hold(trace, model_name, allocator
         return
     assert len(result.finish_s) == len(trace.requests)
     assert max(result.timeline["live_bytes"]) <= result.capacity_bytes
-    minimum = sum(r.prompt_len + r.output_len - 1 for r in trace.requests) - result.hit_tokens
+    # every request computes at least one prompt token and each generated token but the
+    # last (a preempted request may later hit a prefix another request cached meanwhile)
+    minimum = sum(r.output_len for r in trace.requests)
     assert sum(result.timeline["batched_tokens"]) >= minimum
+    if result.num_preemptions == 0:
+        exact = sum(r.prompt_len + r.output_len - 1 for r in trace.requests) - result.hit_tokens
+        assert sum(result.timeline["batched_tokens"]) == exact
     snap = alloc.snapshot()
     assert snap.live_bytes == 0
 
