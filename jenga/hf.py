@@ -11,7 +11,9 @@ Approach
     kinds come from, in order of preference: an explicit ``layer_types`` list; else the
     family's own rule (Gemma 2: even layers slide; Gemma 3: every `sliding_window_pattern`-th
     layer is global; Mistral params-style per-layer `sliding_window` lists; Llama 4
-    `no_rope_layers`; Jamba `attn_layer_period/offset`; mllama `cross_attention_layers`).
+    `no_rope_layers`; Jamba `attn_layer_period/offset`; mllama `cross_attention_layers`;
+    Qwen2 `use_sliding_window` + `max_window_layers`; LLaVA-OneVision adds a
+    vision-embedding cache beside its Qwen2 decoder).
     A sliding window >= max_model_len is full attention and is reported as such.
 
     Mamba state per layer (what a serving engine keeps, vLLM's layout)::
@@ -24,7 +26,7 @@ Approach
 Limitations
     Reads the fields that shape the KV cache; it does not validate the rest of a config.
     `weight_bytes` is computed for the dense families (llama, mistral, ministral, gemma2,
-    gemma3 text) from their shapes; for MoE / Mamba / vision models it is left 0 unless
+    gemma3 text, qwen2) from their shapes; for MoE / Mamba / vision models it is left 0 unless
     the caller passes the published figure.
 """
 
@@ -194,6 +196,39 @@ def _read_llama(config: Config, options: HfOptions, max_len: int) -> LayerList:
     return _decoder_layers(config, options, max_len, kinds)
 
 
+def _read_qwen2(config: Config, options: HfOptions, max_len: int) -> LayerList:
+    """Qwen2 slides only with ``use_sliding_window``, and then from `max_window_layers` on."""
+    text = _text_config(config)
+    n = _require_int(text, "num_hidden_layers")
+    kinds = _layer_kinds_from_types(text, n)
+    if kinds is None:
+        first_sliding = int(text.get("max_window_layers") or 0)
+        slides = bool(text.get("use_sliding_window"))
+        kinds = [
+            Kind.SLIDING_WINDOW if slides and i >= first_sliding else Kind.FULL for i in range(n)
+        ]
+    return _decoder_layers(config, options, max_len, kinds)
+
+
+def _read_llava_onevision(config: Config, options: HfOptions, max_len: int) -> LayerList:
+    """Qwen2 decoder plus the vision-embedding cache: projector outputs (text hidden size
+    wide) of one 384 px crop, ``(image_size // patch_size) ** 2`` = 729 tokens, kept under
+    model ``"encoder"`` at layer id 0."""
+    layers = _read_qwen2(config, options, max_len)
+    text, vision = _text_config(config), config.get("vision_config") or {}
+    per_image = (_require_int(vision, "image_size") // _require_int(vision, "patch_size")) ** 2
+    embedding = LayerSpec(
+        Kind.VISION_EMBEDDING,
+        num_kv_heads=1,
+        head_dim=_require_int(text, "hidden_size"),
+        dtype_bytes=_dtype_bytes(config, options),
+        block_size=options.block_size,
+        tokens_per_image=per_image,
+        model="encoder",
+    )
+    return [*layers, (0, embedding)]
+
+
 def _read_mistral(config: Config, options: HfOptions, max_len: int) -> LayerList:
     """`sliding_window`: None (full), an int (every layer), or a per-layer pattern list
     (mistral params.json style, e.g. Ministral 8B ``[None, 32768, 32768, 32768]``)."""
@@ -316,12 +351,14 @@ _READERS: dict[str, Callable[[Config, HfOptions, int], LayerList]] = {
     "llama4_text": _read_llama4,
     "mllama": _read_mllama,
     "jamba": _read_jamba,
+    "qwen2": _read_qwen2,
+    "llava_onevision": _read_llava_onevision,
 }
 
 
 # -------------------------------------------------------------------- weight bytes
 
-_DENSE_FAMILIES = {"llama", "mistral", "ministral", "gemma2", "gemma3_text"}
+_DENSE_FAMILIES = {"llama", "mistral", "ministral", "gemma2", "gemma3_text", "qwen2"}
 _GEMMA_FAMILIES = {"gemma2", "gemma3_text"}
 _DENSE_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
 
@@ -332,7 +369,7 @@ def dense_parameter_count(config: Config) -> int | None:
 
     embeddings (x2 unless tied) + per layer (q, k, v, o, gate/up/down, norms) + final
     norm. Gemma has four norms per layer (Gemma 3 adds q/k norms of head_dim each) and
-    ties its embeddings by default. Llama 3.1 8B: 8,030,261,248.
+    ties its embeddings by default; Qwen2 has q/k/v biases. Llama 3.1 8B: 8,030,261,248.
     """
     model_type = str(config.get("model_type"))
     if model_type not in _DENSE_FAMILIES or any(k not in config for k in _DENSE_SHAPE_KEYS):
@@ -343,6 +380,8 @@ def dense_parameter_count(config: Config) -> int | None:
     shape = _attention_shape(config)
     q_width, kv_width = heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     attention = 2 * hidden * q_width + 2 * hidden * kv_width
+    if model_type == "qwen2":
+        attention += q_width + 2 * kv_width  # q, k, v biases
     mlp = 3 * hidden * _require_int(config, "intermediate_size")
     norms = (4 if gemma else 2) * hidden + (
         2 * shape.head_dim if model_type == "gemma3_text" else 0

@@ -48,6 +48,7 @@ from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 STATIC_STRATEGIES = ("lcm", "max", "gcd")
+VMM_LAYOUTS = ("per_layer", "per_group")
 _STATIC_MODE_OF_STRATEGY = {"lcm": "static", "max": "max", "gcd": "gcd"}
 
 
@@ -75,8 +76,12 @@ class GroupPages:
     def __post_init__(self) -> None:
         if min(self.small_page_bytes, self.num_ranges, self.chunks_per_range) <= 0:
             raise SpecError(f"group {self.group!r}: non-positive page geometry {self}")
-        if self.blocks_per_large_page <= 0 or self.tail_bytes < 0:
-            raise SpecError(f"group {self.group!r}: a large page holds no block: {self}")
+        if self.blocks_per_large_page <= 0:
+            raise SpecError(
+                f"group {self.group!r}: a large page holds {self.blocks_per_large_page} blocks"
+            )
+        if self.tail_bytes < 0:
+            raise SpecError(f"group {self.group!r}: negative tail {self.tail_bytes} B")
         if self.units_per_large_page != self.chunks_per_range * self.num_ranges:
             raise SpecError(
                 f"group {self.group!r}: units_per_large_page {self.units_per_large_page} != "
@@ -111,6 +116,7 @@ class PageTable:
     model_name: str = ""
     epsilon: float = 0.0  # vmm: the tail tolerance the table was built with
     kv_split: bool = False  # vmm: K and V in separate ranges
+    layout: str = "per_layer"  # vmm: "per_layer" | "per_group"; static: "page_layer"
 
     def __post_init__(self) -> None:
         if self.unit_bytes <= 0:
@@ -145,6 +151,9 @@ class PageTable:
         unknown = set(counts) - {g.group for g in self.groups}
         if unknown:
             raise KeyError(f"waste_fraction: unknown groups {sorted(unknown)}")
+        negative = {name: n for name, n in counts.items() if n < 0}
+        if negative:
+            raise SpecError(f"waste_fraction: negative large page counts {negative}")
         total = sum(counts.get(g.group, 0) * g.large_page_total_bytes for g in self.groups)
         if total == 0:
             return 0.0
@@ -156,6 +165,7 @@ class PageTable:
         header = (
             f"page table '{self.model_name}' mode={self.mode} unit={format_bytes(self.unit_bytes)}"
         )
+        header += f" layout={self.layout}"
         if self.mode == "vmm":
             header += f" epsilon={self.epsilon:g} kv_split={self.kv_split}"
         columns = ("group", "kind", "ranges", "small page", "k", "lcm k", "blocks", "units", "tail")
@@ -207,8 +217,10 @@ def chunks_for_page(
     """(k, within_epsilon): the smallest k with tail(k) <= epsilon * k * chunk.
 
     tail(k) = k*C mod p, with at least one block (k*C >= p). k never exceeds the exact
-    LCM's ``lcm(p, C) / C`` (tail 0 there). With `max_chunks` below that and no k within
-    epsilon, the k <= max_chunks with the smallest tail fraction is returned, flagged.
+    LCM's ``lcm(p, C) / C`` (tail 0 there, and nowhere below it), nor ``p / (epsilon*C)``
+    (from there on the tail, always < p, is within epsilon), so the scan is short. With
+    `max_chunks` below the answer, the k <= max_chunks with the smallest tail fraction is
+    returned, flagged.
     """
     _check_positive(small_page_bytes=small_page_bytes, chunk_bytes=chunk_bytes)
     if not 0.0 <= epsilon < 1.0:
@@ -220,8 +232,15 @@ def chunks_for_page(
         raise SpecError(
             f"small page {small_page_bytes} B needs {min_k} chunks of {chunk_bytes} B, cap is {cap}"
         )
+    if epsilon == 0.0 and lcm_k <= cap:
+        return lcm_k, True
+    last = (
+        cap
+        if epsilon == 0.0
+        else min(cap, max(min_k, math.ceil(small_page_bytes / (epsilon * chunk_bytes))))
+    )
     best_k, best_fraction = min_k, 1.0
-    for k in range(min_k, cap + 1):
+    for k in range(min_k, last + 1):
         fraction = (k * chunk_bytes % small_page_bytes) / (k * chunk_bytes)
         if fraction <= epsilon:
             return k, True
@@ -238,32 +257,43 @@ def vmm_page_table(
     kv_split: bool = False,
     max_chunks_per_range: int | None = None,
     budget_bytes: int | None = None,
+    layout: str = "per_layer",
 ) -> PageTable:
-    """Per-group large pages of k chunks per range, the per_layer layout.
+    """Per-group large pages of k chunks per range.
 
-    `kv_split`: K and V of attention layers live in two ranges, halving the per-range
-    small page and doubling the ranges. `budget_bytes`: the pool; a group whose one large
-    page (all ranges) exceeds it raises SpecError.
+    `layout`: "per_layer" (a range per layer, block b at ``b * p`` in each) or
+    "per_group" (one range per group; a block holds all of the group's layers, the
+    page-layer partition on VMM). `kv_split`: K and V of attention layers live in two
+    ranges, halving the per-range small page and doubling the ranges. `budget_bytes`:
+    the pool; a group whose one large page (all ranges) exceeds it raises SpecError.
     """
     _check_positive(chunk_bytes=chunk_bytes)
+    if layout not in VMM_LAYOUTS:
+        raise SpecError(f"unknown layout {layout!r}; choose from {VMM_LAYOUTS}")
     rows = tuple(
-        _vmm_group_pages(g, chunk_bytes, epsilon, kv_split, max_chunks_per_range)
+        _vmm_group_pages(g, chunk_bytes, epsilon, kv_split, max_chunks_per_range, layout)
         for g in model.groups
     )
-    table = PageTable("vmm", chunk_bytes, rows, model.name, epsilon, kv_split)
+    table = PageTable("vmm", chunk_bytes, rows, model.name, epsilon, kv_split, layout)
     _check_budget(table, budget_bytes)
     return table
 
 
 def _vmm_group_pages(
-    group: KVGroup, chunk_bytes: int, epsilon: float, kv_split: bool, max_chunks: int | None
+    group: KVGroup,
+    chunk_bytes: int,
+    epsilon: float,
+    kv_split: bool,
+    max_chunks: int | None,
+    layout: str,
 ) -> GroupPages:
     spec = group.spec
     split = spec.num_kv_tensors if kv_split else 1
-    small = spec.page_bytes // split
+    layers_per_block = group.num_layers if layout == "per_group" else 1
+    small = spec.page_bytes * layers_per_block // split
     k, within = chunks_for_page(small, chunk_bytes, epsilon=epsilon, max_chunks=max_chunks)
     blocks = k * chunk_bytes // small
-    num_ranges = group.num_layers * split
+    num_ranges = group.num_layers * split // layers_per_block
     return GroupPages(
         group=group.name,
         small_page_bytes=small,
@@ -273,7 +303,7 @@ def _vmm_group_pages(
         units_per_large_page=k * num_ranges,
         tail_bytes=k * chunk_bytes - blocks * small,
         kind=str(spec.kind),
-        layers_per_small_page=1,
+        layers_per_small_page=layers_per_block,
         lcm_chunks_per_range=math.lcm(small, chunk_bytes) // chunk_bytes,
         within_epsilon=within,
     )
@@ -315,7 +345,8 @@ def static_page_table(
         _static_group_pages(g, small, unit, strategy)
         for g, small in zip(model.groups, smalls, strict=True)
     )
-    table = PageTable(_STATIC_MODE_OF_STRATEGY[strategy], unit, rows, model.name)
+    mode = _STATIC_MODE_OF_STRATEGY[strategy]
+    table = PageTable(mode, unit, rows, model.name, layout="page_layer")
     _check_budget(table, budget_bytes)
     return table
 

@@ -125,12 +125,26 @@ _LLAMA_4_SCOUT = {
     },
 }  # fmt: skip
 
+# https://huggingface.co/llava-hf/llava-onevision-qwen2-7b-ov-hf/blob/main/config.json
+# (Qwen2-7B decoder; SigLIP 384 px / 14 px patches -> 729 embeddings per crop)
+_LLAVA_ONEVISION_7B = {
+    "model_type": "llava_onevision", "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "vocab_size": 152128, "max_position_embeddings": 32768, "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {"model_type": "siglip_vision_model", "image_size": 384, "patch_size": 14},
+}  # fmt: skip
+
 # Published total parameter counts (model cards, rounded) for non-dense models.
 _PUBLISHED_PARAMS = {
     "gemma-3-12b": 12_200_000_000,  # 12.2B incl. the SigLIP vision tower
     "llama-3.2-11b-vision": 10_700_000_000,  # 10.7B
     "jamba-1.5-mini": 51_600_000_000,  # 51.6B total, 12B active
     "llama-4-scout": 109_000_000_000,  # 109B total, 17B active
+    "llava-onevision-7b": 8_030_000_000,  # 8.03B incl. the SigLIP tower and projector
 }
 
 _HF_CONFIGS: dict[str, dict[str, Any]] = {
@@ -144,6 +158,7 @@ _HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.2-11b-vision": _LLAMA_3_2_11B_VISION,
     "jamba-1.5-mini": _JAMBA_1_5_MINI,
     "llama-4-scout": _LLAMA_4_SCOUT,
+    "llava-onevision-7b": _LLAVA_ONEVISION_7B,
 }
 
 

@@ -1,14 +1,16 @@
 """The presets' page tables as Markdown, for docs/jenga-pages.md.
 
 Run ``python -m jenga.presets_table`` to print both tables (VMM mode and static modes);
-``--chunk-bytes`` and ``--epsilon`` change the VMM parameters. The docs embed the
-default output between markers, and a test keeps them in step.
+``--chunk-bytes`` and ``--epsilon`` change the VMM parameters; ``--update DOC`` rewrites
+the tables embedded in DOC between the markers. The docs embed the default output, and
+a test keeps them in step.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 from jenga import presets
 from jenga.pages import (
@@ -67,14 +69,36 @@ def static_markdown(names: Sequence[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+BEGIN_MARKER = "<!-- BEGIN presets_table -->\n"
+END_MARKER = "<!-- END presets_table -->"
+
+
+def tables_markdown(*, chunk_bytes: int = DEFAULT_CHUNK_BYTES, epsilon: float = 0.01) -> str:
+    """Both tables, as embedded in the docs (ending with a newline)."""
+    vmm = vmm_markdown(chunk_bytes=chunk_bytes, epsilon=epsilon)
+    return f"{vmm}\n\n{static_markdown()}\n"
+
+
+def replace_embedded_tables(doc: str, tables: str) -> str:
+    """`doc` with the text between the BEGIN/END markers replaced by `tables`."""
+    start, end = doc.find(BEGIN_MARKER), doc.find(END_MARKER)
+    if start < 0 or end < start:
+        raise ValueError(f"markers {BEGIN_MARKER.strip()} ... {END_MARKER} not found in order")
+    return doc[: start + len(BEGIN_MARKER)] + tables + doc[end:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     parser.add_argument("--epsilon", type=float, default=0.01)
+    parser.add_argument("--update", metavar="DOC", help="rewrite the tables embedded in DOC")
     args = parser.parse_args(argv)
-    print(vmm_markdown(chunk_bytes=args.chunk_bytes, epsilon=args.epsilon))
-    print()
-    print(static_markdown())
+    tables = tables_markdown(chunk_bytes=args.chunk_bytes, epsilon=args.epsilon)
+    if args.update:
+        path = Path(args.update)
+        path.write_text(replace_embedded_tables(path.read_text(), tables))
+    else:
+        print(tables, end="")
     return 0
 
 

@@ -1,6 +1,10 @@
 """Layer specs, KV groups and model specs: what one layer's cache looks like, in integers.
 
-A `LayerSpec` says what a layer stores per token (or per request, for Mamba state) and
+Rationale: the allocator, page math, simulator and engines all need the same description
+of a model's caches, and `jenga` must stay torch-free; frozen dataclasses of ints are
+hashable (equal specs group themselves) and cheap to validate once at construction.
+
+Approach: a `LayerSpec` says what a layer stores per token (or per request, for Mamba state) and
 which tokens it must keep. Layers with equal specs form a `KVGroup`; a group shares one
 block table per request. A `ModelSpec` is the list of groups plus what the simulator
 needs to place the model on a GPU (weight bytes).
@@ -17,7 +21,11 @@ Two model features beyond "one cache per layer" are expressed here, in integers:
   ``ceil(length * num / den)`` of a request's tokens in that layer.
 
 Draft and target models of a speculative-decoding pair share one ModelSpec; their layers
-differ by `LayerSpec.model`, so they always fall into different groups.
+differ by `LayerSpec.model`, so they always fall into different groups. A parallel hybrid
+(Hymba) may list one layer id in an attention group and in a Mamba group.
+
+Limitations: one dtype per layer (K and V alike); per-head or per-layer head-count
+variation inside one group is not expressible (such layers become separate groups).
 """
 
 from __future__ import annotations

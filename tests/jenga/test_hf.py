@@ -207,3 +207,37 @@ def test_unsupported_and_malformed_configs():
         model_spec_from_config({**JAMBA, "attn_layer_offset": 9})
     with pytest.raises(SpecError, match="got 0 heads x 128"):
         model_spec_from_config({**LLAMA_8B, "num_key_value_heads": 0, "head_dim": 128})
+
+
+QWEN2_7B = {
+    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "vocab_size": 152064, "max_position_embeddings": 32768, "sliding_window": 4096,
+    "use_sliding_window": False, "max_window_layers": 20, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def test_qwen2_slides_only_when_enabled_and_counts_biases():
+    model = model_spec_from_config(QWEN2_7B)
+    assert [(g.name, g.num_layers) for g in model.groups] == [("full", 28)]
+    # 16 x 2 x 4 x 128 x 2 = 32768
+    assert model.groups[0].spec.page_bytes == 32_768
+    # Qwen2-7B: 7,615,616,512 parameters (q/k/v biases included)
+    assert dense_parameter_count(QWEN2_7B) == 7_615_616_512
+    sliding = model_spec_from_config({**QWEN2_7B, "use_sliding_window": True})
+    assert layer_ids(sliding, "sliding_window") == tuple(range(20, 28))
+
+
+def test_llava_onevision_adds_a_vision_embedding_cache():
+    config = {
+        "model_type": "llava_onevision",
+        "text_config": QWEN2_7B,
+        "vision_config": {"image_size": 384, "patch_size": 14},
+    }
+    model = model_spec_from_config(config)
+    embedding = model.group("encoder.vision_embedding")
+    assert embedding.layer_ids == (0,)
+    assert embedding.spec.tokens_per_image == 729  # 27 x 27 patches
+    assert embedding.spec.page_bytes == 114_688  # 16 tokens x 3584 x 2 B
+    assert model.models == ("target", "encoder")
+    assert model.weight_bytes == 7_615_616_512 * 2  # the decoder; pass the card's total

@@ -91,6 +91,7 @@ def test_jamba_layers_and_state_match_transformers():
         ("MistralConfig", "MistralForCausalLM", {}),
         ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}),
         ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16}),
+        ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     ],
 )
 def test_dense_parameter_count_matches_a_real_tiny_model(config_name, model_name, extra):
@@ -98,3 +99,14 @@ def test_dense_parameter_count_matches_a_real_tiny_model(config_name, model_name
     model = getattr(transformers, model_name)(config)
     unique = {id(p): p.numel() for p in model.parameters()}  # tied weights counted once
     assert dense_parameter_count(config.to_dict()) == sum(unique.values())
+
+
+def test_qwen2_sliding_layers_match_transformers():
+    config = transformers.Qwen2Config(
+        **SMALL, num_hidden_layers=6, use_sliding_window=True, sliding_window=512,
+        max_window_layers=4,
+    )  # fmt: skip
+    expected = [TYPE_TO_KIND[t] for t in config.layer_types]
+    for d in (config.to_dict(), config_dict_without_layer_types(config)):
+        assert kinds_by_layer(model_spec_from_config(d)) == expected
+    assert expected.count(Kind.SLIDING_WINDOW) == 2  # layers 4 and 5

@@ -1,6 +1,10 @@
 """Page math on hand-built specs: every expected number is computed by hand in a comment."""
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jenga.pages import (
     GroupPages,
     PageTable,
@@ -135,6 +139,37 @@ def test_chunks_for_page_cap_reports_a_tail_above_epsilon():
     assert ">eps" in table.report()
 
 
+def test_per_group_layout_puts_all_layers_in_one_block():
+    table = vmm_page_table(jamba_like_model(), layout="per_group")
+    assert table.layout == "per_group"
+    # mamba: 28 x 573440 = 16056320 B; in 64 KiB units a block is 245, a chunk 32, so the
+    # tail of k chunks is 32k mod 245; the first k >= 8 with tail <= 1 % of 32k is 23:
+    # 23 x 2 MiB = 48234496 holds 3 blocks (48168960), tail 65536 (0.14 %); lcm k = 245
+    mamba = table.group("mamba")
+    assert (mamba.num_ranges, mamba.chunks_per_range, mamba.blocks_per_large_page) == (1, 23, 3)
+    assert (mamba.tail_bytes, mamba.lcm_chunks_per_range, mamba.layers_per_small_page) == (
+        65_536,
+        245,
+        28,
+    )
+    # attention: 4 x 64 KiB = 256 KiB per block, 8 per chunk, one range
+    attn = table.group("attn")
+    assert (attn.small_page_bytes, attn.blocks_per_large_page, attn.units_per_large_page) == (
+        262_144,
+        8,
+        1,
+    )
+    # kv_split with per_group: a K range and a V range of 128 KiB blocks
+    split = vmm_page_table(jamba_like_model(), layout="per_group", kv_split=True).group("attn")
+    assert (split.small_page_bytes, split.num_ranges, split.units_per_large_page) == (
+        131_072,
+        2,
+        2,
+    )
+    with pytest.raises(SpecError, match="unknown layout 'per_request'"):
+        vmm_page_table(jamba_like_model(), layout="per_request")
+
+
 def test_small_page_larger_than_a_chunk_takes_several():
     # 5 MiB page: lcm(5 MiB, 2 MiB) = 10 MiB -> exact k = 5 holding 2; with epsilon 0.2:
     # k=3 holds 1 with tail 1 MiB (16.7 %) -> chosen (k=3 is the first with >= 1 block)
@@ -144,7 +179,7 @@ def test_small_page_larger_than_a_chunk_takes_several():
 
 def test_report_lists_every_group_and_the_mode():
     text = vmm_page_table(jamba_like_model()).report()
-    assert "mode=vmm unit=2 MiB epsilon=0.01" in text
+    assert "mode=vmm unit=2 MiB layout=per_layer epsilon=0.01 kv_split=False" in text
     assert "mamba" in text and "560 KiB" in text and "147456" not in text
     assert "144 KiB (0.88%)" in text  # 147456 B = 144 KiB
 
@@ -190,3 +225,39 @@ def test_inconsistent_rows_are_rejected():
         PageTable("vmm", 4096, (row,))
     with pytest.raises(KeyError, match="no group 'y'"):
         PageTable("vmm", 2048, (row,)).group("y")
+    with pytest.raises(SpecError, match="a large page holds 0 blocks"):
+        GroupPages("x", 256, 1, 1, 0, 1, 2048)
+    with pytest.raises(SpecError, match=r"negative large page counts \{'x': -1\}"):
+        PageTable("vmm", 2048, (row,)).waste_fraction(large_pages={"x": -1})
+
+
+# ------------------------------------------------------------------- properties
+
+
+def brute_force_chunks(p, c, epsilon, max_chunks):
+    """Reference: scan every k from one block's worth up to the cap."""
+    lcm_k = math.lcm(p, c) // c
+    cap = lcm_k if max_chunks is None else min(lcm_k, max_chunks)
+    ks = range(-(-p // c), cap + 1)
+    within = [k for k in ks if (k * c % p) <= epsilon * k * c]
+    if within:
+        return within[0], True
+    return min(ks, key=lambda k: ((k * c % p) / (k * c), k)), False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    p=st.integers(1, 5000),
+    c=st.integers(1, 512),
+    epsilon=st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.2]),
+    max_chunks=st.one_of(st.none(), st.integers(1, 60)),
+)
+def test_chunks_for_page_matches_brute_force(p, c, epsilon, max_chunks):
+    min_k = -(-p // c)
+    if max_chunks is not None and max_chunks < min_k:
+        with pytest.raises(SpecError, match=f"needs {min_k} chunks"):
+            chunks_for_page(p, c, epsilon=epsilon, max_chunks=max_chunks)
+        return
+    assert chunks_for_page(p, c, epsilon=epsilon, max_chunks=max_chunks) == brute_force_chunks(
+        p, c, epsilon, max_chunks
+    )

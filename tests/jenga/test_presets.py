@@ -196,6 +196,22 @@ def test_hymba_like_vmm_table_has_tails():
     ]
 
 
+def test_llava_onevision_vision_embedding_table():
+    # 16 tokens x 3584 x 2 B = 114688 = 7 x 2**14 -> lcm k = 7
+    # k=1: 18 held, tail 32768 (1.56 %); k=2: 36, 65536 (1.56 %); k=3: 54, 98304 (1.56 %)
+    # k=4: 8388608 // 114688 = 73, tail 8388608 - 8372224 = 16384 (0.20 %) -> k = 4
+    table = vmm_page_table(presets.get("llava-onevision-7b"))
+    assert table.group("encoder.vision_embedding") == GroupPages(
+        "encoder.vision_embedding", 114_688, 1, 4, 73, 4, 16_384, "vision_embedding", 1, 7, True
+    )
+    # static: 28 x 32 KiB = 896 KiB decoder page = 8 embedding pages of 112 KiB
+    static = static_page_table(presets.get("llava-onevision-7b"))
+    assert (static.unit_bytes, [g.blocks_per_large_page for g in static.groups]) == (
+        917_504,
+        [1, 8],
+    )
+
+
 def test_kv_split_on_a_preset():
     table = vmm_page_table(presets.get("gemma-2-9b"), kv_split=True)
     # 16 x 8 x 256 x 2 = 64 KiB per K or V block; 42 ranges per group
