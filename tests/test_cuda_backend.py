@@ -14,7 +14,7 @@ from vmm.cuda import CudaBackend
 from vmm.cuda_driver import Driver, load_driver
 
 import vmm
-from cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
+from tests.cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
 
 G = 2 << 20
 
@@ -43,7 +43,7 @@ def state(b: CudaBackend, model: DriverModel) -> tuple[Any, ...]:
 def vmm_calls(model: DriverModel, fn: Callable[[], Any]) -> int:
     before = len(model.calls)
     fn()
-    from cuda_driver_model import _VMM_CALLS
+    from tests.cuda_driver_model import _VMM_CALLS
 
     return sum(1 for c in model.calls[before:] if c in _VMM_CALLS)
 

@@ -6,9 +6,9 @@ import gc
 
 import pytest
 import torch
-from vmm_helpers import check, kernel_vmas
 
 import vmm
+from tests.vmm.vmm_helpers import check, kernel_vmas
 
 
 def slot_view(rng: vmm.VirtualRange, slot: int) -> torch.Tensor:
