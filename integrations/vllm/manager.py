@@ -50,6 +50,7 @@ from typing import Any
 
 from jenga.allocator import NULL_BLOCK, JengaAllocator
 from jenga.plan import MappingPlan
+from jenga.specs import Kind
 from vllm.distributed.kv_events import AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -89,6 +90,8 @@ class JengaKVCacheManager:
         self._null_blocks = tuple(
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
+        mamba_sizes = [g.block_size for g in layout.groups if g.kind is Kind.MAMBA]
+        self._mamba_step: int | None = min(mamba_sizes) if mamba_sizes else None
         self._plans: list[MappingPlan] = []
         self._events: list[KVCacheEvent] = []
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
@@ -179,19 +182,42 @@ class JengaKVCacheManager:
         computed = request.num_computed_tokens + num_new_computed_tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
-        got = self.allocator.allocate(rid, need) if need > 0 else None
-        if need > 0 and got is None:
+        new_blocks = self._allocate(rid, need) if need > 0 else None
+        if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
             self.counters["requests.rejected"] += 1
             return None
-        if got is not None and got.plan:
-            self._plans.append(got.plan)
         if self.enable_caching:
             self._cache(request, min(computed + num_new_tokens, request.num_tokens))
-        if got is None:
+        if new_blocks is None:
             return self.empty_kv_cache_blocks
-        return self._blocks_of(got.new_blocks)
+        return self._blocks_of(new_blocks)
+
+    def _allocate(self, rid: Hashable, need: int) -> list[list[int]] | None:
+        """Slots for ``need`` more tokens; per group the new block ids, or None.
+
+        Models with Mamba groups allocate up to one Mamba block boundary per allocator
+        call: a state exists only where a chunk ends, so the interior checkpoints of a
+        long chunk are released (never hashed) before the next is taken, and a chunk
+        holds one state per group instead of one per ``block_size`` tokens. A later call
+        that finds no room leaves the earlier slots with the request (a running request
+        uses them next step; an admitted one is released by the caller).
+        """
+        step = self._mamba_step
+        new_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        while need > 0:
+            have = self.allocator.num_tokens(rid)
+            n = need if step is None else min(need, step - have % step)
+            got = self.allocator.allocate(rid, n)
+            if got is None:
+                return None
+            if got.plan:
+                self._plans.append(got.plan)
+            for row, blocks in zip(new_blocks, got.new_blocks, strict=True):
+                row.extend(blocks)
+            need -= n
+        return new_blocks
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
