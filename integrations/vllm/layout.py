@@ -70,12 +70,15 @@ class JengaVllmOptions:
 
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
     ``epsilon``: the tail a large page may waste (0: exact LCM; the VMM tensor path
-    needs 0-tail groups). ``order``: "paper" or "compact" (`jenga.allocator`).
+    needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5) or "paper"
+    (`jenga.allocator`); compact keeps other prompts' cached pages alive where the
+    paper order evicts whole pages before using free slots in other requests' pages
+    (measured in `docs/vllm.md`).
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     epsilon: float = 0.01
-    order: str = "paper"
+    order: str = "compact"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:
@@ -212,6 +215,13 @@ def build_layout(
     except SpecError as exc:
         raise JengaVllmError(f"KV cache of {memory} B cannot hold one large page: {exc}") from exc
     total_units = memory // options.chunk_bytes
+    one_each = sum(row.units_per_large_page for row in table.groups)
+    if one_each > total_units:
+        raise JengaVllmError(
+            f"one request needs a large page in each group: {one_each} chunks of "
+            f"{options.chunk_bytes} B, but the KV cache holds {total_units}; give the KV "
+            "cache more memory or raise jenga_vmm.epsilon for smaller Mamba pages"
+        )
     config = AllocatorConfig.from_page_table(model, table, total_units, AllocationOrder(options.order))
     groups = tuple(
         GroupLayout(

@@ -50,7 +50,6 @@ from typing import Any
 
 from jenga.allocator import NULL_BLOCK, JengaAllocator
 from jenga.plan import MappingPlan
-from jenga.specs import Kind
 from vllm.distributed.kv_events import AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -90,8 +89,7 @@ class JengaKVCacheManager:
         self._null_blocks = tuple(
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
-        mamba_sizes = [g.block_size for g in layout.groups if g.kind is Kind.MAMBA]
-        self._mamba_step: int | None = min(mamba_sizes) if mamba_sizes else None
+        self._step_tokens = min(g.block_size for g in layout.groups)
         self._plans: list[MappingPlan] = []
         self._events: list[KVCacheEvent] = []
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
@@ -197,18 +195,24 @@ class JengaKVCacheManager:
     def _allocate(self, rid: Hashable, need: int) -> list[list[int]] | None:
         """Slots for ``need`` more tokens; per group the new block ids, or None.
 
-        Models with Mamba groups allocate up to one Mamba block boundary per allocator
-        call: a state exists only where a chunk ends, so the interior checkpoints of a
-        long chunk are released (never hashed) before the next is taken, and a chunk
-        holds one state per group instead of one per ``block_size`` tokens. A later call
-        that finds no room leaves the earlier slots with the request (a running request
-        uses them next step; an admitted one is released by the caller).
+        One allocator call per block boundary (of the smallest block size):
+
+        - a Mamba state exists only where a chunk ends, so the interior checkpoints of a
+          long chunk are released (never hashed) before the next is taken, and a chunk
+          holds one state per group instead of one per ``block_size`` tokens;
+        - a call that needs a new large page in several groups at once can fail although
+          memory is there (an earlier group's step-2 map or step-3 eviction takes the
+          units or the page a later group needed, see docs/vllm.md); one block per group
+          per call avoids that cascade.
+
+        A later call that finds no room leaves the earlier slots with the request (a
+        running request uses them next step; an admitted one is released by the caller).
         """
-        step = self._mamba_step
+        step = self._step_tokens
         new_blocks: list[list[int]] = [[] for _ in self.layout.groups]
         while need > 0:
             have = self.allocator.num_tokens(rid)
-            n = need if step is None else min(need, step - have % step)
+            n = min(need, step - have % step)
             got = self.allocator.allocate(rid, n)
             if got is None:
                 return None
