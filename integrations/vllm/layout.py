@@ -73,14 +73,18 @@ class JengaVllmOptions:
     needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5) or "paper"
     (`jenga.allocator`); compact keeps other prompts' cached pages alive where the
     paper order evicts whole pages before using free slots in other requests' pages
-    (measured in `docs/vllm.md`).
+    (measured in `docs/vllm.md`). ``kv_tensors``: "vmm" makes the worker plugin put
+    the KV cache on VMM ranges (`integrations.vllm.plugin`); "torch" leaves vLLM's.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     epsilon: float = 0.01
     order: str = "compact"
+    kv_tensors: str = "torch"
 
     def __post_init__(self) -> None:
+        if self.kv_tensors not in ("torch", "vmm"):
+            raise InvalidOptions(f"kv_tensors must be 'torch' or 'vmm', got {self.kv_tensors!r}")
         if self.chunk_bytes <= 0:
             raise InvalidOptions(f"chunk_bytes must be > 0, got {self.chunk_bytes}")
         if not 0.0 <= self.epsilon < 1.0:
