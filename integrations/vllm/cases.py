@@ -28,9 +28,13 @@ def layer_specs(case: str, *, block_size: int = 16, window: int = 64) -> dict[st
     if case == "llama":
         return {f"model.layers.{i}.self_attn.attn": full for i in range(4)}
     if case == "gemma2":
-        return {f"model.layers.{i}.self_attn.attn": sliding if i % 2 == 0 else full for i in range(8)}
+        return {
+            f"model.layers.{i}.self_attn.attn": sliding if i % 2 == 0 else full for i in range(8)
+        }
     if case == "ministral":
-        return {f"model.layers.{i}.self_attn.attn": full if i % 4 == 3 else sliding for i in range(8)}
+        return {
+            f"model.layers.{i}.self_attn.attn": full if i % 4 == 3 else sliding for i in range(8)
+        }
     if case == "jamba":
         mamba = MambaSpec(
             block_size=block_size,

@@ -38,9 +38,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import vmm
 from jenga.plan import MapPage, MappingPlan, UnmapPage
 
+import vmm
 from integrations.vllm.layout import GroupLayout, JengaLayout, JengaVllmError
 
 _LAYER_COMPACT = ("LBHNC", "LBNHC")

@@ -175,7 +175,9 @@ def layer_spec_from_vllm(spec: Any, max_model_len: int, group_index: int) -> Lay
             block_size=int(spec.block_size),
         )
     if getattr(spec, "tokens_per_state", 1) != 1 or spec.state_content_size_bytes % 2:
-        raise UnsupportedLayerKind(f"{where}: packed or compressed attention pages are not supported")
+        raise UnsupportedLayerKind(
+            f"{where}: packed or compressed attention pages are not supported"
+        )
     common = {
         "num_kv_heads": int(spec.num_heads),
         "head_dim": int(spec.state_content_size_bytes) // 2,
@@ -183,7 +185,9 @@ def layer_spec_from_vllm(spec: Any, max_model_len: int, group_index: int) -> Lay
         "block_size": int(spec.block_size),
     }
     if name == "SlidingWindowSpec":
-        return LayerSpec(Kind.SLIDING_WINDOW, window=min(int(spec.sliding_window), max_model_len), **common)
+        return LayerSpec(
+            Kind.SLIDING_WINDOW, window=min(int(spec.sliding_window), max_model_len), **common
+        )
     if name == "ChunkedLocalAttentionSpec":
         return LayerSpec(Kind.CHUNKED_LOCAL, chunk=int(spec.attention_chunk_size), **common)
     if spec.sliding_window is not None or spec.attention_chunk_size is not None:
@@ -226,7 +230,9 @@ def build_layout(
             f"{options.chunk_bytes} B, but the KV cache holds {total_units}; give the KV "
             "cache more memory or raise jenga_vmm.epsilon for smaller Mamba pages"
         )
-    config = AllocatorConfig.from_page_table(model, table, total_units, AllocationOrder(options.order))
+    config = AllocatorConfig.from_page_table(
+        model, table, total_units, AllocationOrder(options.order)
+    )
     groups = tuple(
         GroupLayout(
             index=i,

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import vmm
-
 from integrations.vllm.kv_tensors import VmmKVCache
 from integrations.vllm.layout import JengaVllmOptions, build_layout
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version

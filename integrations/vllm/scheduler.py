@@ -42,7 +42,8 @@ def check_supported_config(vllm_config: Any) -> None:
         problems.append("decode context parallelism")
     if problems:
         raise UnsupportedFeature(
-            "the jenga KV-cache manager does not support " + ", ".join(problems)
+            "the jenga KV-cache manager does not support "
+            + ", ".join(problems)
             + "; supported: decoder-only models with full, sliding-window, chunked-local "
             "attention and Mamba layers, prefix caching, chunked prefill, preemption"
         )

@@ -62,8 +62,15 @@ class Row:
     seconds: float
 
 
-def run_case(model_dir: Path, case: str, memory_mb: int, workload: Workload, *, jenga: bool,
-             setup: replay.SchedulerSetup) -> Row:
+def run_case(
+    model_dir: Path,
+    case: str,
+    memory_mb: int,
+    workload: Workload,
+    *,
+    jenga: bool,
+    setup: replay.SchedulerSetup,
+) -> Row:
     start = time.perf_counter()
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
@@ -76,7 +83,7 @@ def run_case(model_dir: Path, case: str, memory_mb: int, workload: Workload, *, 
         replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
     ]
     reports = [replay.replay(scheduler, wave) for wave in waves]
-    for wave, report in zip(waves, reports, strict=True):
+    for report in reports:
         wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
@@ -94,8 +101,13 @@ def run_case(model_dir: Path, case: str, memory_mb: int, workload: Workload, *, 
     )
 
 
-def compare(model_dir: Path, case_names: list[str], memory_mb: int, workload: Workload,
-            setup: replay.SchedulerSetup) -> list[Row]:
+def compare(
+    model_dir: Path,
+    case_names: list[str],
+    memory_mb: int,
+    workload: Workload,
+    setup: replay.SchedulerSetup,
+) -> list[Row]:
     rows = []
     for case in case_names:
         for jenga in (False, True):
@@ -107,8 +119,16 @@ def format_table(rows: list[Row]) -> str:
     head = ("case", "manager", "blocks", "steps", "max run", "avg run", "preempt", "hit tokens")
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
-        cells = (r.case, r.manager, r.num_blocks, r.steps, r.max_running, r.avg_running,
-                 r.preemptions, r.prefix_hit_tokens)
+        cells = (
+            r.case,
+            r.manager,
+            r.num_blocks,
+            r.steps,
+            r.max_running,
+            r.avg_running,
+            r.preemptions,
+            r.prefix_hit_tokens,
+        )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
 
@@ -124,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     workload = Workload(requests=args.requests, output_tokens=args.output)
     setup = replay.SchedulerSetup(
-        max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
+        max_model_len=2048,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
         jenga_options={"order": args.order},
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if args.json is not None:
         payload: dict[str, Any] = {
-            "memory_mb": args.memory_mb, "order": args.order, "workload": asdict(workload),
+            "memory_mb": args.memory_mb,
+            "order": args.order,
+            "workload": asdict(workload),
             "rows": [asdict(r) for r in rows],
         }
         args.json.write_text(json.dumps(payload, indent=2))

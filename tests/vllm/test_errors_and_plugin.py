@@ -7,7 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import vmm
+from tests.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
 from integrations.vllm import cases, replay
 from integrations.vllm.layout import (
     InvalidOptions,
@@ -19,6 +22,8 @@ from integrations.vllm.layout import (
 )
 from integrations.vllm.scheduler import check_supported_config
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
+
+import vmm
 
 
 def test_version_check_names_the_supported_version() -> None:
@@ -71,10 +76,9 @@ def test_a_pool_without_room_for_one_page_per_group_is_refused(model_dir: Path) 
 
 
 def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:
+    from integrations.vllm.plugin import register, vmm_allocate_kv_cache, wants_vmm_tensors
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import gpu_model_runner
-
-    from integrations.vllm.plugin import register, vmm_allocate_kv_cache, wants_vmm_tensors
 
     register()
     register()  # idempotent

@@ -7,11 +7,16 @@ from typing import Any
 
 import pytest
 
-import vmm
+from tests.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
 from integrations.vllm import cases, replay
 from integrations.vllm.kv_tensors import UnsupportedLayout, VmmKVCache
 from integrations.vllm.layout import JengaVllmOptions, build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+
+import vmm
 
 CHUNK = 2 << 20
 MAX_LEN = 1024
@@ -29,7 +34,7 @@ def _setup(model_dir: Path, case: str, memory_mb: int) -> tuple[Any, Any, Any]:
 def gemma2(model_dir: Path) -> Any:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    config, kv_config, layout = _setup(model_dir, "gemma2", 48)
+    _, kv_config, layout = _setup(model_dir, "gemma2", 48)
     backend = vmm.HostBackend(CHUNK, capacity=128 << 20)
     pool = vmm.ChunkPool(backend, budget_bytes=layout.memory_bytes)
     cache = VmmKVCache(kv_config, layout, pool, KVCacheLayout.LBNHC)

@@ -7,6 +7,10 @@ from typing import Any
 
 import pytest
 
+from tests.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
 from integrations.vllm import cases, replay
 from integrations.vllm.manager import JengaKVCacheManager
 
@@ -16,9 +20,7 @@ SUFFIX = 40
 MAX_TOKENS = 24
 
 
-def _scheduler(
-    model_dir: Path, case: str, memory_mb: int, **setup_args: Any
-) -> Any:
+def _scheduler(model_dir: Path, case: str, memory_mb: int, **setup_args: Any) -> Any:
     setup = replay.SchedulerSetup(max_model_len=1024, max_num_batched_tokens=512, **setup_args)
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)

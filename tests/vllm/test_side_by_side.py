@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
 from integrations.vllm import replay
 from integrations.vllm.side_by_side import Row, Workload, compare
 
@@ -22,7 +26,9 @@ def test_full_attention_matches_vllm_exactly(model_dir: Path) -> None:
     rows = _rows(model_dir, "llama")
     ours, theirs = rows["jenga"], rows["vllm"]
     assert (ours.steps, ours.max_running, ours.prefix_hit_tokens) == (
-        theirs.steps, theirs.max_running, theirs.prefix_hit_tokens
+        theirs.steps,
+        theirs.max_running,
+        theirs.prefix_hit_tokens,
     )
 
 
@@ -49,4 +55,6 @@ def test_sliding_window_models_hit_more_and_fit_as_many(model_dir: Path, case: s
 def test_ministral_under_memory_pressure_fits_or_hits_as_much(model_dir: Path) -> None:
     rows = _rows(model_dir, "ministral", Workload(requests=64))
     ours, theirs = rows["jenga"], rows["vllm"]
-    assert ours.avg_running >= theirs.avg_running or ours.prefix_hit_tokens >= theirs.prefix_hit_tokens
+    assert (
+        ours.avg_running >= theirs.avg_running or ours.prefix_hit_tokens >= theirs.prefix_hit_tokens
+    )
