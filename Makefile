@@ -22,7 +22,7 @@ build: $(STAMP)
 	@$(PY) -c "import vmm._core" || (echo "extension failed to build/import" && exit 1)
 
 run: build
-	$(VENV)/bin/vmm-bench --quick
+	$(VENV)/bin/jenga-sim
 
 test: build
 	$(PY) -m pytest -q
@@ -40,8 +40,9 @@ format: $(STAMP)
 
 stubs: build
 	$(VENV)/bin/pybind11-stubgen vmm._core -o . --numpy-array-remove-parameters
+	$(VENV)/bin/ruff format -q vmm/_core
 	$(VENV)/bin/ruff check --fix -q vmm/_core
-	$(VENV)/bin/ruff format vmm/_core
+	$(VENV)/bin/ruff format -q vmm/_core
 
 # vLLM 0.32.0 suite (tests/vllm) in its own venv: created with the shared recipe only if
 # missing (reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package.

@@ -17,16 +17,6 @@
 
 namespace jvmm::jenga {
 
-namespace {
-
-std::string str(int64_t v) { return std::to_string(v); }
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::logic_error("jenga core invariant violated: " + what);
-}
-
-}  // namespace
-
 int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
   Group& G = grp(g);
   Page& P = G.pages[static_cast<size_t>(page)];
@@ -97,7 +87,7 @@ void Core::prim_uncache(int32_t g, int32_t block) {
   if (logging_) {
     undo_.push_back({UndoKind::kUncache, g, block, k.last_access, k.prefix_len, k.hash});
   }
-  G.evictable_blocks.erase({k.last_access, -k.prefix_len, block});
+  lru_remove(G, block);
   G.hash_to_block.erase(k.hash);
   k.hashed = false;
   k.state = State::kLimbo;
@@ -144,7 +134,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now) {
   if (k.hashed) {
     if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
     k.state = State::kCached;
-    G.evictable_blocks.insert({now, -k.prefix_len, block});
+    lru_insert(G, block);
     P.num_cached += 1;
     G.num_cached_blocks += 1;
     refresh_page(g, page);
@@ -225,8 +215,8 @@ void Core::undo_one(const Undo& u) {
       k.hash = u.hash;
       k.last_access = u.a;
       k.prefix_len = u.b;
-      G.evictable_blocks.insert({u.a, -u.b, u.id});
-      G.hash_to_block.emplace(u.hash, u.id);
+      lru_insert(G, u.id);
+      G.hash_to_block.insert(u.hash, u.id);
       G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached += 1;
       G.num_cached_blocks += 1;
       break;
@@ -252,7 +242,7 @@ void Core::undo_one(const Undo& u) {
     }
     case UndoKind::kToCached: {
       Block& k = G.blocks[static_cast<size_t>(u.id)];
-      G.evictable_blocks.erase({k.last_access, -k.prefix_len, u.id});
+      lru_remove(G, u.id);
       G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached -= 1;
       G.num_cached_blocks -= 1;
       k.state = State::kLimbo;
@@ -266,6 +256,45 @@ void Core::undo_one(const Undo& u) {
       break;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// LRU heap of cached blocks (lazy deletion by stamps)
+// ---------------------------------------------------------------------------------------
+
+bool Core::lru_live(const Group& G, const LruEntry& e) const {
+  if (e.block < 0 || static_cast<size_t>(e.block) >= G.blocks.size()) return false;
+  const Block& k = G.blocks[static_cast<size_t>(e.block)];
+  return k.state == State::kCached && k.lru_stamp == e.stamp;
+}
+
+void Core::lru_insert(Group& G, int32_t block) {
+  Block& k = G.blocks[static_cast<size_t>(block)];
+  k.lru_stamp = ++next_stamp_;
+  G.lru.push_back({k.last_access, -k.prefix_len, block, k.lru_stamp});
+  std::push_heap(G.lru.begin(), G.lru.end());
+}
+
+void Core::lru_remove(Group& G, int32_t block) {
+  G.blocks[static_cast<size_t>(block)].lru_stamp = ++next_stamp_;  // its entry goes stale
+  const size_t live = static_cast<size_t>(G.num_cached_blocks);
+  if (G.lru.size() > 2 * live + 1024) {
+    std::vector<LruEntry> kept;
+    kept.reserve(live);
+    for (const LruEntry& e : G.lru) {
+      if (lru_live(G, e)) kept.push_back(e);
+    }
+    std::make_heap(kept.begin(), kept.end());
+    G.lru.swap(kept);
+  }
+}
+
+int32_t Core::lru_top(Group& G) {
+  while (!G.lru.empty() && !lru_live(G, G.lru.front())) {
+    std::pop_heap(G.lru.begin(), G.lru.end());
+    G.lru.pop_back();
+  }
+  return G.lru.empty() ? -1 : G.lru.front().block;
 }
 
 // A page is evictable (step 3) when mapped, no block is in use and at least one is cached.
@@ -307,109 +336,6 @@ void Core::remove_from_free_set(Group& G, int32_t page) {
 
 void Core::add_to_free_set(Group& G, int32_t page) {
   G.pages_with_free.insert({G.pages[static_cast<size_t>(page)].owner, page});
-}
-
-// ---------------------------------------------------------------------------------------
-// invariants
-// ---------------------------------------------------------------------------------------
-
-void Core::check_invariants(bool expensive) const {
-  int64_t mapped_units = 0;
-  for (const Group& G : groups_) mapped_units += G.num_mapped_pages * G.units_per_page;
-  require(free_units_ >= 0 && free_units_ <= total_units_,
-          "free units " + str(free_units_) + " outside [0, " + str(total_units_) + "]");
-  require(free_units_ + mapped_units == total_units_, "free " + str(free_units_) + " + mapped " +
-                                                          str(mapped_units) + " units != total " +
-                                                          str(total_units_));
-  int64_t evictable_units = 0;
-  for (const PageKey& key : evictable_pages_) {
-    evictable_units += groups_[static_cast<size_t>(std::get<1>(key))].units_per_page;
-  }
-  require(
-      evictable_units == evictable_page_units_,
-      "evictable page units " + str(evictable_page_units_) + " != recount " + str(evictable_units));
-  require(!logging_ && undo_.empty(), "a transaction is still open");
-  for (int32_t g = 0; g < num_groups(); ++g) check_group(g, expensive);
-}
-
-void Core::check_group(int32_t g, bool expensive) const {
-  const Group& G = groups_[static_cast<size_t>(g)];
-  const std::string where = "group " + str(g) + ": ";
-  require(static_cast<int64_t>(G.evictable_blocks.size()) == G.num_cached_blocks,
-          where + "LRU set holds " + str(G.evictable_blocks.size()) + " blocks, count says " +
-              str(G.num_cached_blocks));
-  require(G.blocks.size() == G.pages.size() * static_cast<size_t>(G.blocks_per_page),
-          where + "block array size does not match pages");
-  if (!expensive) return;
-  const int32_t B = G.blocks_per_page;
-  int64_t mapped = 0, cached = 0, free_blocks = 0;
-  std::vector<char> on_free_list(G.pages.size(), 0);
-  for (const int32_t p : G.free_page_ids) {
-    require(p >= 0 && static_cast<size_t>(p) < G.pages.size() && !on_free_list[p],
-            where + "bad free page id " + str(p));
-    on_free_list[static_cast<size_t>(p)] = 1;
-  }
-  for (int32_t p = 0; p < static_cast<int32_t>(G.pages.size()); ++p) {
-    const Page& P = G.pages[static_cast<size_t>(p)];
-    const std::string pw = where + "page " + str(p) + ": ";
-    require(P.mapped != static_cast<bool>(on_free_list[static_cast<size_t>(p)]),
-            pw + "mapped flag disagrees with the free page list");
-    int32_t chain = 0;
-    for (int32_t s = P.free_head; s != -1; s = G.blocks[static_cast<size_t>(p * B + s)].next_free) {
-      require(chain < B, pw + "free chain has a cycle");
-      require(G.blocks[static_cast<size_t>(p * B + s)].state == State::kFree,
-              pw + "slot " + str(s) + " on the free chain is not FREE");
-      ++chain;
-    }
-    int32_t n_free = 0, n_cached = 0;
-    int64_t newest = std::numeric_limits<int64_t>::min();
-    for (int32_t s = 0; s < B; ++s) {
-      const Block& k = G.blocks[static_cast<size_t>(p * B + s)];
-      const int32_t b = p * B + s;
-      require(k.state != State::kLimbo, pw + "block " + str(b) + " left in LIMBO");
-      require((k.state == State::kUsed) == (k.refcount > 0),
-              pw + "block " + str(b) + " refcount " + str(k.refcount) + " disagrees with state");
-      require(P.mapped || k.state == State::kFree, pw + "unmapped page holds a live block");
-      if (k.state == State::kFree) ++n_free;
-      if (k.state == State::kCached) {
-        ++n_cached;
-        newest = std::max(newest, k.last_access);
-        require(k.hashed && G.evictable_blocks.count({k.last_access, -k.prefix_len, b}) == 1,
-                pw + "cached block " + str(b) + " missing from the LRU set");
-      }
-      if (k.hashed) {
-        auto it = G.hash_to_block.find(k.hash);
-        require(it != G.hash_to_block.end() && it->second == b,
-                pw + "hashed block " + str(b) + " missing from the hash index");
-      }
-    }
-    require(chain == n_free && n_free == P.num_free, pw + "free chain " + str(chain) +
-                                                         ", FREE blocks " + str(n_free) +
-                                                         ", count " + str(P.num_free));
-    require(n_cached == P.num_cached,
-            pw + "cached count " + str(P.num_cached) + " != " + str(n_cached));
-    const bool free_set = G.pages_with_free.count({P.owner, p}) == 1;
-    require(free_set == (P.mapped && n_free > 0), pw + "pages_with_free membership wrong");
-    require(!P.mapped || n_free < B, pw + "mapped page with every block free");
-    const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
-    require(evictable == P.in_evictable, pw + "evictable flag wrong");
-    require(!evictable || (P.evict_key == newest && evictable_pages_.count({newest, g, p}) == 1),
-            pw + "evictable page key wrong");
-    if (P.mapped) ++mapped;
-    if (P.mapped) free_blocks += n_free;
-    cached += n_cached;
-  }
-  require(mapped == G.num_mapped_pages, where + "mapped page count wrong");
-  require(cached == G.num_cached_blocks, where + "cached block count wrong");
-  require(free_blocks == G.num_free_blocks, where + "free block count wrong");
-  require(G.pages_with_free.size() <= static_cast<size_t>(mapped),
-          where + "stale free-set entries");
-  for (const auto& [hash, b] : G.hash_to_block) {
-    require(b >= 0 && static_cast<size_t>(b) < G.blocks.size() &&
-                G.blocks[static_cast<size_t>(b)].hashed &&
-                G.blocks[static_cast<size_t>(b)].hash == hash,
-            where + "hash index entry points at block " + str(b) + " without that hash");
-  }
 }
 
 }  // namespace jvmm::jenga

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 import vmm
-
-HOST_GRANULARITY = 64 << 10  # small chunks keep the host tests light
+from tests.vmm.vmm_helpers import HOST_GRANULARITY
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])
