@@ -40,6 +40,7 @@ format: $(STAMP)
 
 stubs: build
 	$(VENV)/bin/pybind11-stubgen vmm._core -o . --numpy-array-remove-parameters
+	$(VENV)/bin/ruff check --fix -q vmm/_core
 	$(VENV)/bin/ruff format vmm/_core
 
 clean:

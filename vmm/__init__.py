@@ -1,13 +1,23 @@
 """vmm: physical chunk pools mapped on demand into contiguous virtual ranges.
 
+    backend = vmm.get_backend("auto")                 # host (memfd + mmap) or cuda (driver VMM)
+    pool = vmm.ChunkPool(backend, budget_bytes=1 << 30, reserve_ahead=8)
+    k = pool.reserve(64 << 20, name="layer0.k")      # VA only, no physical cost
+    k.map([0, 1])                                     # back two slots with chunks
+    t = k.tensor((2, 1024, 8, 128), torch.float16)    # zero-copy view, never a copy
+    vmm.MappingPlan().unmap(k, [1]).map(v, [0]).apply()   # atomic batch
+    pool.stats()["bytes.mapped.current"]
+
 Importing this package never imports torch and never touches a GPU driver; tensors and
 the CUDA backend load them lazily, so `jenga` (integers only) can share the extension.
 """
 
+from vmm.backend import Backend, ViewFactory
 from vmm.errors import (
     AlignmentError,
     BackendError,
     BackendUnavailable,
+    BudgetError,
     ClosedError,
     MappingError,
     OutOfMemory,
@@ -15,15 +25,29 @@ from vmm.errors import (
     VmaBudgetExceeded,
     VmmError,
 )
+from vmm.host import HostBackend
+from vmm.plan import MappingPlan, PlanOp
+from vmm.pool import ChunkPool
+from vmm.range import VirtualRange
+from vmm.selection import get_backend
 
 __all__ = [
     "AlignmentError",
+    "Backend",
     "BackendError",
     "BackendUnavailable",
+    "BudgetError",
+    "ChunkPool",
     "ClosedError",
+    "HostBackend",
     "MappingError",
+    "MappingPlan",
     "OutOfMemory",
+    "PlanOp",
     "RangeError",
+    "ViewFactory",
+    "VirtualRange",
     "VmaBudgetExceeded",
     "VmmError",
+    "get_backend",
 ]

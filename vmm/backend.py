@@ -30,6 +30,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class ViewFactory(Protocol):
+    """Builds zero-copy DLPack capsules over one reservation (see `Backend.view_factory`)."""
+
+    def capsule(
+        self,
+        offset: int,
+        shape: Sequence[int],
+        strides: Sequence[int],
+        code: int,
+        bits: int,
+        lanes: int,
+    ) -> object:
+        """A "dltensor" capsule of `shape`/`strides` (elements; empty = contiguous) at byte
+        `offset`; raises if the viewed span leaves the reservation."""
+        ...
 
 
 class Backend(ABC):
@@ -69,10 +87,11 @@ class Backend(ABC):
 
     # ---- virtual address space ----------------------------------------------------
     @abstractmethod
-    def reserve(self, size: int) -> int:
+    def reserve(self, size: int, *, zero: bool = False) -> int:
         """Reserve `size` bytes (a multiple of granularity, > 0) of VA; no physical cost.
 
-        Every slot of a fresh reservation is unmapped.
+        Every slot of a fresh reservation is unmapped, or zero-backed with `zero` (needs
+        `zero_handle`). The returned address is aligned to max(granularity, 2 MiB).
         """
 
     @abstractmethod
@@ -101,12 +120,30 @@ class Backend(ABC):
     @property
     @abstractmethod
     def zero_handle(self) -> int | None:
-        """A shared read-only zero chunk, or None if this backend has none."""
+        """Opaque id of the shared read-only zero chunk, or None if this backend has none.
+
+        Only its presence matters to callers (they ask for zero-backed slots through
+        `reserve(zero=True)` / `unmap(to_zero=True)`); the host backend's zero chunk is the
+        kernel's zero page behind an anonymous read-only mapping, so its id is a sentinel.
+        """
+
+    # ---- tensors --------------------------------------------------------------------
+    def view_factory(self, va: int, size: int) -> ViewFactory | None:
+        """An object that builds DLPack capsules over the reservation at `va`, or None.
+
+        Backends that can build the capsule natively (host: C++) return one; the capsule's
+        deleter keeps the reservation's address range reserved while a tensor lives, without
+        calling Python. With None, `vmm.tensor` uses `__cuda_array_interface__` on CUDA.
+        """
+        return None
 
     # ---- accounting / lifetime ----------------------------------------------------
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """Backend counters under the dotted scheme of `vmm.stats` (e.g. `backend.vmas`)."""
+        """Backend gauges under the dotted scheme of `vmm.stats` (e.g. `vmas.current`).
+
+        Only state, no event counters, so a rolled-back plan leaves them unchanged.
+        """
 
     @abstractmethod
     def close(self) -> None:

@@ -21,6 +21,10 @@ class OutOfMemory(VmmError):
         self.total = total
 
 
+class BudgetError(VmmError, ValueError):
+    """A pool budget change asks for less than is in use (or is not a chunk multiple)."""
+
+
 class AlignmentError(VmmError, ValueError):
     """An address, offset or size is not a multiple of the granularity (or is <= 0)."""
 

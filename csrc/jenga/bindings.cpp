@@ -1,7 +1,130 @@
+// `vmm._core.jenga`: the allocator core and block hashing. Every call that walks blocks
+// releases the GIL (arguments are converted before, results after); C++ never calls Python.
 #include "bindings.hpp"
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "jenga/core.hpp"
+
+namespace py = pybind11;
 
 namespace jvmm {
 
-void register_jenga(pybind11::module_ m) { (void)m; }
+namespace {
+
+using jenga::Core;
+using Release = py::call_guard<py::gil_scoped_release>;
+
+py::tuple plan_arrays(Core& core) {
+  std::vector<jenga::PlanOp> ops;
+  {
+    py::gil_scoped_release nogil;
+    ops = core.drain_plan();
+  }
+  std::vector<int32_t> kinds, groups, pages, reused;
+  for (const auto& op : ops) {
+    kinds.push_back(static_cast<int32_t>(op.kind));
+    groups.push_back(op.group);
+    pages.push_back(op.page);
+    reused.push_back(op.reused_units);
+  }
+  return py::make_tuple(kinds, groups, pages, reused);
+}
+
+py::dict counters_dict(const Core& core) {
+  const jenga::Counters& c = core.counters();
+  py::dict d;
+  for (int s = 1; s <= 5; ++s) d[py::str("alloc.step." + std::to_string(s))] = c.step_blocks[s];
+  d["alloc.calls"] = c.alloc_calls;
+  d["alloc.failures"] = c.alloc_failures;
+  d["pages.mapped"] = c.pages_mapped;
+  d["pages.unmapped"] = c.pages_unmapped;
+  d["pages.evicted"] = c.pages_evicted;
+  d["blocks.evicted"] = c.blocks_evicted;
+  d["blocks.released"] = c.blocks_released;
+  d["blocks.acquired"] = c.blocks_acquired;
+  d["plan.remapped_units"] = c.remapped_units;
+  d["prefix.hashes_committed"] = c.hashes_committed;
+  d["units.free.current"] = core.free_units();
+  d["units.evictable.current"] = core.evictable_page_units();
+  return d;
+}
+
+py::tuple group_counts(const Core& core, int32_t g) {
+  const jenga::Group& G = core.group(g);
+  return py::make_tuple(
+      G.num_mapped_pages, G.num_cached_blocks, G.num_free_blocks,
+      G.num_mapped_pages * G.blocks_per_page - G.num_cached_blocks - G.num_free_blocks);
+}
+
+py::tuple block_info(const Core& core, int32_t g, int32_t b) {
+  const jenga::Group& G = core.group(g);
+  if (b < 0 || static_cast<size_t>(b) >= G.blocks.size()) {
+    throw py::index_error("group " + std::to_string(g) + ": block " + std::to_string(b) +
+                          " out of range [0, " + std::to_string(G.blocks.size()) + ")");
+  }
+  const jenga::Block& k = G.blocks[static_cast<size_t>(b)];
+  return py::make_tuple(static_cast<int>(k.state), k.refcount, k.hashed, k.last_access,
+                        k.prefix_len);
+}
+
+py::tuple page_info(const Core& core, int32_t g, int32_t p) {
+  const jenga::Group& G = core.group(g);
+  if (p < 0 || static_cast<size_t>(p) >= G.pages.size()) {
+    throw py::index_error("group " + std::to_string(g) + ": page " + std::to_string(p) +
+                          " out of range [0, " + std::to_string(G.pages.size()) + ")");
+  }
+  const jenga::Page& P = G.pages[static_cast<size_t>(p)];
+  return py::make_tuple(P.mapped, P.owner, P.num_free, P.num_cached);
+}
+
+std::vector<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
+                                  int64_t tokens_per_block, uint64_t parent) {
+  if (t.ndim() != 1) throw py::value_error("tokens must be 1-D, got " + std::to_string(t.ndim()));
+  const int64_t* data = t.data();
+  const int64_t n = t.shape(0);
+  py::gil_scoped_release nogil;
+  return jenga::hash_token_blocks(data, n, tokens_per_block, parent);
+}
+
+}  // namespace
+
+void register_jenga(py::module_ m) {
+  py::class_<Core>(m, "Core", "Two-level LCM allocator bookkeeping (see jenga/allocator.py)")
+      .def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t, bool>(),
+           py::arg("blocks_per_page"), py::arg("units_per_page"), py::arg("total_units"),
+           py::arg("compact_order") = false)
+      .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
+           py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
+      .def("release", &Core::release, py::arg("group"), py::arg("blocks"), py::arg("now"),
+           Release())
+      .def("acquire", &Core::acquire, py::arg("group"), py::arg("blocks"), py::arg("now"),
+           Release())
+      .def("commit", &Core::commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
+           py::arg("prefix_lens"), Release())
+      .def("lookup", &Core::lookup, py::arg("group"), py::arg("hashes"), Release())
+      .def("drain_plan", &plan_arrays)
+      .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
+      .def("eviction_order", &Core::eviction_order, py::arg("group"))
+      .def("page_eviction_order", &Core::page_eviction_order)
+      .def("counters", &counters_dict)
+      .def("group_counts", &group_counts, py::arg("group"),
+           "(mapped_pages, cached_blocks, free_blocks, used_blocks)")
+      .def("block_info", &block_info, py::arg("group"), py::arg("block"),
+           "(state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)")
+      .def("page_info", &page_info, py::arg("group"), py::arg("page"),
+           "(mapped, owner, num_free, num_cached)")
+      .def_property_readonly("total_units", &Core::total_units)
+      .def_property_readonly("free_units", &Core::free_units)
+      .def_property_readonly("num_groups", &Core::num_groups);
+  m.def("hash_blocks", &hash_blocks, py::arg("tokens"), py::arg("tokens_per_block"),
+        py::arg("parent") = 0,
+        "Chained 64-bit hashes of the complete blocks of `tokens`; `parent` is the hash of the "
+        "block before the first (continue a chain) or a root from hash_ints.");
+  m.def("hash_ints", &jenga::hash_ints, py::arg("values"), py::arg("seed") = 0, Release(),
+        "64-bit hash of a short list of integers.");
+}
 
 }  // namespace jvmm

@@ -1,0 +1,103 @@
+#include "host/dlpack_view.hpp"
+
+#include <string>
+
+namespace jvmm {
+namespace {
+
+struct ViewContext {
+  DlManagedTensor managed;
+  std::shared_ptr<Reservation> keep_alive;
+  std::vector<int64_t> dims;  // shape, then strides
+};
+
+void delete_view(DlManagedTensor* self) { delete static_cast<ViewContext*>(self->manager_ctx); }
+
+void destroy_unconsumed_capsule(PyObject* capsule) {
+  // A consumer renames the capsule to "used_dltensor" and then owns the tensor.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* managed = static_cast<DlManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    managed->deleter(managed);
+  }
+}
+
+// Bytes spanned by the view, from its first to past its last element; throws on bad input.
+int64_t span_bytes(const int64_t* shape, const int64_t* strides, size_t ndim, int64_t itemsize) {
+  int64_t last = 0;  // element index of the last element
+  for (size_t i = 0; i < ndim; ++i) {
+    if (shape[i] < 0) {
+      throw HostArgError("view shape has a negative size " + std::to_string(shape[i]), "view", 0);
+    }
+    if (shape[i] == 0) return 0;
+    if (strides[i] < 0) {
+      throw HostArgError("view stride " + std::to_string(strides[i]) + " is negative", "view", 0);
+    }
+    last += (shape[i] - 1) * strides[i];
+  }
+  return (last + 1) * itemsize;
+}
+
+}  // namespace
+
+pybind11::capsule ViewFactory::capsule(int64_t offset, const std::vector<int64_t>& shape,
+                                       const std::vector<int64_t>& strides, int code, int bits,
+                                       int lanes) const {
+  if (!res_->owned) {
+    throw HostStateError("view of reservation at " + std::to_string(res_->va) +
+                             " after it was freed (use after close)",
+                         "closed", 0);
+  }
+  const size_t ndim = shape.size();
+  if (!strides.empty() && strides.size() != ndim) {
+    throw HostArgError("view got " + std::to_string(ndim) + " dims but " +
+                           std::to_string(strides.size()) + " strides",
+                       "view", 0);
+  }
+  const int64_t itemsize = (static_cast<int64_t>(bits) * lanes + 7) / 8;
+  auto* ctx = new ViewContext{};
+  ctx->dims.resize(2 * ndim);
+  int64_t* st = ctx->dims.data() + ndim;
+  int64_t running = 1;
+  for (size_t i = ndim; i-- > 0;) {
+    ctx->dims[i] = shape[i];
+    st[i] = strides.empty() ? running : strides[i];
+    running *= shape[i];
+  }
+  int64_t span = 0;
+  try {
+    span = span_bytes(ctx->dims.data(), st, ndim, itemsize);
+  } catch (...) {
+    delete ctx;
+    throw;
+  }
+  const int64_t size = static_cast<int64_t>(res_->size);
+  if (offset < 0 || offset % itemsize != 0 || offset + span > size) {
+    delete ctx;
+    const std::string what = "view of " + std::to_string(span) + " bytes at offset " +
+                             std::to_string(offset) + " (item size " + std::to_string(itemsize) +
+                             ") ";
+    if (offset >= 0 && offset % itemsize != 0)
+      throw HostArgError(what + "is misaligned", "view", 0);
+    throw HostRangeError(what + "leaves the " + std::to_string(size) + "-byte range", "view", 0);
+  }
+  ctx->keep_alive = res_;
+  DlTensor& t = ctx->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(res_->va + static_cast<uint64_t>(offset));
+  t.device = device_;
+  t.ndim = static_cast<int32_t>(ndim);
+  t.dtype = DlDataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits),
+                       static_cast<uint16_t>(lanes)};
+  t.shape = ctx->dims.data();
+  t.strides = st;
+  t.byte_offset = 0;
+  ctx->managed.manager_ctx = ctx;
+  ctx->managed.deleter = delete_view;
+  PyObject* cap = PyCapsule_New(&ctx->managed, "dltensor", destroy_unconsumed_capsule);
+  if (cap == nullptr) {
+    delete ctx;
+    throw pybind11::error_already_set();
+  }
+  return pybind11::reinterpret_steal<pybind11::capsule>(cap);
+}
+
+}  // namespace jvmm

@@ -1,0 +1,325 @@
+// Jenga allocator core: the five allocation steps, release/acquire, the hash index, undo.
+// Design note: core.hpp.
+#include "jenga/core.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+namespace jvmm::jenga {
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
+           int64_t total_units, bool compact_order)
+    : total_units_(total_units), free_units_(total_units), compact_order_(compact_order) {
+  if (blocks_per_page.empty() || blocks_per_page.size() != units_per_page.size()) {
+    throw std::invalid_argument("need one (blocks_per_page, units_per_page) per group, got " +
+                                str(blocks_per_page.size()) + " and " + str(units_per_page.size()));
+  }
+  if (total_units <= 0) {
+    throw std::invalid_argument("total_units must be > 0, got " + str(total_units));
+  }
+  groups_.resize(blocks_per_page.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (blocks_per_page[g] <= 0 || units_per_page[g] <= 0) {
+      throw std::invalid_argument("group " + str(static_cast<int64_t>(g)) +
+                                  ": blocks_per_page and units_per_page must be > 0, got " +
+                                  str(blocks_per_page[g]) + " and " + str(units_per_page[g]));
+    }
+    groups_[g].blocks_per_page = blocks_per_page[g];
+    groups_[g].units_per_page = units_per_page[g];
+  }
+}
+
+const Group& Core::group(int32_t g) const {
+  if (g < 0 || g >= num_groups()) {
+    throw std::out_of_range("group " + str(g) + " out of range [0, " + str(num_groups()) + ")");
+  }
+  return groups_[static_cast<size_t>(g)];
+}
+
+int32_t Core::num_used(const Group& G, int32_t page) const {
+  const Page& P = G.pages[static_cast<size_t>(page)];
+  return G.blocks_per_page - P.num_free - P.num_cached;
+}
+
+// ---------------------------------------------------------------------------------------
+// allocate: a transaction over the five steps
+// ---------------------------------------------------------------------------------------
+
+std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
+    int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+    const std::vector<std::vector<int32_t>>& releases) {
+  if (counts.size() != groups_.size()) {
+    throw std::invalid_argument("need one count per group: got " + str(counts.size()) + " for " +
+                                str(groups_.size()) + " groups");
+  }
+  for (size_t g = 0; g < counts.size(); ++g) {
+    if (counts[g] < 0) {
+      throw std::invalid_argument("group " + str(static_cast<int64_t>(g)) +
+                                  ": block count must be >= 0, got " + str(counts[g]));
+    }
+  }
+  if (!releases.empty() && releases.size() != groups_.size()) {
+    throw std::invalid_argument("need one release list per group (or none): got " +
+                                str(releases.size()) + " for " + str(groups_.size()) + " groups");
+  }
+  for (size_t g = 0; g < releases.size(); ++g)
+    validate_release(static_cast<int32_t>(g), releases[g]);
+  Counters c;
+  std::vector<std::vector<int32_t>> out(groups_.size());
+  const size_t plan_mark = plan_.size();
+  const Counters saved = counters_;
+  undo_.clear();
+  logging_ = true;
+  for (size_t g = 0; g < releases.size(); ++g) {
+    for (const int32_t b : releases[g]) prim_release(static_cast<int32_t>(g), b, now);
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    out[g].reserve(static_cast<size_t>(counts[g]));
+    if (!allocate_group(static_cast<int32_t>(g), owner, counts[g], now, c, out[g])) {
+      rollback(0, plan_mark);
+      logging_ = false;
+      counters_ = saved;
+      counters_.alloc_calls += 1;
+      counters_.alloc_failures += 1;
+      return std::nullopt;
+    }
+  }
+  logging_ = false;
+  undo_.clear();
+  for (size_t i = 0; i < c.step_blocks.size(); ++i) counters_.step_blocks[i] += c.step_blocks[i];
+  counters_.pages_mapped += c.pages_mapped;
+  counters_.pages_unmapped += c.pages_unmapped;
+  counters_.pages_evicted += c.pages_evicted;
+  counters_.blocks_evicted += c.blocks_evicted;
+  counters_.remapped_units += c.remapped_units;
+  counters_.alloc_calls += 1;
+  return out;
+}
+
+bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
+                          std::vector<int32_t>& out) {
+  static constexpr int kPaper[] = {kOwnFree, kNewPage, kEvictPage, kAnyFree, kEvictBlock};
+  static constexpr int kCompact[] = {kOwnFree, kAnyFree, kNewPage, kEvictPage, kEvictBlock};
+  const int* order = compact_order_ ? kCompact : kPaper;
+  while (n > 0) {
+    bool progressed = false;
+    for (int i = 0; i < 5 && !progressed; ++i) {
+      progressed = try_step(order[i], g, owner, n, now, c, out);
+    }
+    if (!progressed) return false;
+  }
+  return true;
+}
+
+bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now, Counters& c,
+                    std::vector<int32_t>& out) {
+  Group& G = grp(g);
+  int32_t page = -1;
+  int32_t reused = 0;
+  switch (step) {
+    case kOwnFree: {
+      auto it = G.pages_with_free.lower_bound({owner, std::numeric_limits<int32_t>::min()});
+      if (it == G.pages_with_free.end() || it->first != owner) return false;
+      page = it->second;
+      break;
+    }
+    case kNewPage:
+      if (free_units_ < G.units_per_page) return false;
+      page = prim_map(g, owner, 0);
+      c.pages_mapped += 1;
+      break;
+    case kEvictPage:
+      if (!evict_pages_for(g, c, reused)) return false;
+      page = prim_map(g, owner, reused);
+      c.pages_mapped += 1;
+      c.remapped_units += reused;
+      break;
+    case kAnyFree:
+      if (G.pages_with_free.empty()) return false;
+      page = G.pages_with_free.begin()->second;
+      break;
+    case kEvictBlock: {
+      if (G.evictable_blocks.empty()) return false;
+      const int32_t block = std::get<2>(*G.evictable_blocks.begin());
+      prim_uncache(g, block);
+      prim_use_limbo(g, block, now);
+      out.push_back(block);
+      n -= 1;
+      c.step_blocks[kEvictBlock] += 1;
+      c.blocks_evicted += 1;
+      return true;
+    }
+    default:
+      return false;
+  }
+  const int32_t taken = take_from_page(g, page, n, now, out);
+  n -= taken;
+  c.step_blocks[static_cast<size_t>(step)] += taken;
+  return true;
+}
+
+int32_t Core::take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
+                             std::vector<int32_t>& out) {
+  const int32_t k = std::min(n, grp(g).pages[static_cast<size_t>(page)].num_free);
+  for (int32_t i = 0; i < k; ++i) out.push_back(prim_take(g, page, now));
+  return k;
+}
+
+// Step 3: evict whole evictable pages (any group, LRU by newest access) until group g's
+// large page fits. Does nothing and returns false when even evicting all would not do.
+bool Core::evict_pages_for(int32_t g, Counters& c, int32_t& reused_units) {
+  const int64_t need = grp(g).units_per_page;
+  if (free_units_ >= need || free_units_ + evictable_page_units_ < need) return false;
+  const int64_t before = free_units_;
+  while (free_units_ < need) {
+    const PageKey victim = *evictable_pages_.begin();
+    const int32_t h = std::get<1>(victim);
+    const int32_t page = std::get<2>(victim);
+    c.blocks_evicted += grp(h).pages[static_cast<size_t>(page)].num_cached;
+    evict_page(h, page);
+    c.pages_evicted += 1;
+    c.pages_unmapped += 1;
+  }
+  reused_units = static_cast<int32_t>(std::min<int64_t>(need, free_units_ - before));
+  return true;
+}
+
+void Core::evict_page(int32_t g, int32_t page) {
+  Group& G = grp(g);
+  set_page_evictable(g, page, false);
+  defer_refresh_ = true;
+  const int32_t B = G.blocks_per_page;
+  for (int32_t slot = 0; slot < B; ++slot) {
+    const int32_t b = page * B + slot;
+    if (G.blocks[static_cast<size_t>(b)].state == State::kCached) {
+      prim_uncache(g, b);
+      prim_push_free(g, b);
+    }
+  }
+  defer_refresh_ = false;
+  prim_unmap(g, page);
+}
+
+// ---------------------------------------------------------------------------------------
+// release / acquire / commit / lookup
+// ---------------------------------------------------------------------------------------
+
+// Throws (nothing changed) unless every listed block is USED with enough references for
+// the number of times it is listed.
+void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
+  Group& G = grp((group(g), g));
+  const int64_t limit = static_cast<int64_t>(G.blocks.size());
+  size_t done = 0;
+  for (; done < blocks.size(); ++done) {
+    const int32_t b = blocks[done];
+    if (b < 0 || b >= limit || G.blocks[static_cast<size_t>(b)].state != State::kUsed ||
+        G.blocks[static_cast<size_t>(b)].refcount <= 0) {
+      break;
+    }
+    G.blocks[static_cast<size_t>(b)].refcount -= 1;
+  }
+  for (size_t i = 0; i < done; ++i) G.blocks[static_cast<size_t>(blocks[i])].refcount += 1;
+  if (done != blocks.size()) {
+    throw std::invalid_argument("group " + str(g) + ": block " + str(blocks[done]) +
+                                " is not in use (release of a free, cached or unknown block; " +
+                                str(limit) + " block ids exist)");
+  }
+}
+
+void Core::release(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  validate_release(g, blocks);
+  for (const int32_t b : blocks) prim_release(g, b, now);
+}
+
+void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  Group& G = grp((group(g), g));
+  const int64_t limit = static_cast<int64_t>(G.blocks.size());
+  for (const int32_t b : blocks) {
+    if (b < 0 || b >= limit ||
+        (G.blocks[static_cast<size_t>(b)].state != State::kUsed &&
+         G.blocks[static_cast<size_t>(b)].state != State::kCached)) {
+      throw std::invalid_argument("group " + str(g) + ": block " + str(b) +
+                                  " is neither in use nor cached; cannot share it");
+    }
+  }
+  for (const int32_t b : blocks) {
+    Block& k = G.blocks[static_cast<size_t>(b)];
+    const int32_t page = page_of(G, b);
+    if (k.state == State::kCached) {
+      G.evictable_blocks.erase({k.last_access, -k.prefix_len, b});
+      G.pages[static_cast<size_t>(page)].num_cached -= 1;
+      G.num_cached_blocks -= 1;
+      k.state = State::kUsed;
+    }
+    k.refcount += 1;
+    k.last_access = now;
+    counters_.blocks_acquired += 1;
+    refresh_page(g, page);
+  }
+}
+
+int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
+                     const std::vector<uint64_t>& hashes, const std::vector<int64_t>& prefix_lens) {
+  Group& G = grp((group(g), g));
+  if (blocks.size() != hashes.size() || blocks.size() != prefix_lens.size()) {
+    throw std::invalid_argument("commit needs equal lengths, got " + str(blocks.size()) +
+                                " blocks, " + str(hashes.size()) + " hashes, " +
+                                str(prefix_lens.size()) + " prefix lengths");
+  }
+  const int64_t limit = static_cast<int64_t>(G.blocks.size());
+  for (const int32_t b : blocks) {
+    if (b < 0 || b >= limit || G.blocks[static_cast<size_t>(b)].state != State::kUsed) {
+      throw std::invalid_argument("group " + str(g) + ": block " + str(b) +
+                                  " is not in use; only owned blocks can be cached");
+    }
+  }
+  int64_t added = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    Block& k = G.blocks[static_cast<size_t>(blocks[i])];
+    if (k.hashed || G.hash_to_block.count(hashes[i]) != 0) continue;
+    G.hash_to_block.emplace(hashes[i], blocks[i]);
+    k.hashed = true;
+    k.hash = hashes[i];
+    k.prefix_len = prefix_lens[i];
+    added += 1;
+  }
+  counters_.hashes_committed += added;
+  return added;
+}
+
+std::vector<int32_t> Core::lookup(int32_t g, const std::vector<uint64_t>& hashes) const {
+  const Group& G = group(g);
+  std::vector<int32_t> out(hashes.size(), -1);
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    auto it = G.hash_to_block.find(hashes[i]);
+    if (it != G.hash_to_block.end()) out[i] = it->second;
+  }
+  return out;
+}
+
+std::vector<PlanOp> Core::drain_plan() {
+  std::vector<PlanOp> out;
+  out.swap(plan_);
+  return out;
+}
+
+std::vector<int32_t> Core::eviction_order(int32_t g) const {
+  std::vector<int32_t> out;
+  for (const BlockKey& key : group(g).evictable_blocks) out.push_back(std::get<2>(key));
+  return out;
+}
+
+std::vector<std::pair<int32_t, int32_t>> Core::page_eviction_order() const {
+  std::vector<std::pair<int32_t, int32_t>> out;
+  for (const PageKey& key : evictable_pages_) out.push_back({std::get<1>(key), std::get<2>(key)});
+  return out;
+}
+
+}  // namespace jvmm::jenga

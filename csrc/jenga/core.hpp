@@ -1,0 +1,216 @@
+// Jenga two-level allocator core: per-block bookkeeping on integers.
+//
+// Rationale: the hot paths of a KV-cache allocator (free lists, request association of
+// large pages, LRU order of evictable blocks and pages, the prefix hash index) run once
+// per block per step; doing them in C++ behind batched calls keeps them far below the
+// cost of a model step. Python owns policies and the per-request view.
+//
+// Approach:
+//   * A pool of `total_units` units. Group g's large page costs U[g] units and holds B[g]
+//     blocks; block id = page * B[g] + slot. Page indices are per group, recycled LIFO.
+//   * Block states (derived): USED (refcount > 0), CACHED (refcount 0, hashed; evictable),
+//     FREE (refcount 0, unhashed; on its page's intrusive free chain). Unmapped pages'
+//     blocks have no state.
+//
+//        page p of group g:  | slot0 | slot1 | ... | slot B-1 |   owner = first request
+//        free chain:  page.free_head -> slot -> block.next_free -> ... -> -1
+//
+//   * Ordered sets (std::set) give exact, deterministic LRU order:
+//       evictable_blocks[g]: (last_access, -prefix_len, block)   step 5
+//       evictable_pages:     (newest last_access, group, page)    step 3
+//       pages_with_free[g]:  (owner, page)                        steps 1 and 4
+//   * allocate() is a transaction: every primitive mutation appends an undo record; on
+//     "no room" the records are undone in reverse (LIFO restores the exact state, free
+//     chain order included) and the plan is truncated.
+//
+// Limitations: not thread-safe (one allocator per engine thread; the GIL is released
+// only so other Python threads run). std::set costs ~O(log n) per evictable block.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace jvmm::jenga {
+
+enum class OpKind : int32_t { kMap = 0, kUnmap = 1 };
+
+struct PlanOp {
+  OpKind kind;
+  int32_t group;
+  int32_t page;
+  int32_t reused_units;
+};
+
+struct Page {
+  int64_t owner = -1;
+  int32_t num_free = 0;
+  int32_t num_cached = 0;
+  int32_t free_head = -1;  // slot index, -1 = none
+  bool mapped = false;
+  bool in_evictable = false;
+  int64_t evict_key = 0;  // newest last_access of its cached blocks while in_evictable
+};
+
+// FREE: on its page's free chain. USED: refcount > 0. CACHED: refcount 0, hashed, in the
+// LRU set. LIMBO: between an eviction and its reuse, inside one primitive sequence only.
+enum class State : uint8_t { kFree = 0, kUsed = 1, kCached = 2, kLimbo = 3 };
+
+struct Block {
+  State state = State::kFree;
+  int32_t refcount = 0;
+  int32_t next_free = -1;  // slot index within the page
+  bool hashed = false;
+  uint64_t hash = 0;
+  int64_t last_access = 0;
+  int64_t prefix_len = 0;
+};
+
+using BlockKey = std::tuple<int64_t, int64_t, int32_t>;  // last_access, -prefix_len, block
+using PageKey = std::tuple<int64_t, int32_t, int32_t>;   // newest access, group, page
+
+struct Group {
+  int32_t blocks_per_page = 1;
+  int32_t units_per_page = 1;
+  std::vector<Page> pages;
+  std::vector<Block> blocks;
+  std::vector<int32_t> free_page_ids;  // unmapped page indices below pages.size(), LIFO
+  std::set<std::pair<int64_t, int32_t>> pages_with_free;
+  std::set<BlockKey> evictable_blocks;
+  std::unordered_map<uint64_t, int32_t> hash_to_block;
+  int64_t num_mapped_pages = 0;
+  int64_t num_cached_blocks = 0;
+  int64_t num_free_blocks = 0;  // FREE blocks in mapped pages
+};
+
+// Steps of the paper's allocation (1-based indices into step counters).
+enum Step : int { kOwnFree = 1, kNewPage = 2, kEvictPage = 3, kAnyFree = 4, kEvictBlock = 5 };
+
+struct Counters {
+  std::array<int64_t, 6> step_blocks{};  // blocks served by each step (index 1..5)
+  int64_t pages_mapped = 0;
+  int64_t pages_unmapped = 0;
+  int64_t pages_evicted = 0;
+  int64_t blocks_evicted = 0;  // cached blocks dropped (by steps 3 and 5)
+  int64_t remapped_units = 0;
+  int64_t alloc_calls = 0;
+  int64_t alloc_failures = 0;
+  int64_t blocks_released = 0;
+  int64_t blocks_acquired = 0;  // prefix hits
+  int64_t hashes_committed = 0;
+};
+
+class Core {
+ public:
+  Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
+       int64_t total_units, bool compact_order);
+
+  // All-or-nothing: first drop one reference per block in releases[g] (blocks the owner no
+  // longer needs), then allocate counts[g] new blocks for `owner` in every group g. Returns
+  // the block ids per group, or nullopt with every change (releases too) undone.
+  std::optional<std::vector<std::vector<int32_t>>> allocate(
+      int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+      const std::vector<std::vector<int32_t>>& releases);
+  // Drop one reference per listed block; blocks reaching 0 become CACHED (hashed) or FREE.
+  // Throws std::invalid_argument (nothing changed) if a block is not USED.
+  void release(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
+  // Take one reference per listed block (a prefix hit). Blocks must be USED or CACHED.
+  void acquire(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
+  // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.
+  int64_t commit(int32_t group, const std::vector<int32_t>& blocks,
+                 const std::vector<uint64_t>& hashes, const std::vector<int64_t>& prefix_lens);
+  // Block id per hash, or -1.
+  std::vector<int32_t> lookup(int32_t group, const std::vector<uint64_t>& hashes) const;
+  // The plan ops emitted since the last drain.
+  std::vector<PlanOp> drain_plan();
+
+  // Introspection for tests and stats.
+  int64_t total_units() const { return total_units_; }
+  int64_t free_units() const { return free_units_; }
+  int64_t evictable_page_units() const { return evictable_page_units_; }
+  const Counters& counters() const { return counters_; }
+  int32_t num_groups() const { return static_cast<int32_t>(groups_.size()); }
+  const Group& group(int32_t g) const;
+  std::vector<int32_t> eviction_order(int32_t group) const;
+  std::vector<std::pair<int32_t, int32_t>> page_eviction_order() const;
+  // Throws std::logic_error naming the first disagreement.
+  void check_invariants(bool expensive) const;
+
+ private:
+  enum class UndoKind : uint8_t {
+    kTake,
+    kMap,
+    kUnmap,
+    kUncache,
+    kPushFree,
+    kUseLimbo,
+    kDecRef,
+    kToCached
+  };
+  struct Undo {
+    UndoKind kind;
+    int32_t group;
+    int32_t id;  // block or page
+    int64_t a;   // saved value (owner, last_access, extended flag)
+    int64_t b;   // saved prefix_len
+    uint64_t hash;
+  };
+
+  Group& grp(int32_t g) { return groups_[static_cast<size_t>(g)]; }
+  int32_t page_of(const Group& G, int32_t block) const { return block / G.blocks_per_page; }
+  int32_t num_used(const Group& G, int32_t page) const;
+
+  bool allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
+                      std::vector<int32_t>& out);
+  bool try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now, Counters& c,
+                std::vector<int32_t>& out);
+  int32_t take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
+                         std::vector<int32_t>& out);
+  bool evict_pages_for(int32_t g, Counters& c, int32_t& reused_units);
+  void evict_page(int32_t g, int32_t page);
+
+  // Primitive mutations, each logged for undo when a transaction is open.
+  int32_t prim_take(int32_t g, int32_t page, int64_t now);
+  int32_t prim_map(int32_t g, int64_t owner, int32_t reused_units);
+  void prim_unmap(int32_t g, int32_t page);
+  void prim_uncache(int32_t g, int32_t block);
+  void prim_push_free(int32_t g, int32_t block);
+  void prim_use_limbo(int32_t g, int32_t block, int64_t now);
+  void prim_release(int32_t g, int32_t block, int64_t now);
+  void validate_release(int32_t g, const std::vector<int32_t>& blocks);
+  void rollback(size_t undo_mark, size_t plan_mark);
+  void undo_one(const Undo& u);
+
+  void refresh_page(int32_t g, int32_t page);
+  void set_page_evictable(int32_t g, int32_t page, bool evictable);
+  void remove_from_free_set(Group& G, int32_t page);
+  void add_to_free_set(Group& G, int32_t page);
+
+  void check_group(int32_t g, bool expensive) const;
+
+  std::vector<Group> groups_;
+  int64_t total_units_;
+  int64_t free_units_;
+  int64_t evictable_page_units_ = 0;
+  bool compact_order_;
+  std::set<PageKey> evictable_pages_;
+  std::vector<PlanOp> plan_;
+  std::vector<Undo> undo_;
+  bool logging_ = false;
+  bool defer_refresh_ = false;
+  Counters counters_;
+};
+
+// Chained block hashes over token ids: h[i] = H(h[i-1], tokens[i*T .. (i+1)*T)), h[-1] = parent.
+// Only complete blocks are hashed.
+std::vector<uint64_t> hash_token_blocks(const int64_t* tokens, int64_t num_tokens,
+                                        int64_t tokens_per_block, uint64_t parent);
+// Hash of a short list of integers (image content hash, block index, salt, ...).
+uint64_t hash_ints(const std::vector<int64_t>& values, uint64_t seed);
+
+}  // namespace jvmm::jenga

@@ -1,0 +1,415 @@
+// Jenga allocator core: primitive mutations, their undo, derived-set upkeep, invariants.
+//
+// Every state change of a transaction goes through one prim_* function that logs an undo
+// record. Undoing the records in reverse restores the exact state (free-chain order too):
+//   take      FREE  -> USED      (pop chain head)      undo: push it back
+//   map       page unmapped -> mapped, all FREE       undo: unmapped again
+//   unmap     mapped all-FREE page -> unmapped          undo: mapped again, same owner
+//   uncache   CACHED -> LIMBO    (leaves LRU and index) undo: re-enter both
+//   push_free LIMBO  -> FREE     (push chain head)      undo: pop it
+//   use_limbo LIMBO  -> USED                            undo: LIMBO again
+// An unmapped page keeps its complete free chain, so mapping it again needs no re-init.
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+#include "jenga/core.hpp"
+
+namespace jvmm::jenga {
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::logic_error("jenga core invariant violated: " + what);
+}
+
+}  // namespace
+
+int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
+  Group& G = grp(g);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  const int32_t b = page * G.blocks_per_page + P.free_head;
+  Block& k = G.blocks[static_cast<size_t>(b)];
+  P.free_head = k.next_free;
+  k.next_free = -1;
+  P.num_free -= 1;
+  G.num_free_blocks -= 1;
+  if (P.num_free == 0) remove_from_free_set(G, page);
+  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, 0, 0});
+  k.state = State::kUsed;
+  k.refcount = 1;
+  k.last_access = now;
+  refresh_page(g, page);
+  return b;
+}
+
+int32_t Core::prim_map(int32_t g, int64_t owner, int32_t reused_units) {
+  Group& G = grp(g);
+  const int32_t B = G.blocks_per_page;
+  int32_t page;
+  int64_t extended = 0;
+  if (!G.free_page_ids.empty()) {
+    page = G.free_page_ids.back();
+    G.free_page_ids.pop_back();
+  } else {
+    page = static_cast<int32_t>(G.pages.size());
+    G.pages.emplace_back();
+    G.blocks.resize(G.blocks.size() + static_cast<size_t>(B));
+    Page& fresh = G.pages.back();
+    fresh.num_free = B;
+    fresh.free_head = 0;
+    for (int32_t s = 0; s < B; ++s) {
+      G.blocks[static_cast<size_t>(page * B + s)].next_free = (s + 1 < B) ? s + 1 : -1;
+    }
+    extended = 1;
+  }
+  Page& P = G.pages[static_cast<size_t>(page)];
+  P.mapped = true;
+  P.owner = owner;
+  G.num_mapped_pages += 1;
+  G.num_free_blocks += B;
+  free_units_ -= G.units_per_page;
+  add_to_free_set(G, page);
+  plan_.push_back({OpKind::kMap, g, page, reused_units});
+  if (logging_) undo_.push_back({UndoKind::kMap, g, page, extended, 0, 0});
+  return page;
+}
+
+void Core::prim_unmap(int32_t g, int32_t page) {
+  Group& G = grp(g);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  set_page_evictable(g, page, false);
+  remove_from_free_set(G, page);
+  P.mapped = false;
+  G.free_page_ids.push_back(page);
+  G.num_mapped_pages -= 1;
+  G.num_free_blocks -= G.blocks_per_page;
+  free_units_ += G.units_per_page;
+  plan_.push_back({OpKind::kUnmap, g, page, 0});
+  if (logging_) undo_.push_back({UndoKind::kUnmap, g, page, P.owner, 0, 0});
+}
+
+void Core::prim_uncache(int32_t g, int32_t block) {
+  Group& G = grp(g);
+  Block& k = G.blocks[static_cast<size_t>(block)];
+  if (logging_) {
+    undo_.push_back({UndoKind::kUncache, g, block, k.last_access, k.prefix_len, k.hash});
+  }
+  G.evictable_blocks.erase({k.last_access, -k.prefix_len, block});
+  G.hash_to_block.erase(k.hash);
+  k.hashed = false;
+  k.state = State::kLimbo;
+  G.pages[static_cast<size_t>(page_of(G, block))].num_cached -= 1;
+  G.num_cached_blocks -= 1;
+  if (!defer_refresh_) refresh_page(g, page_of(G, block));
+}
+
+void Core::prim_push_free(int32_t g, int32_t block) {
+  Group& G = grp(g);
+  const int32_t page = page_of(G, block);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  Block& k = G.blocks[static_cast<size_t>(block)];
+  k.state = State::kFree;
+  k.next_free = P.free_head;
+  P.free_head = block - page * G.blocks_per_page;
+  P.num_free += 1;
+  G.num_free_blocks += 1;
+  if (P.num_free == 1) add_to_free_set(G, page);
+  if (logging_) undo_.push_back({UndoKind::kPushFree, g, block, 0, 0, 0});
+  if (!defer_refresh_) refresh_page(g, page);
+}
+
+void Core::prim_use_limbo(int32_t g, int32_t block, int64_t now) {
+  Block& k = grp(g).blocks[static_cast<size_t>(block)];
+  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, 0, 0});
+  k.state = State::kUsed;
+  k.refcount = 1;
+  k.last_access = now;
+}
+
+// Drop one reference; at zero the block becomes CACHED (hashed) or FREE, and a page left
+// with only FREE blocks is unmapped.
+void Core::prim_release(int32_t g, int32_t block, int64_t now) {
+  Group& G = grp(g);
+  Block& k = G.blocks[static_cast<size_t>(block)];
+  if (logging_) undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, 0, 0});
+  k.refcount -= 1;
+  if (k.refcount > 0) return;
+  const int32_t page = page_of(G, block);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  k.last_access = now;
+  counters_.blocks_released += 1;
+  if (k.hashed) {
+    if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
+    k.state = State::kCached;
+    G.evictable_blocks.insert({now, -k.prefix_len, block});
+    P.num_cached += 1;
+    G.num_cached_blocks += 1;
+    refresh_page(g, page);
+    return;
+  }
+  k.state = State::kLimbo;
+  prim_push_free(g, block);
+  if (P.num_free == G.blocks_per_page) {
+    prim_unmap(g, page);
+    counters_.pages_unmapped += 1;
+  }
+}
+
+void Core::rollback(size_t undo_mark, size_t plan_mark) {
+  logging_ = false;
+  defer_refresh_ = true;
+  std::vector<std::pair<int32_t, int32_t>> touched;
+  while (undo_.size() > undo_mark) {
+    const Undo u = undo_.back();
+    undo_.pop_back();
+    undo_one(u);
+    const Group& G = grp(u.group);
+    const bool is_page = u.kind == UndoKind::kMap || u.kind == UndoKind::kUnmap;
+    touched.push_back({u.group, is_page ? u.id : page_of(G, u.id)});
+  }
+  defer_refresh_ = false;
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (const auto& [g, page] : touched) {
+    if (static_cast<size_t>(page) < grp(g).pages.size()) refresh_page(g, page);
+  }
+  plan_.resize(plan_mark);
+}
+
+void Core::undo_one(const Undo& u) {
+  Group& G = grp(u.group);
+  const int32_t B = G.blocks_per_page;
+  switch (u.kind) {
+    case UndoKind::kTake: {
+      Block& k = G.blocks[static_cast<size_t>(u.id)];
+      k.state = State::kLimbo;
+      k.refcount = 0;
+      k.last_access = u.a;
+      prim_push_free(u.group, u.id);
+      break;
+    }
+    case UndoKind::kMap: {
+      Page& P = G.pages[static_cast<size_t>(u.id)];
+      remove_from_free_set(G, u.id);
+      P.mapped = false;
+      P.owner = -1;
+      G.num_mapped_pages -= 1;
+      G.num_free_blocks -= B;
+      free_units_ += G.units_per_page;
+      if (u.a != 0) {
+        G.pages.pop_back();
+        G.blocks.resize(G.blocks.size() - static_cast<size_t>(B));
+      } else {
+        G.free_page_ids.push_back(u.id);
+      }
+      break;
+    }
+    case UndoKind::kUnmap: {
+      Page& P = G.pages[static_cast<size_t>(u.id)];
+      G.free_page_ids.pop_back();
+      P.mapped = true;
+      P.owner = u.a;
+      G.num_mapped_pages += 1;
+      G.num_free_blocks += B;
+      free_units_ -= G.units_per_page;
+      add_to_free_set(G, u.id);
+      break;
+    }
+    case UndoKind::kUncache: {
+      Block& k = G.blocks[static_cast<size_t>(u.id)];
+      k.state = State::kCached;
+      k.hashed = true;
+      k.hash = u.hash;
+      k.last_access = u.a;
+      k.prefix_len = u.b;
+      G.evictable_blocks.insert({u.a, -u.b, u.id});
+      G.hash_to_block.emplace(u.hash, u.id);
+      G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached += 1;
+      G.num_cached_blocks += 1;
+      break;
+    }
+    case UndoKind::kPushFree: {
+      const int32_t page = page_of(G, u.id);
+      Page& P = G.pages[static_cast<size_t>(page)];
+      Block& k = G.blocks[static_cast<size_t>(u.id)];
+      P.free_head = k.next_free;
+      k.next_free = -1;
+      k.state = State::kLimbo;
+      P.num_free -= 1;
+      G.num_free_blocks -= 1;
+      if (P.num_free == 0) remove_from_free_set(G, page);
+      break;
+    }
+    case UndoKind::kDecRef: {
+      Block& k = G.blocks[static_cast<size_t>(u.id)];
+      k.refcount += 1;
+      k.state = State::kUsed;
+      k.last_access = u.a;
+      break;
+    }
+    case UndoKind::kToCached: {
+      Block& k = G.blocks[static_cast<size_t>(u.id)];
+      G.evictable_blocks.erase({k.last_access, -k.prefix_len, u.id});
+      G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached -= 1;
+      G.num_cached_blocks -= 1;
+      k.state = State::kLimbo;
+      break;
+    }
+    case UndoKind::kUseLimbo: {
+      Block& k = G.blocks[static_cast<size_t>(u.id)];
+      k.state = State::kLimbo;
+      k.refcount = 0;
+      k.last_access = u.a;
+      break;
+    }
+  }
+}
+
+// A page is evictable (step 3) when mapped, no block is in use and at least one is cached.
+void Core::refresh_page(int32_t g, int32_t page) {
+  const Group& G = grp(g);
+  const Page& P = G.pages[static_cast<size_t>(page)];
+  const bool should = P.mapped && P.num_cached > 0 && num_used(G, page) == 0;
+  set_page_evictable(g, page, should);
+}
+
+void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
+  Group& G = grp(g);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  if (!evictable) {
+    if (P.in_evictable) {
+      evictable_pages_.erase({P.evict_key, g, page});
+      evictable_page_units_ -= G.units_per_page;
+      P.in_evictable = false;
+    }
+    return;
+  }
+  int64_t newest = std::numeric_limits<int64_t>::min();
+  const int32_t B = G.blocks_per_page;
+  for (int32_t s = 0; s < B; ++s) {
+    const Block& k = G.blocks[static_cast<size_t>(page * B + s)];
+    if (k.state == State::kCached) newest = std::max(newest, k.last_access);
+  }
+  if (P.in_evictable && P.evict_key == newest) return;
+  set_page_evictable(g, page, false);
+  P.evict_key = newest;
+  P.in_evictable = true;
+  evictable_pages_.insert({newest, g, page});
+  evictable_page_units_ += G.units_per_page;
+}
+
+void Core::remove_from_free_set(Group& G, int32_t page) {
+  G.pages_with_free.erase({G.pages[static_cast<size_t>(page)].owner, page});
+}
+
+void Core::add_to_free_set(Group& G, int32_t page) {
+  G.pages_with_free.insert({G.pages[static_cast<size_t>(page)].owner, page});
+}
+
+// ---------------------------------------------------------------------------------------
+// invariants
+// ---------------------------------------------------------------------------------------
+
+void Core::check_invariants(bool expensive) const {
+  int64_t mapped_units = 0;
+  for (const Group& G : groups_) mapped_units += G.num_mapped_pages * G.units_per_page;
+  require(free_units_ >= 0 && free_units_ <= total_units_,
+          "free units " + str(free_units_) + " outside [0, " + str(total_units_) + "]");
+  require(free_units_ + mapped_units == total_units_, "free " + str(free_units_) + " + mapped " +
+                                                          str(mapped_units) + " units != total " +
+                                                          str(total_units_));
+  int64_t evictable_units = 0;
+  for (const PageKey& key : evictable_pages_) {
+    evictable_units += groups_[static_cast<size_t>(std::get<1>(key))].units_per_page;
+  }
+  require(
+      evictable_units == evictable_page_units_,
+      "evictable page units " + str(evictable_page_units_) + " != recount " + str(evictable_units));
+  require(!logging_ && undo_.empty(), "a transaction is still open");
+  for (int32_t g = 0; g < num_groups(); ++g) check_group(g, expensive);
+}
+
+void Core::check_group(int32_t g, bool expensive) const {
+  const Group& G = groups_[static_cast<size_t>(g)];
+  const std::string where = "group " + str(g) + ": ";
+  require(static_cast<int64_t>(G.evictable_blocks.size()) == G.num_cached_blocks,
+          where + "LRU set holds " + str(G.evictable_blocks.size()) + " blocks, count says " +
+              str(G.num_cached_blocks));
+  require(G.blocks.size() == G.pages.size() * static_cast<size_t>(G.blocks_per_page),
+          where + "block array size does not match pages");
+  if (!expensive) return;
+  const int32_t B = G.blocks_per_page;
+  int64_t mapped = 0, cached = 0, free_blocks = 0;
+  std::vector<char> on_free_list(G.pages.size(), 0);
+  for (const int32_t p : G.free_page_ids) {
+    require(p >= 0 && static_cast<size_t>(p) < G.pages.size() && !on_free_list[p],
+            where + "bad free page id " + str(p));
+    on_free_list[static_cast<size_t>(p)] = 1;
+  }
+  for (int32_t p = 0; p < static_cast<int32_t>(G.pages.size()); ++p) {
+    const Page& P = G.pages[static_cast<size_t>(p)];
+    const std::string pw = where + "page " + str(p) + ": ";
+    require(P.mapped != static_cast<bool>(on_free_list[static_cast<size_t>(p)]),
+            pw + "mapped flag disagrees with the free page list");
+    int32_t chain = 0;
+    for (int32_t s = P.free_head; s != -1; s = G.blocks[static_cast<size_t>(p * B + s)].next_free) {
+      require(chain < B, pw + "free chain has a cycle");
+      require(G.blocks[static_cast<size_t>(p * B + s)].state == State::kFree,
+              pw + "slot " + str(s) + " on the free chain is not FREE");
+      ++chain;
+    }
+    int32_t n_free = 0, n_cached = 0;
+    int64_t newest = std::numeric_limits<int64_t>::min();
+    for (int32_t s = 0; s < B; ++s) {
+      const Block& k = G.blocks[static_cast<size_t>(p * B + s)];
+      const int32_t b = p * B + s;
+      require(k.state != State::kLimbo, pw + "block " + str(b) + " left in LIMBO");
+      require((k.state == State::kUsed) == (k.refcount > 0),
+              pw + "block " + str(b) + " refcount " + str(k.refcount) + " disagrees with state");
+      require(P.mapped || k.state == State::kFree, pw + "unmapped page holds a live block");
+      if (k.state == State::kFree) ++n_free;
+      if (k.state == State::kCached) {
+        ++n_cached;
+        newest = std::max(newest, k.last_access);
+        require(k.hashed && G.evictable_blocks.count({k.last_access, -k.prefix_len, b}) == 1,
+                pw + "cached block " + str(b) + " missing from the LRU set");
+      }
+      if (k.hashed) {
+        auto it = G.hash_to_block.find(k.hash);
+        require(it != G.hash_to_block.end() && it->second == b,
+                pw + "hashed block " + str(b) + " missing from the hash index");
+      }
+    }
+    require(chain == n_free && n_free == P.num_free, pw + "free chain " + str(chain) +
+                                                         ", FREE blocks " + str(n_free) +
+                                                         ", count " + str(P.num_free));
+    require(n_cached == P.num_cached,
+            pw + "cached count " + str(P.num_cached) + " != " + str(n_cached));
+    const bool free_set = G.pages_with_free.count({P.owner, p}) == 1;
+    require(free_set == (P.mapped && n_free > 0), pw + "pages_with_free membership wrong");
+    require(!P.mapped || n_free < B, pw + "mapped page with every block free");
+    const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
+    require(evictable == P.in_evictable, pw + "evictable flag wrong");
+    require(!evictable || (P.evict_key == newest && evictable_pages_.count({newest, g, p}) == 1),
+            pw + "evictable page key wrong");
+    if (P.mapped) ++mapped;
+    if (P.mapped) free_blocks += n_free;
+    cached += n_cached;
+  }
+  require(mapped == G.num_mapped_pages, where + "mapped page count wrong");
+  require(cached == G.num_cached_blocks, where + "cached block count wrong");
+  require(free_blocks == G.num_free_blocks, where + "free block count wrong");
+  require(G.pages_with_free.size() <= static_cast<size_t>(mapped),
+          where + "stale free-set entries");
+  for (const auto& [hash, b] : G.hash_to_block) {
+    require(b >= 0 && static_cast<size_t>(b) < G.blocks.size() &&
+                G.blocks[static_cast<size_t>(b)].hashed &&
+                G.blocks[static_cast<size_t>(b)].hash == hash,
+            where + "hash index entry points at block " + str(b) + " without that hash");
+  }
+}
+
+}  // namespace jvmm::jenga

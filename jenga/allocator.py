@@ -1,0 +1,590 @@
+"""The Jenga two-level allocator with per-group prefix caching: the engine-facing API.
+
+Rationale
+    Models mix layer kinds whose caches differ in size and in which tokens they keep.
+    One pool of units (2 MiB chunks under VMM, LCM large pages without it) is shared by
+    all groups; each group cuts its large pages into its own small pages (blocks). A
+    request's blocks live in large pages associated with that request, so a finished
+    request hands whole large pages back (paper §4.3, Fig. 8). Finished requests' blocks
+    stay cached and are evicted LRU, aligned across groups by prefix length (§5).
+
+Approach
+    Python keeps the per-request view (tokens, block tables per group, how many blocks
+    are hashed) and asks each group's policy (`jenga.policies`) which blocks a length
+    needs, which blocks may be released to the cache, and which prefix lengths a group can
+    serve. The per-block bookkeeping — free lists, request association of large pages,
+    LRU order of evictable blocks and pages, the hash index, the five allocation steps —
+    lives in the C++ core (`vmm._core.jenga.Core`), reached by batched calls with the GIL
+    released. Every call that changes physical needs returns a `MappingPlan`.
+
+    Allocating one block of group g for request r tries, in order (paper order):
+
+    1. a free block in a large page associated with r,
+    2. a new large page from free units (``MapPage``),
+    3. evict whole evictable large pages of any group (LRU by the newest last access of
+       their blocks) until ``units_per_large_page[g]`` units are free, and remap those
+       units (``UnmapPage``... then ``MapPage(reused_units=k)``),
+    4. a free block in a large page of another request,
+    5. evict one evictable block of g (LRU; ties: the longest prefix first).
+
+    ``AllocationOrder.COMPACT`` tries 4 before 2 (commits fewer units, frees less cleanly).
+    `allocate` is all-or-nothing across groups: on "no room" it returns None and the
+    core rolls back every step it took (evictions included).
+
+Limitations
+    One allocator serves one model (groups of a draft and a target model are just more
+    groups). Block hashes are 64-bit; a collision would alias two prefixes (probability
+    ~n²/2⁶⁵ for n cached blocks). Times are a logical clock advanced by each mutating call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from vmm._core import jenga as _core
+
+from jenga.pages import PageTable
+from jenga.plan import MappingPlan, plan_from_arrays
+from jenga.policies import Policy, make_policy
+from jenga.prefix import HashChain, image_block_hashes
+from jenga.specs import Kind, ModelSpec
+
+NULL_BLOCK = -1
+"""Block-table entry of a block the request released (out of the window, an old Mamba state)."""
+
+
+class AllocatorError(Exception):
+    """Base class of every error the allocator raises on purpose (state is unchanged)."""
+
+
+class InvalidSize(AllocatorError, ValueError):
+    """A count, size or length is zero/negative or out of range."""
+
+
+class UnknownRequest(AllocatorError, KeyError):
+    """The request id was never added, or was already freed."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateRequest(AllocatorError, ValueError):
+    """`add_request` with an id that is live."""
+
+
+class DoubleFree(UnknownRequest):
+    """`free` of a request that was already freed."""
+
+
+class PageTooLarge(AllocatorError, ValueError):
+    """A group's large page costs more units than the whole pool holds."""
+
+
+class AllocationOrder(StrEnum):
+    """Order of the five allocation steps (see the module note)."""
+
+    PAPER = "paper"  # 1, 2, 3, 4, 5
+    COMPACT = "compact"  # 1, 4, 2, 3, 5
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's placeholder tokens in the prompt: positions [start, start + length)."""
+
+    start: int
+    length: int
+    content_hash: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One group as the allocator sees it: its policy parameters and its page shape.
+
+    ``tokens_per_block``: tokens one block covers (Mamba: the checkpoint interval, one
+    state per interval). ``blocks_per_large_page`` / ``units_per_large_page``: the page
+    table's B_g and U_g (VMM: chunks per large page over all of g's ranges; static: 1).
+    """
+
+    name: str
+    kind: Kind
+    tokens_per_block: int
+    blocks_per_large_page: int
+    units_per_large_page: int = 1
+    window: int | None = None
+    chunk: int | None = None
+    token_fraction: tuple[int, int] = (1, 1)
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The pool (``total_units``), the groups, the step order and the length limit."""
+
+    groups: tuple[GroupConfig, ...]
+    total_units: int
+    order: AllocationOrder = AllocationOrder.PAPER
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_page_table(
+        cls,
+        model: ModelSpec,
+        table: PageTable,
+        total_units: int,
+        order: AllocationOrder = AllocationOrder.PAPER,
+    ) -> AllocatorConfig:
+        """One `GroupConfig` per model group from a `jenga.pages` page table row.
+
+        Mamba groups count one block per ``checkpoint_interval`` tokens; every other kind
+        one block per ``block_size`` tokens.
+        """
+        groups = []
+        for g in model.groups:
+            row = table.group(g.name)
+            spec = g.spec
+            per_block = spec.checkpoint_interval if spec.kind is Kind.MAMBA else spec.block_size
+            groups.append(
+                GroupConfig(
+                    g.name,
+                    spec.kind,
+                    per_block,
+                    row.blocks_per_large_page,
+                    row.units_per_large_page,
+                    window=spec.window,
+                    chunk=spec.chunk,
+                    token_fraction=spec.token_fraction,
+                )
+            )
+        return cls(tuple(groups), total_units, order, model.max_model_len)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What `allocate` gave: per group (config order) the new block ids, and the plan.
+
+    ``released`` lists, per group, the blocks the request gave back to the cache in the
+    same call (they left the sliding window / chunk, or an old Mamba state).
+    """
+
+    new_blocks: tuple[tuple[int, ...], ...]
+    released: tuple[tuple[int, ...], ...]
+    plan: MappingPlan
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Unit and block accounting at one moment.
+
+    ``used_units + free_units == total_units``. ``mapped_pages[g]`` large pages of group g
+    hold ``used_blocks[g]`` blocks owned by requests, ``cached_blocks[g]`` evictable
+    blocks, and the rest free.
+    """
+
+    total_units: int
+    used_units: int
+    free_units: int
+    mapped_pages: tuple[int, ...]
+    used_blocks: tuple[int, ...]
+    cached_blocks: tuple[int, ...]
+    free_blocks: tuple[int, ...]
+
+
+@dataclass
+class _Request:
+    internal_id: int
+    tokens: list[int]
+    images: tuple[ImageSpan, ...]
+    salt: int
+    num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
+    num_hit: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
+    num_committed: list[int] = field(default_factory=list)  # leading blocks offered to index
+    chains: dict[int, HashChain] = field(default_factory=dict)  # tokens_per_block -> chain
+
+
+class JengaAllocator:
+    """Two-level LCM allocator + prefix cache for one model's groups.
+
+    Request ids are any hashable the engine likes. Block ids are per group:
+    ``page * blocks_per_large_page[g] + slot``. Every public method either completes or
+    raises before changing anything.
+    """
+
+    def __init__(self, config: AllocatorConfig) -> None:
+        if config.total_units <= 0:
+            raise InvalidSize(f"total_units must be > 0, got {config.total_units}")
+        if not config.groups:
+            raise InvalidSize("an allocator needs at least one group, got 0")
+        for g in config.groups:
+            if g.blocks_per_large_page <= 0 or g.units_per_large_page <= 0:
+                raise InvalidSize(
+                    f"group {g.name!r}: blocks_per_large_page {g.blocks_per_large_page} and "
+                    f"units_per_large_page {g.units_per_large_page} must be > 0"
+                )
+            limit = config.max_model_len
+            if g.window is not None and limit is not None and g.window > limit:
+                raise InvalidSize(f"group {g.name!r}: window {g.window} > max_model_len {limit}")
+            if g.units_per_large_page > config.total_units:
+                raise PageTooLarge(
+                    f"group {g.name!r}: a large page costs {g.units_per_large_page} units, "
+                    f"the pool holds {config.total_units}"
+                )
+        self.config = config
+        self.policies: tuple[Policy, ...] = tuple(
+            make_policy(
+                g.kind,
+                g.tokens_per_block,
+                window=g.window,
+                chunk=g.chunk,
+                token_fraction=g.token_fraction,
+            )
+            for g in config.groups
+        )
+        self._core = _core.Core(
+            [g.blocks_per_large_page for g in config.groups],
+            [g.units_per_large_page for g in config.groups],
+            config.total_units,
+            config.order is AllocationOrder.COMPACT,
+        )
+        self._group_index = {g.name: i for i, g in enumerate(config.groups)}
+        self._requests: dict[Hashable, _Request] = {}
+        self._freed: set[Hashable] = set()
+        self._next_internal = 0
+        self._clock = 0
+        self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.config.groups)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _request(self, request_id: Hashable) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            if request_id in self._freed:
+                raise DoubleFree(f"request {request_id!r} was already freed")
+            raise UnknownRequest(
+                f"unknown request {request_id!r} ({len(self._requests)} live requests)"
+            )
+        return req
+
+    def _check_length(self, what: str, length: int) -> None:
+        limit = self.config.max_model_len
+        if limit is not None and length > limit:
+            raise InvalidSize(f"{what}: {length} tokens exceed max_model_len {limit}")
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt: Sequence[int],
+        *,
+        images: Sequence[ImageSpan] = (),
+        salt: int = 0,
+        use_cache: bool = True,
+    ) -> int:
+        """Register a request and claim its longest cached prefix; returns its length.
+
+        The hit is the longest length valid in every group's `possible_prefix`, capped at
+        ``len(prompt) - 1`` so one token is always computed. The hit's blocks are shared
+        (refcounted), not copied; no new memory is needed, so this never fails for room.
+        Raises `DuplicateRequest`, `InvalidSize` (empty prompt, > max_model_len, bad image).
+        """
+        if request_id in self._requests:
+            raise DuplicateRequest(f"request {request_id!r} is already live")
+        if len(prompt) == 0:
+            raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
+        self._check_length(f"request {request_id!r} prompt", len(prompt))
+        spans = _checked_images(images, len(prompt))
+        req = _Request(self._next_internal, list(prompt), spans, salt)
+        req.tables = [[] for _ in self.config.groups]
+        req.first_live = [0] * self.num_groups
+        req.num_committed = [0] * self.num_groups
+        hit, hit_blocks = self._match(req) if use_cache else (0, [])
+        now = self._tick()
+        for g, blocks in enumerate(hit_blocks):
+            policy = self.policies[g]
+            self._core.acquire(g, [b for b in blocks if b != NULL_BLOCK], now)
+            req.tables[g] = blocks
+            req.first_live[g] = min(policy.first_live_block(hit, spans), len(blocks))
+            req.num_committed[g] = len(blocks)
+        req.num_tokens = req.num_hit = hit
+        self._next_internal += 1
+        self._requests[request_id] = req
+        self._freed.discard(request_id)
+        self._stats["prefix.queries"] += 1
+        self._stats["prefix.hit_tokens"] += hit
+        self._stats["prefix.query_tokens"] += len(prompt)
+        return hit
+
+    def allocate(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
+        """Give the request slots for ``num_new_tokens`` more tokens in every group.
+
+        In one all-or-nothing core call: blocks the policies no longer need
+        (window/chunk/old Mamba state) are released to the cache, then each group gets
+        what it needs. Returns None ("no room") with nothing changed when any group cannot
+        be satisfied. Raises `UnknownRequest`, `InvalidSize` (``num_new_tokens <= 0`` or
+        beyond ``max_model_len``).
+        """
+        req = self._request(request_id)
+        if num_new_tokens <= 0:
+            raise InvalidSize(
+                f"request {request_id!r}: num_new_tokens must be > 0, got {num_new_tokens}"
+            )
+        old, new = req.num_tokens, req.num_tokens + num_new_tokens
+        self._check_length(f"request {request_id!r} after allocate", new)
+        releases: list[list[int]] = []
+        counts: list[int] = []
+        firsts: list[int] = []
+        for g, policy in enumerate(self.policies):
+            table = req.tables[g]
+            first = min(policy.first_live_block(old, req.images), len(table))
+            releases.append([b for b in table[req.first_live[g] : first] if b != NULL_BLOCK])
+            firsts.append(max(first, req.first_live[g]))
+            counts.append(max(0, policy.num_blocks(new, req.images) - len(table)))
+        got = self._core.allocate(req.internal_id, counts, self._tick(), releases)
+        plan = plan_from_arrays(*self._core.drain_plan())
+        if got is None:
+            return None
+        for g, blocks in enumerate(got):
+            table = req.tables[g]
+            for i in range(req.first_live[g], firsts[g]):
+                table[i] = NULL_BLOCK
+            req.first_live[g] = firsts[g]
+            table.extend(blocks)
+        req.num_tokens = new
+        return Allocation(
+            tuple(tuple(b) for b in got), tuple(tuple(r) for r in releases), plan, new
+        )
+
+    def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Record generated token ids so their blocks can be hashed by `cache`."""
+        req = self._request(request_id)
+        self._check_length(f"request {request_id!r} tokens", len(req.tokens) + len(token_ids))
+        req.tokens.extend(token_ids)
+
+    def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
+        """Commit the hashes of blocks complete within ``num_computed_tokens``.
+
+        Text groups commit every block whose tokens are all computed (Mamba: the state
+        at each checkpoint); image groups commit an image once its last token is
+        computed. Returns the number of blocks newly entered in the hash index. Raises
+        `UnknownRequest`, `InvalidSize` (more tokens than allocated or known).
+        """
+        req = self._request(request_id)
+        known = min(req.num_tokens, len(req.tokens))
+        if num_computed_tokens < 0 or num_computed_tokens > known:
+            raise InvalidSize(
+                f"request {request_id!r}: {num_computed_tokens} computed tokens, but only "
+                f"{req.num_tokens} allocated and {len(req.tokens)} known"
+            )
+        added = 0
+        for g, policy in enumerate(self.policies):
+            blocks, hashes, prefixes = self._commit_candidates(req, g, policy, num_computed_tokens)
+            if blocks:
+                added += int(self._core.commit(g, blocks, hashes, prefixes))
+        return added
+
+    def _commit_candidates(
+        self, req: _Request, g: int, policy: Policy, computed: int
+    ) -> tuple[list[int], list[int], list[int]]:
+        table = req.tables[g]
+        start = req.num_committed[g]
+        if policy.reads_images:
+            stop = sum(policy.image_blocks(im) for im in req.images if im.end <= computed)  # type: ignore[attr-defined]
+            hashes = self._image_hashes(req, policy)[start:stop]
+        else:
+            t = policy.tokens_per_block
+            stop = computed // t
+            chain = self._chain(req, t)
+            chain.extend(req.tokens, stop * t, req.images)
+            hashes = chain.hashes[start:stop]
+        stop = min(stop, len(table))
+        req.num_committed[g] = max(start, stop)
+        picked = [
+            (table[i], hashes[i - start]) for i in range(start, stop) if table[i] != NULL_BLOCK
+        ]
+        prefixes = [
+            policy.prefix_length(i, req.images)
+            for i in range(start, stop)
+            if table[i] != NULL_BLOCK
+        ]
+        return [b for b, _ in picked], [h for _, h in picked], prefixes
+
+    def _chain(self, req: _Request, tokens_per_block: int) -> HashChain:
+        chain = req.chains.get(tokens_per_block)
+        if chain is None:
+            chain = req.chains[tokens_per_block] = HashChain(req.salt, tokens_per_block)
+        return chain
+
+    def _image_hashes(self, req: _Request, policy: Policy) -> list[int]:
+        out: list[int] = []
+        for im in req.images:
+            n = policy.image_blocks(im)  # type: ignore[attr-defined]
+            out.extend(image_block_hashes(im.content_hash, n, policy.tokens_per_block, req.salt))
+        return out
+
+    def free(self, request_id: Hashable) -> MappingPlan:
+        """Finish a request: hashed blocks stay cached (evictable), the rest are freed.
+
+        Large pages left with only free blocks are unmapped (the returned plan). Raises
+        `DoubleFree` for an id already freed, `UnknownRequest` for one never added.
+        """
+        req = self._request(request_id)
+        now = self._tick()
+        for g in range(self.num_groups):
+            blocks = [b for b in req.tables[g][req.first_live[g] :] if b != NULL_BLOCK]
+            self._core.release(g, blocks, now)
+        del self._requests[request_id]
+        self._freed.add(request_id)
+        return plan_from_arrays(*self._core.drain_plan())
+
+    # -- prefix matching --------------------------------------------------------------
+    def match_prefix(
+        self, prompt: Sequence[int], *, images: Sequence[ImageSpan] = (), salt: int = 0
+    ) -> int:
+        """Length of the longest cached prefix a new request with this prompt would hit."""
+        if len(prompt) == 0:
+            return 0
+        req = _Request(-1, list(prompt), _checked_images(images, len(prompt)), salt)
+        return self._match(req)[0]
+
+    def _match(self, req: _Request) -> tuple[int, list[list[int]]]:
+        """The hit length and, per group, the block table a request with that hit starts with."""
+        n = len(req.tokens)
+        lookups: list[list[int]] = []
+        valid: set[int] | None = None
+        for g, policy in enumerate(self.policies):
+            if policy.reads_images:
+                hashes = self._image_hashes(req, policy)
+            else:
+                chain = self._chain(req, policy.tokens_per_block)
+                chain.extend(req.tokens, n, req.images)
+                hashes = chain.hashes
+            found = list(self._core.lookup(g, hashes)) if hashes else []
+            lookups.append(found)
+            ok = policy.possible_prefix([b >= 0 for b in found], n, req.images)
+            valid = ok if valid is None else valid & ok
+        candidates = [p for p in (valid or set()) if p < n]
+        hit = max(candidates, default=0)
+        tables: list[list[int]] = []
+        for g, policy in enumerate(self.policies):
+            if hit == 0:
+                tables.append([])
+                continue
+            take = policy.hit_blocks(hit, req.images)
+            table = [NULL_BLOCK] * policy.num_blocks(hit, req.images)
+            for i in take:
+                table[i] = lookups[g][i]
+            tables.append(table)
+        return hit, tables
+
+    # -- queries ----------------------------------------------------------------------
+    def block_table(self, request_id: Hashable, group: int | str) -> list[int]:
+        """The request's block ids in ``group`` by block index; `NULL_BLOCK` where released."""
+        return list(self._request(request_id).tables[self._group(group)])
+
+    def _group(self, group: int | str) -> int:
+        if isinstance(group, str):
+            if group not in self._group_index:
+                raise KeyError(f"no group {group!r}; groups: {list(self._group_index)}")
+            return self._group_index[group]
+        if not 0 <= group < self.num_groups:
+            raise IndexError(f"group {group} out of range [0, {self.num_groups})")
+        return group
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        """Tokens with allocated slots."""
+        return self._request(request_id).num_tokens
+
+    def eviction_order(self, group: int | str) -> list[int]:
+        """Cached blocks of ``group`` in the order step 5 would evict them."""
+        return list(self._core.eviction_order(self._group(group)))
+
+    def page_eviction_order(self) -> list[tuple[int, int]]:
+        """Evictable large pages ``(group, page)`` in the order step 3 would evict them."""
+        return [tuple(x) for x in self._core.page_eviction_order()]
+
+    def usage(self) -> Usage:
+        counts = [self._core.group_counts(g) for g in range(self.num_groups)]
+        free = int(self._core.free_units)
+        return Usage(
+            total_units=self.config.total_units,
+            used_units=self.config.total_units - free,
+            free_units=free,
+            mapped_pages=tuple(int(c[0]) for c in counts),
+            used_blocks=tuple(int(c[3]) for c in counts),
+            cached_blocks=tuple(int(c[1]) for c in counts),
+            free_blocks=tuple(int(c[2]) for c in counts),
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Counters in dotted keys, e.g. ``"alloc.step.3"``, ``"blocks.evicted"``,
+        ``"plan.remapped_units"``, ``"prefix.hit_tokens"``, ``"units.free.current"``,
+        ``"blocks.cached.<group>"``."""
+        out = {k: int(v) for k, v in self._core.counters().items()}
+        out.update(self._stats)
+        out["requests.live"] = len(self._requests)
+        use = self.usage()
+        for g, name in enumerate(self._group_index):
+            out[f"pages.mapped.{name}"] = use.mapped_pages[g]
+            out[f"blocks.used.{name}"] = use.used_blocks[g]
+            out[f"blocks.cached.{name}"] = use.cached_blocks[g]
+        return out
+
+    def check_invariants(self, expensive: bool = False) -> None:
+        """Raise AssertionError when bookkeeping disagrees (C++ core + Python tables).
+
+        Cheap: unit accounting and set sizes. Expensive: every page and block, plus every
+        live request's table entries are USED blocks, with per-block reference counts equal
+        to the number of live tables holding them.
+        """
+        try:
+            self._core.check_invariants(expensive)
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from exc
+        if not expensive:
+            return
+        for g in range(self.num_groups):
+            refs: dict[int, int] = {}
+            for rid, req in self._requests.items():
+                table = req.tables[g]
+                assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
+                    f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
+                )
+                for b in table[req.first_live[g] :]:
+                    assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
+                    refs[b] = refs.get(b, 0) + 1
+            for b, n in refs.items():
+                state, refcount = self._core.block_info(g, b)[:2]
+                assert state == 1 and refcount == n, (
+                    f"group {g} block {b}: {n} live tables hold it, core says state {state} "
+                    f"refcount {refcount}"
+                )
+            used = self._core.group_counts(g)[3]
+            assert used == len(refs), (
+                f"group {g}: core has {used} used blocks, live tables hold {len(refs)}"
+            )
+
+
+def _checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:
+    spans = tuple(images)
+    prev_end = 0
+    for im in spans:
+        if im.length <= 0 or im.start < prev_end or im.end > num_tokens:
+            raise InvalidSize(
+                f"image span [{im.start}, {im.end}) must be non-empty, sorted, "
+                f"non-overlapping and inside the {num_tokens}-token prompt"
+            )
+        prev_end = im.end
+    return spans

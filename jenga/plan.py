@@ -1,0 +1,88 @@
+"""Mapping plans: what the allocator asks `vmm` to do with physical memory.
+
+Rationale
+    `jenga` decides, `vmm` carries out. Keeping the decision as plain data lets the
+    simulator count mapping work without any memory, lets `vmm` apply a plan atomically
+    (all ops or none), and keeps torch and device calls out of `jenga`.
+
+Approach
+    A plan is an ordered tuple of ops on large pages named by ``(group, page)``; the page
+    index lives in that group's own virtual page space (one VA slot of
+    ``units_per_large_page`` units per page). Two ops exist:
+
+    - ``MapPage(group, page, reused_units)``: back the page with units. ``reused_units``
+      of them are the very units that the ``UnmapPage`` ops just before it released
+      (a step-3 remap: no create, no release); the rest come from the free pool.
+    - ``UnmapPage(group, page)``: the page's units go back to the pool (or, when a
+      ``MapPage`` with ``reused_units > 0`` follows, straight to that page).
+
+    A step-3 eviction reads ``Unmap(h, p1) [Unmap(h', p2) ...] Map(g, q, reused_units=k)``.
+
+Limitations
+    A plan names pages, not physical chunks: `vmm` picks which chunk handles back a page
+    (any free or just-unmapped handle does, they are interchangeable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MapPage:
+    """Map large page ``page`` of group ``group``; ``reused_units`` come from unmaps just before."""
+
+    group: int
+    page: int
+    reused_units: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UnmapPage:
+    """Unmap large page ``page`` of group ``group``; its units return to the pool."""
+
+    group: int
+    page: int
+
+
+PlanOp = MapPage | UnmapPage
+
+
+@dataclass(frozen=True, slots=True)
+class MappingPlan:
+    """An ordered list of page ops; apply in order. Empty when physical needs did not change."""
+
+    ops: tuple[PlanOp, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    @property
+    def num_maps(self) -> int:
+        return sum(1 for op in self.ops if isinstance(op, MapPage))
+
+    @property
+    def num_unmaps(self) -> int:
+        return sum(1 for op in self.ops if isinstance(op, UnmapPage))
+
+    @property
+    def num_reused_units(self) -> int:
+        """Units moved from an evicted page to a new page without going through the pool."""
+        return sum(op.reused_units for op in self.ops if isinstance(op, MapPage))
+
+
+OP_MAP = 0
+OP_UNMAP = 1
+
+
+def plan_from_arrays(
+    kinds: list[int], groups: list[int], pages: list[int], reused: list[int]
+) -> MappingPlan:
+    """Build a plan from the C++ core's parallel arrays (``kinds``: OP_MAP / OP_UNMAP)."""
+    ops: list[PlanOp] = []
+    for kind, group, page, units in zip(kinds, groups, pages, reused, strict=True):
+        ops.append(MapPage(group, page, units) if kind == OP_MAP else UnmapPage(group, page))
+    return MappingPlan(tuple(ops))

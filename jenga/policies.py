@@ -1,0 +1,305 @@
+"""Per-kind cache policies: which blocks a length needs, and which prefixes a group can serve.
+
+Rationale
+    Layer kinds differ in which tokens they read (paper §5.2): full attention reads every
+    token, a sliding window the last ``w``, chunked local attention its current chunk,
+    Mamba only its running state, cross attention every image token. The allocator is the
+    same for all of them; what differs is captured by four questions, one class per kind,
+    picked from `POLICY_BY_KIND` (the paper's customizable interface):
+
+    - `num_blocks(length)` / `first_live_block(length)`: the block indices
+      ``[first_live_block, num_blocks)`` must be allocated for a request of ``length``
+      tokens that continues computing (``blocks_needed`` of the paper: blocks below the
+      first live one are released to the cache);
+    - `active_blocks(length)`: the blocks whose last access a step refreshes
+      (``update_last_access``);
+    - `prefix_length(block)`: the eviction tie-break (``set_prefix_length``): the token
+      count up to the end of the block, shared by every group so eviction stays aligned;
+    - `possible_prefix(is_hit)`: every prefix length (in tokens, > 0) this group could
+      serve given which of the prompt's blocks are cached.
+
+Approach
+    Lengths are token counts; block ``i`` of an attention group covers tokens
+    ``[i*T, (i+1)*T)``. A Mamba group uses ``T = checkpoint_interval``: block ``i`` holds
+    the state after ``(i+1)*T`` tokens, the live state while ``length`` is in
+    ``(i*T, (i+1)*T]``, and a cacheable checkpoint once the request moved past it.
+    Image kinds (cross attention, vision embeddings) cover image tokens only: image j's
+    blocks follow image j-1's, each image starting a fresh block, so an image is cached,
+    hit and evicted as a unit (every block of an image shares one prefix length: the
+    image's end position).
+
+Limitations
+    Prefix lengths are block-aligned in every text group, so a hit is a multiple of each
+    text group's block size. Image kinds return positions at token granularity, so
+    `possible_prefix` for them enumerates up to ``num_tokens`` positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from jenga.specs import Kind, SpecError
+
+
+class Image(Protocol):
+    """What image-aware policies read from an image span."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Full attention: every token is read, every block stays, any cached prefix is valid."""
+
+    tokens_per_block: int
+    kind: ClassVar[Kind] = Kind.FULL
+    reads_images: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block <= 0:
+            raise SpecError(f"tokens_per_block must be > 0, got {self.tokens_per_block}")
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        """Blocks a request of ``length`` tokens has (allocated or released)."""
+        return _ceil_div(length, self.tokens_per_block)
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        """Lowest block index still read by the token at position ``length``."""
+        return 0
+
+    def active_blocks(self, length: int, images: Sequence[Image] = ()) -> range:
+        """Blocks whose last access the step computing position ``length`` refreshes."""
+        return range(self.first_live_block(length, images), self.num_blocks(length, images))
+
+    def prefix_length(self, block: int, images: Sequence[Image] = ()) -> int:
+        """Eviction tie-break: tokens up to the end of ``block`` (longest prefix evicted first)."""
+        return (block + 1) * self.tokens_per_block
+
+    def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
+        """Block indices a request starting from a cached ``prefix`` takes from the cache."""
+        return range(self.first_live_block(prefix, images), prefix // self.tokens_per_block)
+
+    def possible_prefix(
+        self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
+    ) -> set[int]:
+        """Prefix lengths p > 0 whose blocks ``hit_blocks(p)`` are all cached."""
+        valid: set[int] = set()
+        for k in range(1, len(is_hit) + 1):
+            p = k * self.tokens_per_block
+            if all(is_hit[i] for i in self.hit_blocks(p, images)):
+                valid.add(p)
+        return valid
+
+
+@dataclass(frozen=True)
+class FullAttentionPolicy(Policy):
+    """All tokens; the valid prefixes are exactly the leading run of cached blocks.
+
+    ``token_fraction = (num, den)`` (PyramidKV-style layers) keeps ``ceil(L * num / den)``
+    of a request's tokens; which tokens survive depends on attention scores, so such a
+    group serves no prefix hit.
+    """
+
+    token_fraction: tuple[int, int] = (1, 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        num, den = self.token_fraction
+        if not 0 < num <= den:
+            raise SpecError(f"token_fraction must satisfy 0 < num <= den, got {num}/{den}")
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        num, den = self.token_fraction
+        return _ceil_div(_ceil_div(length * num, den), self.tokens_per_block)
+
+    def possible_prefix(
+        self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
+    ) -> set[int]:
+        if self.token_fraction != (1, 1):
+            return set()
+        run = 0
+        while run < len(is_hit) and is_hit[run]:
+            run += 1
+        return {k * self.tokens_per_block for k in range(1, run + 1)}
+
+
+@dataclass(frozen=True)
+class SlidingWindowPolicy(Policy):
+    """Window ``w`` (tokens attended, the current one included)."""
+
+    window: int = 1
+    kind: ClassVar[Kind] = Kind.SLIDING_WINDOW
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window <= 0:
+            raise SpecError(f"sliding window must be > 0, got {self.window}")
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        return max(0, length - self.window + 1) // self.tokens_per_block
+
+
+@dataclass(frozen=True)
+class ChunkedLocalPolicy(Policy):
+    """Chunked local attention (Llama 4): a token reads its own chunk of ``chunk`` tokens."""
+
+    chunk: int = 1
+    kind: ClassVar[Kind] = Kind.CHUNKED_LOCAL
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chunk <= 0:
+            raise SpecError(f"attention chunk must be > 0, got {self.chunk}")
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        return (length // self.chunk) * self.chunk // self.tokens_per_block
+
+
+@dataclass(frozen=True)
+class MambaPolicy(Policy):
+    """One live state; a checkpoint every ``tokens_per_block`` tokens is cacheable.
+
+    Block i = state after (i+1)*T tokens. The live state is the last block; the one
+    before it is kept while a step crosses a boundary (the engine copies it forward).
+    """
+
+    kind: ClassVar[Kind] = Kind.MAMBA
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        return max(0, _ceil_div(length, self.tokens_per_block) - 1)
+
+    def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
+        k = prefix // self.tokens_per_block
+        return range(k - 1, k) if k > 0 else range(0)
+
+
+class _ImagePolicy(Policy):
+    """Blocks over image tokens only; an image is one all-or-nothing unit."""
+
+    reads_images: ClassVar[bool] = True
+
+    def image_blocks(self, image: Image) -> int:
+        return _ceil_div(image.length, self.tokens_per_block)
+
+    def image_ranges(self, images: Sequence[Image]) -> list[range]:
+        """Block index range of each image, in image order."""
+        out: list[range] = []
+        start = 0
+        for image in images:
+            n = self.image_blocks(image)
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        return sum(self.image_blocks(im) for im in images if im.start < length)
+
+    def prefix_length(self, block: int, images: Sequence[Image] = ()) -> int:
+        for image, blocks in zip(images, self.image_ranges(images), strict=True):
+            if block in blocks:
+                return image.end
+        raise IndexError(f"block {block} is past the {len(images)} images' blocks")
+
+    def _image_needed(self, image: Image, prefix: int) -> bool:
+        raise NotImplementedError
+
+    def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
+        ranges = self.image_ranges(images)
+        needed = [r for im, r in zip(images, ranges, strict=True) if self._image_needed(im, prefix)]
+        if not needed:
+            return range(0)
+        return range(needed[0].start, needed[-1].stop)
+
+    def possible_prefix(
+        self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
+    ) -> set[int]:
+        ranges = self.image_ranges(images)
+        whole = [
+            all(is_hit[i] for i in r if i < len(is_hit)) and r.stop <= len(is_hit) for r in ranges
+        ]
+        valid: set[int] = set()
+        for p in range(1, num_tokens + 1):
+            if all(whole[j] for j, im in enumerate(images) if self._image_needed(im, p)):
+                valid.add(p)
+        return valid
+
+
+@dataclass(frozen=True)
+class CrossAttentionPolicy(_ImagePolicy):
+    """Cross attention over image tokens: every image before the position is read, always."""
+
+    kind: ClassVar[Kind] = Kind.CROSS_ATTENTION
+
+    def _image_needed(self, image: Image, prefix: int) -> bool:
+        return image.start < prefix
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class VisionEmbeddingPolicy(_ImagePolicy):
+    """Vision-encoder outputs: read while the image's placeholder tokens are prefilled.
+
+    A prefix that ends inside an image needs the whole image's embeddings (all or
+    nothing); images wholly before the prefix are not needed again and are released.
+    """
+
+    kind: ClassVar[Kind] = Kind.VISION_EMBEDDING
+
+    def _image_needed(self, image: Image, prefix: int) -> bool:
+        return image.start < prefix < image.end
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        first = 0
+        for image, blocks in zip(images, self.image_ranges(images), strict=True):
+            if image.end > length:
+                return blocks.start
+            first = blocks.stop
+        return first
+
+
+POLICY_BY_KIND: dict[Kind, type[Policy]] = {
+    Kind.FULL: FullAttentionPolicy,
+    Kind.SLIDING_WINDOW: SlidingWindowPolicy,
+    Kind.CHUNKED_LOCAL: ChunkedLocalPolicy,
+    Kind.MAMBA: MambaPolicy,
+    Kind.CROSS_ATTENTION: CrossAttentionPolicy,
+    Kind.VISION_EMBEDDING: VisionEmbeddingPolicy,
+}
+
+
+def make_policy(
+    kind: Kind,
+    tokens_per_block: int,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+    token_fraction: tuple[int, int] = (1, 1),
+) -> Policy:
+    """The policy for ``kind`` from the dispatch table, with its parameters checked."""
+    cls = POLICY_BY_KIND[kind]
+    if cls is FullAttentionPolicy:
+        return FullAttentionPolicy(tokens_per_block, token_fraction=token_fraction)
+    if cls is SlidingWindowPolicy:
+        if window is None:
+            raise SpecError("sliding_window policy needs a window")
+        return SlidingWindowPolicy(tokens_per_block, window=window)
+    if cls is ChunkedLocalPolicy:
+        if chunk is None:
+            raise SpecError("chunked_local policy needs a chunk")
+        return ChunkedLocalPolicy(tokens_per_block, chunk=chunk)
+    return cls(tokens_per_block)

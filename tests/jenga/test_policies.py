@@ -1,0 +1,101 @@
+"""Per-kind policies: needed blocks, released blocks, prefix lengths, possible prefixes."""
+
+from __future__ import annotations
+
+import pytest
+
+from jenga.allocator import ImageSpan
+from jenga.policies import (
+    POLICY_BY_KIND,
+    ChunkedLocalPolicy,
+    CrossAttentionPolicy,
+    FullAttentionPolicy,
+    MambaPolicy,
+    SlidingWindowPolicy,
+    VisionEmbeddingPolicy,
+    make_policy,
+)
+from jenga.specs import Kind, SpecError
+
+
+def test_dispatch_table_has_one_class_per_kind():
+    assert set(POLICY_BY_KIND) == set(Kind)
+    assert all(cls.kind is kind for kind, cls in POLICY_BY_KIND.items())
+    assert isinstance(make_policy(Kind.SLIDING_WINDOW, 16, window=4096), SlidingWindowPolicy)
+    with pytest.raises(SpecError, match="needs a window"):
+        make_policy(Kind.SLIDING_WINDOW, 16)
+    with pytest.raises(SpecError, match="needs a chunk"):
+        make_policy(Kind.CHUNKED_LOCAL, 16)
+
+
+def test_full_attention_keeps_everything():
+    p = FullAttentionPolicy(16)
+    assert [p.num_blocks(n) for n in (0, 1, 16, 17, 1000)] == [0, 1, 1, 2, 63]
+    assert p.first_live_block(10_000) == 0
+    assert p.active_blocks(40) == range(0, 3)
+    assert p.prefix_length(2) == 48
+    assert p.possible_prefix([True, True, False, True]) == {16, 32}
+    assert p.hit_blocks(32) == range(0, 2)
+
+
+def test_pyramid_fraction_allocates_less_and_serves_no_hit():
+    p = FullAttentionPolicy(16, token_fraction=(1, 4))
+    assert p.num_blocks(1000) == 16  # ceil(250 / 16)
+    assert p.possible_prefix([True] * 8) == set()
+    with pytest.raises(SpecError, match="0 < num <= den, got 3/2"):
+        FullAttentionPolicy(16, token_fraction=(3, 2))
+
+
+def test_sliding_window_releases_blocks_that_left_the_window():
+    p = SlidingWindowPolicy(16, window=64)
+    # position 100 reads [37, 100]: block 2 (32..47) is the first still read
+    assert p.first_live_block(100) == 2
+    assert p.first_live_block(63) == 0
+    assert p.first_live_block(64) == 0  # reads [1, 64]
+    assert p.first_live_block(81) == 1  # reads [18, 81]
+    assert p.active_blocks(100) == range(2, 7)
+    assert p.hit_blocks(96) == range(2, 6)
+
+
+def test_chunked_local_keeps_the_current_chunk():
+    p = ChunkedLocalPolicy(4, chunk=16)
+    assert [p.first_live_block(n) for n in (0, 15, 16, 17, 40)] == [0, 0, 4, 4, 8]
+    # every chunk boundary is a valid prefix without any cached block
+    hits = [False] * 4 + [True, True] + [False] * 2
+    assert p.possible_prefix(hits) == {16, 20, 24, 32}
+
+
+def test_mamba_keeps_one_live_state_and_hits_only_at_checkpoints():
+    p = MambaPolicy(512)
+    assert [p.num_blocks(n) for n in (1, 512, 513, 1500)] == [1, 1, 2, 3]
+    # while computing from position 1500 the live state is block 2 (states after 1024 .. )
+    assert p.first_live_block(1500) == 2
+    assert p.first_live_block(1024) == 1  # at a boundary: the checkpoint is the source
+    assert p.possible_prefix([False, True, False]) == {1024}
+    assert p.hit_blocks(1024) == range(1, 2)
+    assert p.prefix_length(1) == 1024
+
+
+IMAGES = (ImageSpan(2, 5, 111), ImageSpan(10, 3, 222))  # blocks of 2: image 0 -> 3, image 1 -> 2
+
+
+def test_cross_attention_images_all_or_nothing():
+    p = CrossAttentionPolicy(2)
+    assert p.image_ranges(IMAGES) == [range(0, 3), range(3, 5)]
+    assert [p.num_blocks(n, IMAGES) for n in (2, 3, 10, 11, 20)] == [0, 3, 3, 5, 5]
+    assert p.first_live_block(20, IMAGES) == 0
+    assert [p.prefix_length(b, IMAGES) for b in range(5)] == [7, 7, 7, 13, 13]
+    # image 0 cached, image 1 only half: positions up to 10 valid, after 10 not
+    valid = p.possible_prefix([True, True, True, True, False], 15, IMAGES)
+    assert valid == set(range(1, 11))
+    assert p.possible_prefix([True, False, True, True, True], 15, IMAGES) == {1, 2}
+
+
+def test_vision_embeddings_needed_only_while_the_image_is_prefilled():
+    p = VisionEmbeddingPolicy(2)
+    assert [p.first_live_block(n, IMAGES) for n in (0, 6, 7, 12, 13)] == [0, 0, 3, 3, 5]
+    # image 1 missing: a prefix may not end inside it (11, 12), but may end after it
+    valid = p.possible_prefix([True, True, True, False, False], 15, IMAGES)
+    assert valid == set(range(1, 16)) - {11, 12}
+    assert p.hit_blocks(4, IMAGES) == range(0, 3)
+    assert p.hit_blocks(8, IMAGES) == range(0)

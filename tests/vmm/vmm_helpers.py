@@ -1,0 +1,29 @@
+"""Helpers shared by the vmm tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import vmm
+
+
+def snapshot(pool: vmm.ChunkPool, ranges: list[vmm.VirtualRange]) -> dict[str, Any]:
+    """Everything observable about a pool and its ranges (rollback must restore it)."""
+    stats = pool.stats()
+    stats.pop("plans.rolled_back")
+    state: dict[str, Any] = {
+        "stats": stats,
+        "free": sorted(pool._free),
+        "refcount": dict(pool._refcount),
+        "tables": [(r.closed, r.slot_to_handle()) for r in ranges],
+    }
+    table_of = getattr(pool.backend, "slot_table", None)
+    if table_of is not None:
+        state["backend_tables"] = [table_of(r.va, r.size) for r in ranges if not r.closed]
+        state["zero_slots"] = [pool.backend.zero_slots(r.va, r.size) for r in ranges]
+    return state
+
+
+def check(pool: vmm.ChunkPool) -> None:
+    pool.check_invariants()
+    pool.check_invariants(expensive=True)

@@ -1,0 +1,210 @@
+"""Host backend: physical chunks in one memfd, mapped into anonymous reservations.
+
+Rationale
+---------
+Linux offers the CUDA VMM model on the CPU: a memfd is a pool of physical pages that can
+be mapped at any page-aligned address, several times over, and anonymous PROT_NONE
+mappings reserve address space at no cost. So the whole `vmm` stack (pool, ranges,
+plans, tensors) runs and is tested on any Linux machine.
+
+Approach
+--------
+The syscalls live in C++ (`vmm._core.host.HostVmm`, design note in
+`csrc/host/host_vmm.hpp`); this class adapts it to `vmm.backend.Backend` and turns its
+errors into `vmm.errors` classes. Batched calls cross into C++ once, with the GIL
+released. `inject_fault(k)` makes the k-th syscall from now fail, for rollback tests.
+
+Limitations
+-----------
+Linux only (memfd_create, fallocate PUNCH_HOLE, MADV_COLLAPSE on >= 6.1). The
+VMA count is the backend's own model (runs of mergeable slots), checked against
+/proc/self/maps by the tests; other mappings of the process are not counted, hence the
+default budget of half of `vm.max_map_count`.
+"""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from vmm._core import host as _h
+from vmm.backend import Backend, ViewFactory
+from vmm.errors import (
+    AlignmentError,
+    BackendError,
+    ClosedError,
+    MappingError,
+    OutOfMemory,
+    RangeError,
+    VmaBudgetExceeded,
+)
+
+_log = logging.getLogger(__name__)
+
+#: Default chunk size: the CUDA driver's allocation granularity.
+DEFAULT_GRANULARITY = 2 << 20
+#: Default memfd size: sparse, so it costs nothing until chunks are created.
+DEFAULT_CAPACITY = 1 << 40
+#: Sentinel id of the host zero chunk (the kernel zero page behind a read-only mapping).
+HOST_ZERO_HANDLE = -1
+_OOM_ERRNOS = (errno_codes.ENOMEM, errno_codes.ENOSPC)
+
+
+def default_vma_budget() -> int:
+    """Half of `vm.max_map_count` (the rest is left to the process's other mappings)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65530
+    return max(limit // 2, 1)
+
+
+def translate_host_error(exc: Exception) -> NoReturn:
+    """Re-raise a `vmm._core.host.HostError` as the `vmm.errors` class that fits."""
+    message, op, code = exc.args
+    if isinstance(exc, _h.HostVmaError):
+        raise VmaBudgetExceeded(message) from None
+    if isinstance(exc, _h.HostRangeError):
+        raise RangeError(message) from None
+    if isinstance(exc, _h.HostArgError):
+        raise AlignmentError(message) from None
+    if isinstance(exc, _h.HostStateError):
+        if op == "closed":
+            raise ClosedError(message) from None
+        raise MappingError(message) from None
+    if op == "create" and code in _OOM_ERRNOS:
+        raise OutOfMemory(message) from None
+    raise BackendError(message, op=op, code=code) from None
+
+
+class HostBackend(Backend):
+    """memfd + mmap backend (see module note). One instance = one memfd = one pool.
+
+    Args:
+        granularity: chunk size in bytes, a power of two >= the page size (default 2 MiB).
+        capacity: memfd size in bytes (sparse upper bound on physical memory).
+        vma_budget: most VMAs this backend may hold (default: half of vm.max_map_count).
+        collapse: best-effort MADV_COLLAPSE of mapped chunks into huge pages.
+    """
+
+    name = "host"
+    device = "cpu"
+
+    def __init__(
+        self,
+        granularity: int = DEFAULT_GRANULARITY,
+        *,
+        capacity: int = DEFAULT_CAPACITY,
+        vma_budget: int | None = None,
+        collapse: bool = False,
+    ) -> None:
+        budget = default_vma_budget() if vma_budget is None else vma_budget
+        try:
+            self._vmm = _h.HostVmm(granularity, capacity, budget, collapse)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        self._granularity = granularity
+
+    @property
+    def granularity(self) -> int:
+        return self._granularity
+
+    def create(self, count: int) -> list[int]:
+        try:
+            return list(self._vmm.create(count))
+        except _h.HostError as exc:
+            translate_host_error(exc)
+
+    def release(self, handles: Sequence[int]) -> None:
+        try:
+            self._vmm.release(handles)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+
+    def reserve(self, size: int, *, zero: bool = False) -> int:
+        try:
+            return int(self._vmm.reserve(size, zero))
+        except _h.HostError as exc:
+            translate_host_error(exc)
+
+    def free_reservation(self, va: int, size: int) -> None:
+        try:
+            self._vmm.free_reservation(va, size)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+
+    def map(self, vas: Sequence[int], handles: Sequence[int]) -> None:
+        try:
+            self._vmm.map(vas, handles)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+
+    def unmap(self, vas: Sequence[int], *, to_zero: bool = False) -> None:
+        try:
+            self._vmm.unmap(vas, to_zero)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+
+    @property
+    def zero_handle(self) -> int | None:
+        return HOST_ZERO_HANDLE
+
+    def view_factory(self, va: int, size: int) -> ViewFactory | None:
+        try:
+            factory: ViewFactory = self._vmm.view_factory(va, size)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        return factory
+
+    def stats(self) -> dict[str, int]:
+        vmm: Any = self._vmm
+        return {
+            "vmas.current": vmm.vmas,
+            "vmas.budget": vmm.vma_budget,
+            "bytes.physical.current": vmm.physical_bytes,
+        }
+
+    def close(self) -> None:
+        self._vmm.close()
+
+    # ---- host only ----------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return bool(self._vmm.closed)
+
+    @property
+    def syscalls(self) -> int:
+        """Counted syscalls so far (the unit of `inject_fault`), including rollbacks."""
+        return int(self._vmm.syscalls)
+
+    def inject_fault(self, k: int, errno_value: int = errno_codes.ENOMEM) -> None:
+        """Make the k-th counted syscall from now fail with `errno_value` (k <= 0: off)."""
+        self._vmm.inject_fault(k, errno_value)
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks created and not released (pools check they agree)."""
+        return int(self._vmm.chunks)
+
+    def slot_table(self, va: int, size: int) -> list[int]:
+        """Per slot of a reservation: its handle, or -1 when unmapped or zero-backed."""
+        try:
+            table = self._vmm.slot_table(va, size)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        return [h if h >= 0 else -1 for h in table]
+
+    def zero_slots(self, va: int, size: int) -> list[int]:
+        """Slots of a reservation that are zero-backed."""
+        try:
+            table = self._vmm.slot_table(va, size)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        return [i for i, h in enumerate(table) if h == -2]
+
+    def physical_bytes(self) -> int:
+        """Bytes the memfd really holds (st_blocks * 512): proves release gives memory back."""
+        return int(self._vmm.physical_bytes)

@@ -1,0 +1,259 @@
+"""Virtual range: one reserved address span whose slots are mapped to chunks on demand.
+
+Rationale
+---------
+A KV cache wants one contiguous tensor per layer, sized for the worst case, yet only the
+part in use should cost memory. Reserving the maximum once and mapping granularity-sized
+slots to physical chunks gives both: the tensor's address never changes (CUDA graphs,
+kernels see a plain buffer) while the pool decides which slots are backed.
+
+Approach
+--------
+::
+
+    va ──► | slot 0 | slot 1 | slot 2 | slot 3 | ...     (granularity bytes each)
+             h=7      -1       h=8      h=7               slot -> handle (-1: unmapped)
+             └──────── chunk 7 mapped twice (shared) ───┘
+
+`_slot_to_handle` is a flat list (fast index, no hashing). Every state-changing method is
+atomic on its own: it validates first, then makes one batched backend call, then updates
+the tables; a failing backend call (all-or-nothing by contract) leaves nothing to undo.
+`MappingPlan` composes these methods and undoes them in reverse on failure.
+
+Invariants (`check_invariants`): `num_mapped` equals the slots whose handle is not -1;
+every mapped handle has a pool refcount >= 1; a closed range maps nothing.
+
+Limitations
+-----------
+A slot is mapped to a whole chunk; a zero-backed range reads zeros from unmapped slots
+but writing there faults (SIGSEGV on host), as on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vmm.errors import ClosedError, MappingError, RangeError
+
+if TYPE_CHECKING:
+    import torch
+
+    from vmm.pool import ChunkPool
+
+
+class VirtualRange:
+    """A reserved VA span of `size` bytes, cut into `num_slots` granularity-sized slots.
+
+    Create with `ChunkPool.reserve`. Slot methods take sequences of slot indices and are
+    all-or-nothing.
+    """
+
+    def __init__(self, pool: ChunkPool, size: int, *, zero_backed: bool, name: str) -> None:
+        backend = pool.backend
+        if zero_backed and backend.zero_handle is None:
+            raise MappingError(f"backend {backend.name!r} has no zero chunk for zero_backed")
+        gran = pool.granularity
+        self.pool = pool
+        self.granularity = gran
+        self.size = size
+        self.name = name
+        self.zero_backed = zero_backed
+        self.va = backend.reserve(size, zero=zero_backed)  # checks size
+        self.num_slots = size // gran
+        self.num_mapped = 0
+        self._slot_to_handle: list[int] = [-1] * self.num_slots
+        self._closed = False
+        self._views = backend.view_factory(self.va, size)
+        self.device = backend.device
+        pool._ranges[id(self)] = self
+
+    def __repr__(self) -> str:
+        return (
+            f"VirtualRange({self.name!r}, va={self.va:#x}, size={self.size}, "
+            f"mapped={self.num_mapped}/{self.num_slots})"
+        )
+
+    # ---- queries ----------------------------------------------------------------------
+    def handle(self, slot: int) -> int | None:
+        """The chunk mapped at `slot`, or None."""
+        self._check_slots((slot,), "handle")
+        handle = self._slot_to_handle[slot]
+        return None if handle < 0 else handle
+
+    def slot_to_handle(self) -> dict[int, int]:
+        """Every mapped slot and its chunk."""
+        return {s: h for s, h in enumerate(self._slot_to_handle) if h >= 0}
+
+    def address(self, slot: int) -> int:
+        """Virtual address of `slot`."""
+        self._check_slots((slot,), "address")
+        return self.va + slot * self.granularity
+
+    # ---- validation -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed or self.pool._closed:
+            what = "range" if self._closed else "pool"
+            raise ClosedError(f"virtual range {self.name!r} used after its {what} was closed")
+
+    def _check_slots(self, slots: Sequence[int], op: str) -> None:
+        self._check_open()
+        n = self.num_slots
+        for slot in slots:
+            if not 0 <= slot < n:
+                raise RangeError(f"{op}: slot {slot} is outside range {self.name!r} of {n} slots")
+        if len(slots) > 1 and len(set(slots)) != len(slots):
+            raise MappingError(f"{op}: a slot is listed twice in {list(slots)}")
+
+    def _check_state(self, slots: Sequence[int], mapped: bool, op: str) -> None:
+        table = self._slot_to_handle
+        for slot in slots:
+            if (table[slot] >= 0) != mapped:
+                state = f"mapped to chunk {table[slot]}" if table[slot] >= 0 else "unmapped"
+                raise MappingError(f"{op}: slot {slot} of range {self.name!r} is {state}")
+
+    def _vas(self, slots: Sequence[int]) -> list[int]:
+        va, gran = self.va, self.granularity
+        return [va + slot * gran for slot in slots]
+
+    # ---- atomic slot operations -------------------------------------------------------
+    def map(self, slots: Sequence[int]) -> list[int]:
+        """Map a free (or new) chunk at each slot; returns the handles, in slot order."""
+        handles, _ = self._map_new(slots)
+        return handles
+
+    def _map_new(self, slots: Sequence[int]) -> tuple[list[int], int]:
+        self._check_slots(slots, "map")
+        self._check_state(slots, False, "map")
+        pool = self.pool
+        handles, num_created = pool._take(len(slots))
+        try:
+            pool.backend.map(self._vas(slots), handles)
+        except BaseException:
+            pool._untake(handles, num_created)
+            raise
+        self._set(slots, handles)
+        pool._retain_taken(handles)
+        pool._counters["ops.map"] += len(slots)
+        return handles, num_created
+
+    def map_handles(self, slots: Sequence[int], handles: Sequence[int]) -> None:
+        """Map chunks that already exist (mapped elsewhere, or free) at `slots`."""
+        self._check_slots(slots, "map")
+        self._check_state(slots, False, "map")
+        if len(handles) != len(slots):
+            raise MappingError(f"map: {len(slots)} slots but {len(handles)} handles")
+        pool = self.pool
+        for handle in handles:
+            if handle not in pool._refcount and handle not in pool._free:
+                raise MappingError(f"map: handle {handle} is no chunk of this pool")
+        pool.backend.map(self._vas(slots), handles)
+        self._set(slots, handles)
+        pool._retain(handles)
+        pool._counters["ops.map"] += len(slots)
+
+    def unmap(self, slots: Sequence[int]) -> list[int]:
+        """Unmap the chunks at `slots` (they become free once mapped nowhere); returns them.
+
+        A zero-backed range backs the slots with the zero chunk again."""
+        self._check_slots(slots, "unmap")
+        self._check_state(slots, True, "unmap")
+        table = self._slot_to_handle
+        handles = [table[slot] for slot in slots]
+        self.pool.backend.unmap(self._vas(slots), to_zero=self.zero_backed)
+        for slot in slots:
+            table[slot] = -1
+        self.num_mapped -= len(slots)
+        self.pool._drop(handles)
+        self.pool._counters["ops.unmap"] += len(slots)
+        return handles
+
+    def share_from(self, src: VirtualRange, src_slots: Sequence[int], slots: Sequence[int]) -> None:
+        """Map the chunks at `src_slots` of `src` also at `slots` of this range (no copy)."""
+        handles = src._mapped_handles(src_slots, "share")
+        self.map_handles(slots, handles)
+        self.pool._counters["ops.share"] += len(slots)
+
+    def remap_from(self, src: VirtualRange, src_slots: Sequence[int], slots: Sequence[int]) -> None:
+        """Move the chunks at `src_slots` of `src` to `slots` of this range (no copy)."""
+        handles = src._mapped_handles(src_slots, "remap")
+        self.map_handles(slots, handles)
+        try:
+            src.unmap(src_slots)
+        except BaseException:
+            self.unmap(slots)
+            raise
+        self.pool._counters["ops.remap"] += len(slots)
+
+    def _mapped_handles(self, slots: Sequence[int], op: str) -> list[int]:
+        self._check_slots(slots, op)
+        self._check_state(slots, True, op)
+        table = self._slot_to_handle
+        return [table[slot] for slot in slots]
+
+    def _set(self, slots: Sequence[int], handles: Sequence[int]) -> None:
+        table = self._slot_to_handle
+        for slot, handle in zip(slots, handles, strict=True):
+            table[slot] = handle
+        self.num_mapped += len(slots)
+
+    # ---- tensors ----------------------------------------------------------------------
+    def tensor(
+        self,
+        shape: Sequence[int] | int,
+        dtype: torch.dtype,
+        offset: int = 0,
+        strides: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """A zero-copy tensor over the range at byte `offset` (strides in elements).
+
+        Any sub-span may be viewed, mapped or not: the tensor sees slots as they are mapped
+        later (reading an unmapped, non-zero-backed slot faults). The tensor keeps the
+        address range reserved while it lives. Raises RangeError past the range."""
+        from vmm.tensor import view
+
+        self._check_open()
+        return view(self, shape, dtype, offset, strides)
+
+    # ---- checks and lifetime ----------------------------------------------------------
+    def check_invariants(self, *, expensive: bool = False) -> None:
+        """Raise AssertionError if the slot table is inconsistent (expensive: walk it)."""
+        assert 0 <= self.num_mapped <= self.num_slots, f"num_mapped {self.num_mapped}"
+        if self._closed:
+            assert self.num_mapped == 0, "a closed range still maps chunks"
+        if not expensive:
+            return
+        mapped = [h for h in self._slot_to_handle if h >= 0]
+        assert len(mapped) == self.num_mapped, f"{len(mapped)} mapped != {self.num_mapped}"
+        refcount = self.pool._refcount
+        for handle in mapped:
+            assert refcount.get(handle, 0) >= 1, f"mapped handle {handle} has no refcount"
+        backend_slots: Any = getattr(self.pool.backend, "slot_table", None)
+        if backend_slots is not None and not self._closed:
+            assert backend_slots(self.va, self.size) == self._slot_to_handle, "backend disagrees"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap every slot (chunks go back to the pool) and free the reservation.
+
+        Idempotent. Tensors still viewing the range keep its addresses reserved (host) but
+        must not be used: their slots are no longer backed."""
+        if self._closed or self.pool._closed:
+            self._closed = True
+            return
+        mapped = [s for s, h in enumerate(self._slot_to_handle) if h >= 0]
+        if mapped:
+            self.unmap(mapped)
+        self.pool.backend.free_reservation(self.va, self.size)
+        self._closed = True
+        self._views = None
+        del self.pool._ranges[id(self)]
+
+    def __enter__(self) -> VirtualRange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
