@@ -1,0 +1,217 @@
+"""A transformers 5.x `Cache` whose storage is a jenga-driven vmm KV cache.
+
+Rationale
+    `model.generate(..., past_key_values=VmmCache(model.config))` should run any
+    supported decoder unchanged while every layer's K/V lives in chunks mapped into
+    per-layer virtual ranges, the jenga allocator deciding which chunks back which layer
+    type (sliding-window blocks leave memory once out of the window). Bitwise-identical
+    logits against `DynamicCache` show the storage is exact.
+
+Approach
+    Each batch row is one allocator request. The cache builds a `jenga` ModelSpec from
+    the config (`jenga.hf.model_spec_from_config`), a `KVCache` over a host (or CUDA)
+    chunk pool, and one layer object per decoder layer, chosen by transformers' own
+    `get_layer_types_and_kwargs`:
+
+        full_attention     -> VmmLayer            (subclass of DynamicLayer)
+        sliding/chunked    -> VmmSlidingLayer     (subclass of DynamicSlidingWindowLayer)
+
+    The first layer to see new tokens in a forward allocates them for every row (all
+    groups at once: one jenga call, one vmm plan). Each layer then writes its new K/V
+    into its blocks and returns the same positions `DynamicLayer` /
+    `DynamicSlidingWindowLayer` would (all tokens / the last ``window - 1`` plus the new
+    ones), gathered from the blocks as one contiguous ``[B, H, L, D]`` tensor. The mask
+    bookkeeping (`get_mask_sizes`, `cumulative_length`) is inherited unchanged.
+
+Limitations
+    No beam search / cropping (reorder, crop and batch selection raise). Mamba, cross
+    attention (mllama) and vision layers are not wired yet. The gather copies the
+    visible K/V each step, as `DynamicLayer`'s concatenation does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jenga.hf import HfOptions, model_spec_from_config
+from transformers.cache_utils import (
+    Cache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+from vmm.kvcache import KVCache, KVCacheConfig
+from vmm.kvcache.access import read_kv, token_slots, write_kv
+
+import vmm
+
+_SLIDING_TYPES = ("sliding_attention",)  # chunked: jenga releases whole chunks; not wired
+
+
+class UnsupportedLayer(NotImplementedError):
+    """The model has a layer type this cache does not store yet."""
+
+
+class RowStore:
+    """The KV cache plus one allocator request per batch row, grown in lockstep."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.num_rows = 0
+        self.length = 0  # tokens allocated in every row
+
+    def ensure(self, num_rows: int, length: int) -> None:
+        """Allocate up to `length` tokens in each of `num_rows` rows (all-or-nothing)."""
+        if self.num_rows == 0:
+            for row in range(num_rows):
+                self.kv.add_request(row, [0], use_cache=False)
+            self.num_rows = num_rows
+        if num_rows != self.num_rows:
+            raise ValueError(
+                f"batch has {num_rows} rows, this cache was started with {self.num_rows}"
+            )
+        if length <= self.length:
+            return
+        for row in range(num_rows):
+            if self.kv.allocate(row, length - self.length) is None:
+                usage = self.kv.allocator.usage()
+                raise vmm.OutOfMemory(
+                    f"KV cache full: row {row} needs {length - self.length} more tokens, "
+                    f"{usage.free_units} of {usage.total_units} chunks free",
+                    free=usage.free_units,
+                    total=usage.total_units,
+                )
+        self.length = length
+
+
+class _VmmLayerMixin:
+    """Write new K/V into the row's blocks, return positions [start, stop) gathered."""
+
+    store: RowStore
+    layer_idx: int
+    group: int
+
+    def _store_and_gather(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, past: int, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, _, q, _ = key_states.shape
+        stop = past + q
+        self.store.ensure(rows, stop)
+        kv = self.store.kv
+        keys, values = [], []
+        for row in range(rows):
+            new = token_slots(kv, row, self.group, past, stop)
+            write_kv(
+                kv,
+                self.layer_idx,
+                new,
+                key_states[row].transpose(0, 1),
+                value_states[row].transpose(0, 1),
+            )
+            k, v = read_kv(kv, self.layer_idx, token_slots(kv, row, self.group, start, stop))
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        return torch.stack(keys), torch.stack(values)
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("VmmCache does not support beam search, cropping or reindexing")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class VmmLayer(_VmmLayerMixin, DynamicLayer):
+    """Full attention: every position stays and is returned."""
+
+    def __init__(self, store: RowStore, layer_idx: int, group: int) -> None:
+        super().__init__()
+        self.store, self.layer_idx, self.group = store, layer_idx, group
+        self.length = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past = self.length
+        keys, values = self._store_and_gather(key_states, value_states, past, 0)
+        self.length = past + key_states.shape[-2]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class VmmSlidingLayer(_VmmLayerMixin, DynamicSlidingWindowLayer):
+    """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
+
+    def __init__(self, store: RowStore, layer_idx: int, group: int, sliding_window: int) -> None:
+        super().__init__(sliding_window=sliding_window)
+        self.store, self.layer_idx, self.group = store, layer_idx, group
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past = self.cumulative_length
+        start = max(0, past - (self.sliding_window - 1))
+        keys, values = self._store_and_gather(key_states, value_states, past, start)
+        self.cumulative_length = past + key_states.shape[-2]
+        return keys, values
+
+
+class VmmCache(Cache):
+    """`transformers.Cache` over a `KVCache` (see module note).
+
+    Args:
+        config: the model's `PreTrainedConfig`.
+        budget_bytes: the chunk pool's budget (a multiple of `chunk_bytes`).
+        chunk_bytes: host backend granularity (ignored by a given `pool`).
+        block_size: tokens per block.
+        dtype: storage dtype (must match the model's K/V dtype).
+        pool: use this chunk pool instead of a new host one (the cache does not close it).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        budget_bytes: int = 64 << 20,
+        chunk_bytes: int = 64 << 10,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        pool: vmm.ChunkPool | None = None,
+        kv_split: bool = False,
+    ) -> None:
+        text = config.get_text_config(decoder=True)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        spec = model_spec_from_config(
+            config.to_dict(), options=HfOptions(block_size=block_size, dtype_bytes=itemsize)
+        )
+        self._owns_pool = pool is None
+        if pool is None:
+            backend = vmm.get_backend("host", granularity=chunk_bytes)
+            pool = vmm.ChunkPool(backend, budget_bytes)
+        self.kv = KVCache(spec, pool, KVCacheConfig(dtype=dtype, kv_split=kv_split))
+        self.store = RowStore(self.kv)
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
+        layers = [
+            self._make_layer(i, kind, kwargs)
+            for i, (kind, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True))
+        ]
+        super().__init__(layers=layers)
+
+    def _make_layer(self, layer_idx: int, kind: str, kwargs: dict[str, Any]) -> DynamicLayer:
+        group = self.kv.group_of(layer_idx).index
+        if kind == "full_attention":
+            return VmmLayer(self.store, layer_idx, group)
+        if kind in _SLIDING_TYPES:
+            return VmmSlidingLayer(self.store, layer_idx, group, kwargs["sliding_window"])
+        raise UnsupportedLayer(f"layer {layer_idx}: type {kind!r} is not supported by VmmCache")
+
+    def close(self) -> None:
+        """Unmap everything; closes the pool if this cache created it."""
+        self.kv.close()
+        if self._owns_pool:
+            self.kv.pool.close()
