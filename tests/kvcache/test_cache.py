@@ -221,3 +221,26 @@ def test_backend_failure_marks_the_cache_broken(make_cache: MakeCache):
     assert kv.pool.stats()["chunks.mapped.current"] == 0  # the vmm plan rolled back
     with pytest.raises(KVCacheBroken, match="inconsistent"):
         kv.allocate("a", 1)
+
+
+def test_translate_keeps_chunks_of_a_page_evicted_and_mapped_again_in_place(make_cache: MakeCache):
+    kv = make_cache(hybrid_model(), budget_chunks=8)
+    full = kv.ranges[GROUP_FULL]
+    same = PagePlan((UnmapPage(GROUP_FULL, 1), MapPage(GROUP_FULL, 1, reused_units=2)))
+    plan, remapped = translate(same, kv.geometries, kv.ranges)
+    assert (plan.ops, remapped) == ([], 2)
+    two = PagePlan(
+        (UnmapPage(GROUP_FULL, 3), UnmapPage(GROUP_FULL, 1), MapPage(GROUP_FULL, 1, reused_units=2))
+    )
+    plan, remapped = translate(two, kv.geometries, kv.ranges)
+    assert [(op.kind, op.dst, op.dst_slots) for op in plan.ops] == [
+        ("unmap", full[0], (3,)),
+        ("unmap", full[1], (3,)),
+    ]
+    swa = kv.ranges[GROUP_SWA]
+    move = PagePlan((UnmapPage(GROUP_SWA, 2), MapPage(GROUP_FULL, 0, reused_units=2)))
+    plan, _ = translate(move, kv.geometries, kv.ranges)
+    assert [(op.kind, op.src, op.src_slots, op.dst, op.dst_slots) for op in plan.ops] == [
+        ("remap", swa[0], (2,), full[0], (0,)),
+        ("remap", swa[1], (2,), full[1], (0,)),
+    ]

@@ -11,7 +11,9 @@ Approach
     ``UnmapPage`` ops seen since the last ``MapPage``::
 
         Unmap(h, p1)           pending += slots of p1 in every range of h
-        Map(g, q, reused=r)    first r target slots <- remap from pending (FIFO)
+        Map(g, q, reused=r)    target slots still pending (same page unmapped and
+                               mapped again) keep their chunk; then up to r
+                               target slots <- remap from pending (FIFO)
                                rest of pending      -> unmap (back to the pool)
                                other target slots   <- map fresh chunks
         end of plan            rest of pending      -> unmap
@@ -69,14 +71,31 @@ def translate(
                 f"MapPage(group {op.group}, page {op.page}) reuses {op.reused_units} units, "
                 f"{len(pending)} were unmapped before it and the page has {len(units)}"
             )
-        sources = [pending.popleft() for _ in range(op.reused_units)]
-        _emit_remaps(out, sources, units[: op.reused_units])
+        targets = _keep_in_place(pending, units, op.reused_units)
+        num_moved = op.reused_units - (len(units) - len(targets))
+        sources = [pending.popleft() for _ in range(num_moved)]
+        _emit_remaps(out, sources, targets[:num_moved])
         remapped += op.reused_units
         _emit_unmaps(out, pending)
         pending.clear()
-        _emit_maps(out, units[op.reused_units :])
+        _emit_maps(out, targets[num_moved:])
     _emit_unmaps(out, pending)
     return out, remapped
+
+
+def _keep_in_place(pending: deque[Unit], units: Sequence[Unit], reused: int) -> list[Unit]:
+    """Drop from `pending` up to `reused` units the page maps again at the same slot (the
+    allocator evicted a page and reuses its index): their chunks simply stay. Returns the
+    page's units still to be filled, in order."""
+    if not reused:
+        return list(units)
+    pending_set = set(pending)
+    kept = set([u for u in units if u in pending_set][:reused])
+    if kept:
+        remaining = [u for u in pending if u not in kept]
+        pending.clear()
+        pending.extend(remaining)
+    return [u for u in units if u not in kept]
 
 
 def _by_range(units: Sequence[Unit]) -> list[tuple[VirtualRange, list[int]]]:
