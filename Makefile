@@ -40,8 +40,9 @@ format: $(STAMP)
 
 stubs: build
 	$(VENV)/bin/pybind11-stubgen vmm._core -o . --numpy-array-remove-parameters
+	$(VENV)/bin/ruff format -q vmm/_core
 	$(VENV)/bin/ruff check --fix -q vmm/_core
-	$(VENV)/bin/ruff format vmm/_core
+	$(VENV)/bin/ruff format -q vmm/_core
 
 clean:
 	rm -rf build $(VENV)

@@ -39,16 +39,18 @@ Limitations
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import numpy as np
 from vmm._core import jenga as _core
 
 from jenga.pages import PageTable
 from jenga.plan import MappingPlan, plan_from_arrays
 from jenga.policies import Policy, make_policy
-from jenga.prefix import HashChain, image_block_hashes
+from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
 NULL_BLOCK = -1
@@ -198,12 +200,12 @@ class Usage:
 @dataclass
 class _Request:
     internal_id: int
-    tokens: list[int]
+    tokens: IntBuffer
     images: tuple[ImageSpan, ...]
     salt: int
     num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
     num_hit: int = 0
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[IntBuffer] = field(default_factory=list)  # int32 block ids per group
     first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
     num_committed: list[int] = field(default_factory=list)  # leading blocks offered to index
     chains: dict[int, HashChain] = field(default_factory=dict)  # tokens_per_block -> chain
@@ -254,6 +256,9 @@ class JengaAllocator:
             config.order is AllocationOrder.COMPACT,
         )
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
+        text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
+        # a hit must end on a block boundary of every text group
+        self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
         self._requests: dict[Hashable, _Request] = {}
         self._freed: set[Hashable] = set()
         self._next_internal = 0
@@ -287,7 +292,7 @@ class JengaAllocator:
     def add_request(
         self,
         request_id: Hashable,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | np.ndarray,
         *,
         images: Sequence[ImageSpan] = (),
         salt: int = 0,
@@ -306,8 +311,8 @@ class JengaAllocator:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(f"request {request_id!r} prompt", len(prompt))
         spans = _checked_images(images, len(prompt))
-        req = _Request(self._next_internal, list(prompt), spans, salt)
-        req.tables = [[] for _ in self.config.groups]
+        req = _Request(self._next_internal, TokenBuffer(prompt), spans, salt)
+        req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
         req.num_committed = [0] * self.num_groups
         hit, hit_blocks = self._match(req) if use_cache else (0, [])
@@ -315,7 +320,7 @@ class JengaAllocator:
         for g, blocks in enumerate(hit_blocks):
             policy = self.policies[g]
             self._core.acquire(g, [b for b in blocks if b != NULL_BLOCK], now)
-            req.tables[g] = blocks
+            req.tables[g] = IntBuffer(blocks, np.int32)
             req.first_live[g] = min(policy.first_live_block(hit, spans), len(blocks))
             req.num_committed[g] = len(blocks)
         req.num_tokens = req.num_hit = hit
@@ -343,29 +348,27 @@ class JengaAllocator:
             )
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(f"request {request_id!r} after allocate", new)
-        releases: list[list[int]] = []
+        releases: list[np.ndarray] = []
         counts: list[int] = []
         firsts: list[int] = []
         for g, policy in enumerate(self.policies):
             table = req.tables[g]
             first = min(policy.first_live_block(old, req.images), len(table))
-            releases.append([b for b in table[req.first_live[g] : first] if b != NULL_BLOCK])
+            releases.append(table.view(req.first_live[g], first))  # live: never NULL
             firsts.append(max(first, req.first_live[g]))
             counts.append(max(0, policy.num_blocks(new, req.images) - len(table)))
-        got = self._core.allocate(req.internal_id, counts, self._tick(), releases)
+        got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = plan_from_arrays(*self._core.drain_plan())
         if got is None:
             return None
+        released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         for g, blocks in enumerate(got):
             table = req.tables[g]
-            for i in range(req.first_live[g], firsts[g]):
-                table[i] = NULL_BLOCK
+            table.view(req.first_live[g], firsts[g])[:] = NULL_BLOCK
             req.first_live[g] = firsts[g]
             table.extend(blocks)
         req.num_tokens = new
-        return Allocation(
-            tuple(tuple(b) for b in got), tuple(tuple(r) for r in releases), plan, new
-        )
+        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
 
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
@@ -390,36 +393,42 @@ class JengaAllocator:
             )
         added = 0
         for g, policy in enumerate(self.policies):
-            blocks, hashes, prefixes = self._commit_candidates(req, g, policy, num_computed_tokens)
-            if blocks:
-                added += int(self._core.commit(g, blocks, hashes, prefixes))
+            added += self._commit_group(req, g, policy, num_computed_tokens)
         return added
 
-    def _commit_candidates(
-        self, req: _Request, g: int, policy: Policy, computed: int
-    ) -> tuple[list[int], list[int], list[int]]:
+    def _commit_group(self, req: _Request, g: int, policy: Policy, computed: int) -> int:
+        """Offer group g's blocks complete within ``computed`` tokens to the hash index."""
         table = req.tables[g]
         start = req.num_committed[g]
         if policy.reads_images:
-            stop = sum(policy.image_blocks(im) for im in req.images if im.end <= computed)  # type: ignore[attr-defined]
+            done = [im for im in req.images if im.end <= computed]
+            stop = min(len(table), sum(policy.image_blocks(im) for im in done))  # type: ignore[attr-defined]
+            if stop <= start:
+                return 0
             hashes = self._image_hashes(req, policy)[start:stop]
-        else:
-            t = policy.tokens_per_block
-            stop = computed // t
-            chain = self._chain(req, t)
-            chain.extend(req.tokens, stop * t, req.images)
-            hashes = chain.hashes[start:stop]
-        stop = min(stop, len(table))
-        req.num_committed[g] = max(start, stop)
-        picked = [
-            (table[i], hashes[i - start]) for i in range(start, stop) if table[i] != NULL_BLOCK
-        ]
-        prefixes = [
-            policy.prefix_length(i, req.images)
-            for i in range(start, stop)
-            if table[i] != NULL_BLOCK
-        ]
-        return [b for b, _ in picked], [h for _, h in picked], prefixes
+            ids = table.view(start, stop).tolist()
+            picked = [i for i in range(start, stop) if ids[i - start] != NULL_BLOCK]
+            req.num_committed[g] = stop
+            return int(
+                self._core.commit(
+                    g,
+                    [ids[i - start] for i in picked],
+                    [hashes[i - start] for i in picked],
+                    [policy.prefix_length(i, req.images) for i in picked],
+                )
+            )
+        t = policy.tokens_per_block
+        stop = min(len(table), computed // t)
+        if stop <= start:
+            return 0
+        chain = self._chain(req, t)
+        chain.extend(req.tokens, stop * t, req.images)
+        req.num_committed[g] = stop
+        return int(
+            self._core.commit_run(
+                g, table.view(start, stop), chain.hashes[start:stop], (start + 1) * t, t
+            )
+        )
 
     def _chain(self, req: _Request, tokens_per_block: int) -> HashChain:
         chain = req.chains.get(tokens_per_block)
@@ -443,56 +452,61 @@ class JengaAllocator:
         req = self._request(request_id)
         now = self._tick()
         for g in range(self.num_groups):
-            blocks = [b for b in req.tables[g][req.first_live[g] :] if b != NULL_BLOCK]
-            self._core.release(g, blocks, now)
+            self._core.release(g, req.tables[g].view(req.first_live[g]), now)
         del self._requests[request_id]
         self._freed.add(request_id)
         return plan_from_arrays(*self._core.drain_plan())
 
     # -- prefix matching --------------------------------------------------------------
     def match_prefix(
-        self, prompt: Sequence[int], *, images: Sequence[ImageSpan] = (), salt: int = 0
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        *,
+        images: Sequence[ImageSpan] = (),
+        salt: int = 0,
     ) -> int:
         """Length of the longest cached prefix a new request with this prompt would hit."""
         if len(prompt) == 0:
             return 0
-        req = _Request(-1, list(prompt), _checked_images(images, len(prompt)), salt)
+        req = _Request(-1, TokenBuffer(prompt), _checked_images(images, len(prompt)), salt)
         return self._match(req)[0]
 
     def _match(self, req: _Request) -> tuple[int, list[list[int]]]:
-        """The hit length and, per group, the block table a request with that hit starts with."""
+        """The hit length and, per group, the block table a request with that hit starts with.
+
+        The hit is the longest p < len(prompt), a multiple of every text group's block size,
+        valid in every group (`Policy.valid_prefix_mask`, the vectorized `possible_prefix`).
+        """
         n = len(req.tokens)
-        lookups: list[list[int]] = []
-        valid: set[int] | None = None
+        step = self._prefix_step
+        valid = np.ones(n // step, dtype=bool)
+        lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
             if policy.reads_images:
-                hashes = self._image_hashes(req, policy)
+                hashes = np.asarray(self._image_hashes(req, policy), dtype=np.uint64)
             else:
                 chain = self._chain(req, policy.tokens_per_block)
                 chain.extend(req.tokens, n, req.images)
                 hashes = chain.hashes
-            found = list(self._core.lookup(g, hashes)) if hashes else []
+            found = self._core.lookup(g, hashes)
             lookups.append(found)
-            ok = policy.possible_prefix([b >= 0 for b in found], n, req.images)
-            valid = ok if valid is None else valid & ok
-        candidates = [p for p in (valid or set()) if p < n]
-        hit = max(candidates, default=0)
+            valid &= policy.valid_prefix_mask(found >= 0, step, n, req.images)
+        if len(valid) and len(valid) * step == n:
+            valid[-1] = False  # one token is always computed
+        hits = np.flatnonzero(valid)
+        hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []
         for g, policy in enumerate(self.policies):
-            if hit == 0:
-                tables.append([])
-                continue
-            take = policy.hit_blocks(hit, req.images)
-            table = [NULL_BLOCK] * policy.num_blocks(hit, req.images)
-            for i in take:
-                table[i] = lookups[g][i]
+            table = [NULL_BLOCK] * (policy.num_blocks(hit, req.images) if hit else 0)
+            take = policy.hit_blocks(hit, req.images) if hit else range(0)
+            table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
             tables.append(table)
         return hit, tables
 
     # -- queries ----------------------------------------------------------------------
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:
         """The request's block ids in ``group`` by block index; `NULL_BLOCK` where released."""
-        return list(self._request(request_id).tables[self._group(group)])
+        return self._request(request_id).tables[self._group(group)].tolist()
 
     def _group(self, group: int | str) -> int:
         if isinstance(group, str):
@@ -558,7 +572,7 @@ class JengaAllocator:
         for g in range(self.num_groups):
             refs: dict[int, int] = {}
             for rid, req in self._requests.items():
-                table = req.tables[g]
+                table = req.tables[g].tolist()
                 assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
                     f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
                 )

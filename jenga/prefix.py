@@ -45,10 +45,10 @@ def root_hash(salt: int, tokens_per_block: int) -> int:
 
 
 def effective_tokens(
-    tokens: Sequence[int], start: int, images: Sequence[object] = ()
+    tokens: Sequence[int] | np.ndarray, start: int, images: Sequence[object] = ()
 ) -> np.ndarray:
-    """``tokens`` (positions ``start..``) as int64 with image spans replaced by image keys."""
-    arr = np.asarray(tokens, dtype=np.int64)
+    """A copy of ``tokens`` (positions ``start..``) with image spans replaced by image keys."""
+    arr = np.array(tokens, dtype=np.int64)
     stop = start + len(arr)
     for image in images:
         lo = max(start, image.start)  # type: ignore[attr-defined]
@@ -62,29 +62,87 @@ def effective_tokens(
     return arr
 
 
+class IntBuffer:
+    """A growable 1-D integer array: amortized O(1) appends, slices are views (no copies).
+
+    Holds a request's token ids (int64) and its block table per group (int32), so both
+    reach the C++ core as buffers rather than one Python int per entry.
+    """
+
+    __slots__ = ("_buf", "size")
+
+    def __init__(self, values: Sequence[int] | np.ndarray = (), dtype: type = np.int64) -> None:
+        arr: np.ndarray = np.array(values, dtype=dtype)
+        self._buf = arr
+        self.size = len(arr)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.size:
+            raise IndexError(f"index {i} out of range [0, {self.size})")
+        return int(self._buf[i])
+
+    def extend(self, values: Sequence[int] | np.ndarray) -> None:
+        n = len(values)
+        if self.size + n > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), self.size + n, 16), dtype=self._buf.dtype)
+            grown[: self.size] = self._buf[: self.size]
+            self._buf = grown
+        self._buf[self.size : self.size + n] = values
+        self.size += n
+
+    def view(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        stop = self.size if stop is None else min(stop, self.size)
+        return self._buf[start:stop]
+
+    def tolist(self) -> list[int]:
+        out: list[int] = self._buf[: self.size].tolist()
+        return out
+
+
+def TokenBuffer(tokens: Sequence[int] | np.ndarray) -> IntBuffer:
+    """A request's token ids as an int64 `IntBuffer`."""
+    return IntBuffer(tokens, np.int64)
+
+
 class HashChain:
     """The block hashes of one token stream for one block size, extended as tokens come.
 
     Invariant: ``hashes[i]`` covers tokens ``[0, (i+1)*T)``; only complete blocks are hashed.
     """
 
-    __slots__ = ("_root", "hashes", "tokens_per_block")
+    __slots__ = ("_buf", "_root", "count", "tokens_per_block")
 
     def __init__(self, salt: int, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
         self._root = root_hash(salt, tokens_per_block)
-        self.hashes: list[int] = []
+        self._buf = np.empty(0, dtype=np.uint64)
+        self.count = 0
 
-    def extend(self, tokens: Sequence[int], num_tokens: int, images: Sequence[object]) -> None:
+    @property
+    def hashes(self) -> np.ndarray:
+        return self._buf[: self.count]
+
+    def extend(self, tokens: IntBuffer, num_tokens: int, images: Sequence[object]) -> None:
         """Hash the complete blocks within ``tokens[:num_tokens]`` not hashed yet."""
         t = self.tokens_per_block
-        done = len(self.hashes) * t
+        done = self.count * t
         target = (min(num_tokens, len(tokens)) // t) * t
         if target <= done:
             return
-        arr = effective_tokens(tokens[done:target], done, images)
-        parent = self.hashes[-1] if self.hashes else self._root
-        self.hashes.extend(_core.hash_blocks(arr, t, parent))
+        arr = tokens.view(done, target)
+        if images:
+            arr = effective_tokens(arr, done, images)
+        parent = int(self._buf[self.count - 1]) if self.count else self._root
+        new = _core.hash_blocks(arr, t, parent)
+        if self.count + len(new) > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), self.count + len(new)), dtype=np.uint64)
+            grown[: self.count] = self._buf[: self.count]
+            self._buf = grown
+        self._buf[self.count : self.count + len(new)] = new
+        self.count += len(new)
 
 
 def image_block_hashes(

@@ -24,8 +24,9 @@ restored from a snapshot taken at the start, so `stats()` reads as before.
 
 Limitations
 -----------
-Rollback assumes the undo calls succeed; if one fails the pool is marked broken
-(`BackendError`), since the state can no longer be vouched for. Ops run in order: an op
+Rollback retries each undo step (they are atomic) a few times; if one still fails the
+pool is marked broken (every later call raises `BackendError`), since its state can no
+longer be vouched for. Ops run in order: an op
 may depend on an earlier one (remap into a slot an earlier op unmapped).
 """
 
@@ -125,11 +126,11 @@ class MappingPlan:
         results: list[list[int]] = []
         try:
             for op in self.ops:
-                handles, undo = _run(op)
+                handles, undo_steps = _run(op)
                 results.append(handles)
-                undo_log.append(undo)
+                undo_log.extend(reversed(undo_steps))
         except BaseException:
-            _roll_back(undo_log)
+            _roll_back(pool, undo_log)
             pool._counters = counters
             pool._counters["plans.rolled_back"] += 1
             raise
@@ -137,46 +138,53 @@ class MappingPlan:
         return results
 
 
-def _run(op: PlanOp) -> tuple[list[int], Undo]:
-    """Run one op atomically; return its handles and its inverse."""
+def _run(op: PlanOp) -> tuple[list[int], list[Undo]]:
+    """Run one op atomically; return its handles and its inverse as atomic steps."""
     dst, slots = op.dst, op.dst_slots
     if op.kind == "map":
         handles, num_created = dst._map_new(slots)
         created = handles[len(handles) - num_created :]
-
-        def undo_map() -> None:
-            dst.unmap(slots)
-            if created:
-                dst.pool._forget_created(created)
-
-        return handles, undo_map
+        steps: list[Undo] = [lambda: _unshare(dst, slots)]
+        if created:
+            steps.append(lambda: dst.pool._forget_created(created))
+        return handles, steps
     if op.kind == "unmap":
         handles = dst.unmap(slots)
-        return handles, lambda: dst.map_handles(slots, handles)
+        return handles, [lambda: dst.map_handles(slots, handles)]
     src = op.src
     assert src is not None
     src_slots = op.src_slots
     if op.kind == "remap":
         handles = src._mapped_handles(src_slots, "remap")
         dst.remap_from(src, src_slots, slots)
-        return handles, lambda: src.remap_from(dst, slots, src_slots)
+        return handles, [lambda: src.remap_from(dst, slots, src_slots)]
     if op.kind == "share":
         handles = src._mapped_handles(src_slots, "share")
         dst.share_from(src, src_slots, slots)
-        return handles, lambda: _unshare(dst, slots)
+        return handles, [lambda: _unshare(dst, slots)]
     raise MappingError(f"unknown plan op {op.kind!r}")
 
 
 def _unshare(dst: VirtualRange, slots: Sequence[int]) -> None:
+    """Unmap `slots` (the inverse of a map or a share)."""
     dst.unmap(slots)
 
 
-def _roll_back(undo_log: list[Undo]) -> None:
+#: Tries per undo step: each step is atomic, so a transient failure (ENOMEM) is retried.
+UNDO_ATTEMPTS = 3
+
+
+def _roll_back(pool: ChunkPool, undo_log: list[Undo]) -> None:
+    """Run the undo log in reverse; a step that keeps failing marks the pool broken.
+
+    Every step is atomic on its own (one range method), so retrying one is safe."""
     for undo in reversed(undo_log):
-        try:
-            undo()
-        except Exception as exc:
-            raise BackendError(
-                f"rollback of a mapping plan failed ({exc}); pool state is no longer trusted",
-                op="rollback",
-            ) from exc
+        for attempt in range(1, UNDO_ATTEMPTS + 1):
+            try:
+                undo()
+                break
+            except Exception as exc:
+                if attempt < UNDO_ATTEMPTS:
+                    continue
+                pool._broken = f"rollback of a mapping plan failed {attempt} times: {exc}"
+                raise BackendError(pool._broken, op="rollback") from exc

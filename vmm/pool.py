@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vmm.backend import Backend
-from vmm.errors import BudgetError, ClosedError, OutOfMemory
+from vmm.errors import BackendError, BudgetError, ClosedError, OutOfMemory
 from vmm.stats import new_counters
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class ChunkPool:
         self._ranges: dict[int, VirtualRange] = {}  # id -> open range
         self._counters = new_counters()
         self._closed = False
+        self._broken = ""  # why the pool can no longer be trusted (failed rollback), or ""
         self.top_up()
 
     # ---- budget ---------------------------------------------------------------------
@@ -285,6 +286,8 @@ class ChunkPool:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("chunk pool used after close()")
+        if self._broken:
+            raise BackendError(f"chunk pool is broken: {self._broken}", op="broken")
 
     def close(self) -> None:
         """Close every range, release every chunk, close the backend. Idempotent."""

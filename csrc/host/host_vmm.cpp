@@ -28,17 +28,6 @@ std::string os_message(const char* op, int err, const std::string& what) {
          "): " + what;
 }
 
-int prot_of(SlotState st) {
-  switch (st) {
-    case SlotState::kMapped:
-      return PROT_READ | PROT_WRITE;
-    case SlotState::kZero:
-      return PROT_READ;
-    default:
-      return PROT_NONE;
-  }
-}
-
 }  // namespace
 
 Reservation::~Reservation() {

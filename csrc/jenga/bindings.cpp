@@ -80,13 +80,97 @@ py::tuple page_info(const Core& core, int32_t g, int32_t p) {
   return py::make_tuple(P.mapped, P.owner, P.num_free, P.num_cached);
 }
 
-std::vector<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+py::array_t<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
                                   int64_t tokens_per_block, uint64_t parent) {
   if (t.ndim() != 1) throw py::value_error("tokens must be 1-D, got " + std::to_string(t.ndim()));
   const int64_t* data = t.data();
   const int64_t n = t.shape(0);
+  std::vector<uint64_t> out;
+  {
+    py::gil_scoped_release nogil;
+    out = jenga::hash_token_blocks(data, n, tokens_per_block, parent);
+  }
+  py::array_t<uint64_t> arr(static_cast<py::ssize_t>(out.size()));
+  std::copy(out.begin(), out.end(), arr.mutable_data());
+  return arr;
+}
+
+U64Array checked_1d(U64Array a) {
+  if (a.ndim() != 1) throw py::value_error("hashes must be 1-D, got " + std::to_string(a.ndim()));
+  return a;
+}
+
+py::array_t<int32_t> lookup(const Core& core, int32_t g, U64Array hashes) {
+  hashes = checked_1d(hashes);
+  py::array_t<int32_t> out(hashes.shape(0));
+  const uint64_t* in = hashes.data();
+  int32_t* dst = out.mutable_data();
+  const size_t n = static_cast<size_t>(hashes.shape(0));
+  {
+    py::gil_scoped_release nogil;
+    core.lookup(g, in, n, dst);
+  }
+  return out;
+}
+
+int64_t commit_run(Core& core, int32_t g,
+                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& arr,
+                   U64Array hashes, int64_t first_prefix, int64_t step) {
+  if (arr.ndim() != 1) throw py::value_error("blocks must be 1-D");
+  const std::vector<int32_t> blocks(arr.data(), arr.data() + arr.shape(0));
+  hashes = checked_1d(hashes);
+  if (static_cast<size_t>(hashes.shape(0)) != blocks.size()) {
+    throw py::value_error("commit_run needs one hash per block: " + std::to_string(blocks.size()) +
+                          " blocks, " + std::to_string(hashes.shape(0)) + " hashes");
+  }
+  const uint64_t* h = hashes.data();
   py::gil_scoped_release nogil;
-  return jenga::hash_token_blocks(data, n, tokens_per_block, parent);
+  return core.commit_run(g, blocks, h, first_prefix, step);
+}
+
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+std::vector<int32_t> to_vector(const I32Array& a) {
+  if (a.ndim() != 1) throw py::value_error("blocks must be 1-D, got " + std::to_string(a.ndim()));
+  return std::vector<int32_t>(a.data(), a.data() + a.shape(0));
+}
+
+py::array_t<int32_t> to_array(const std::vector<int32_t>& v) {
+  py::array_t<int32_t> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+// allocate() with int32 arrays in and out: one memcpy per group instead of an int object
+// per block (the engine-facing API keeps block tables in arrays too).
+py::object allocate_arrays(Core& core, int64_t owner, const std::vector<int32_t>& counts,
+                           int64_t now, const std::vector<I32Array>& releases) {
+  std::vector<std::vector<int32_t>> rel;
+  rel.reserve(releases.size());
+  for (const I32Array& r : releases) rel.push_back(to_vector(r));
+  std::optional<std::vector<std::vector<int32_t>>> got;
+  {
+    py::gil_scoped_release nogil;
+    got = core.allocate(owner, counts, now, rel);
+  }
+  if (!got) return py::none();
+  py::list out;
+  for (const auto& blocks : *got) out.append(to_array(blocks));
+  return out;
+}
+
+void release_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
+  std::vector<int32_t> v = to_vector(blocks);
+  py::gil_scoped_release nogil;
+  core.release(g, v, now);
+}
+
+void acquire_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
+  std::vector<int32_t> v = to_vector(blocks);
+  py::gil_scoped_release nogil;
+  core.acquire(g, v, now);
 }
 
 }  // namespace
@@ -98,13 +182,19 @@ void register_jenga(py::module_ m) {
            py::arg("compact_order") = false)
       .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
-      .def("release", &Core::release, py::arg("group"), py::arg("blocks"), py::arg("now"),
-           Release())
-      .def("acquire", &Core::acquire, py::arg("group"), py::arg("blocks"), py::arg("now"),
-           Release())
+      .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"),
+           py::arg("now"), py::arg("releases") = std::vector<I32Array>{},
+           "allocate() taking and returning int32 arrays")
+      .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
+      .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("commit", &Core::commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("prefix_lens"), Release())
-      .def("lookup", &Core::lookup, py::arg("group"), py::arg("hashes"), Release())
+      .def("commit_run", &commit_run, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
+           py::arg("first_prefix"), py::arg("step"),
+           "commit() for consecutive blocks: prefix_len[i] = first_prefix + i * step; "
+           "negative block ids are skipped")
+      .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
+           "Block id per hash (int32 array), -1 where absent")
       .def("drain_plan", &plan_arrays)
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))

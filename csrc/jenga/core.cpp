@@ -78,7 +78,9 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   undo_.clear();
   logging_ = true;
   for (size_t g = 0; g < releases.size(); ++g) {
-    for (const int32_t b : releases[g]) prim_release(static_cast<int32_t>(g), b, now);
+    const auto& rel = releases[g];
+    for (auto it = rel.rbegin(); it != rel.rend(); ++it)
+      prim_release(static_cast<int32_t>(g), *it, now);
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     out[g].reserve(static_cast<size_t>(counts[g]));
@@ -146,8 +148,8 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       page = G.pages_with_free.begin()->second;
       break;
     case kEvictBlock: {
-      if (G.evictable_blocks.empty()) return false;
-      const int32_t block = std::get<2>(*G.evictable_blocks.begin());
+      const int32_t block = lru_top(G);
+      if (block < 0) return false;
       prim_uncache(g, block);
       prim_use_limbo(g, block, now);
       out.push_back(block);
@@ -235,7 +237,9 @@ void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
 
 void Core::release(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
   validate_release(g, blocks);
-  for (const int32_t b : blocks) prim_release(g, b, now);
+  // Tail first: a request's later blocks carry longer prefixes, so with one release time
+  // they come out evicted-first; pushing them last-to-first keeps each heap push O(1).
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) prim_release(g, *it, now);
 }
 
 void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
@@ -253,7 +257,7 @@ void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
     Block& k = G.blocks[static_cast<size_t>(b)];
     const int32_t page = page_of(G, b);
     if (k.state == State::kCached) {
-      G.evictable_blocks.erase({k.last_access, -k.prefix_len, b});
+      lru_remove(G, b);
       G.pages[static_cast<size_t>(page)].num_cached -= 1;
       G.num_cached_blocks -= 1;
       k.state = State::kUsed;
@@ -283,8 +287,7 @@ int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
   int64_t added = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     Block& k = G.blocks[static_cast<size_t>(blocks[i])];
-    if (k.hashed || G.hash_to_block.count(hashes[i]) != 0) continue;
-    G.hash_to_block.emplace(hashes[i], blocks[i]);
+    if (k.hashed || !G.hash_to_block.insert(hashes[i], blocks[i])) continue;
     k.hashed = true;
     k.hash = hashes[i];
     k.prefix_len = prefix_lens[i];
@@ -294,14 +297,36 @@ int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
   return added;
 }
 
-std::vector<int32_t> Core::lookup(int32_t g, const std::vector<uint64_t>& hashes) const {
-  const Group& G = group(g);
-  std::vector<int32_t> out(hashes.size(), -1);
-  for (size_t i = 0; i < hashes.size(); ++i) {
-    auto it = G.hash_to_block.find(hashes[i]);
-    if (it != G.hash_to_block.end()) out[i] = it->second;
+int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const uint64_t* hashes,
+                         int64_t first_prefix, int64_t step) {
+  Group& G = grp((group(g), g));
+  const int64_t limit = static_cast<int64_t>(G.blocks.size());
+  for (const int32_t b : blocks) {
+    if (b >= limit || (b >= 0 && G.blocks[static_cast<size_t>(b)].state != State::kUsed)) {
+      throw std::invalid_argument("group " + str(g) + ": block " + str(b) +
+                                  " is not in use; only owned blocks can be cached");
+    }
   }
-  return out;
+  int64_t added = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i] < 0) continue;
+    Block& k = G.blocks[static_cast<size_t>(blocks[i])];
+    if (k.hashed) continue;
+    if (!G.hash_to_block.insert(hashes[i], blocks[i])) continue;
+    k.hashed = true;
+    k.hash = hashes[i];
+    k.prefix_len = first_prefix + static_cast<int64_t>(i) * step;
+    added += 1;
+  }
+  counters_.hashes_committed += added;
+  return added;
+}
+
+void Core::lookup(int32_t g, const uint64_t* hashes, size_t n, int32_t* out) const {
+  const Group& G = group(g);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = G.hash_to_block.find(hashes[i]);
+  }
 }
 
 std::vector<PlanOp> Core::drain_plan() {
@@ -311,8 +336,14 @@ std::vector<PlanOp> Core::drain_plan() {
 }
 
 std::vector<int32_t> Core::eviction_order(int32_t g) const {
+  const Group& G = group(g);
+  std::vector<LruEntry> live;
+  for (const LruEntry& e : G.lru) {
+    if (lru_live(G, e)) live.push_back(e);
+  }
+  std::sort(live.begin(), live.end(), [](const LruEntry& a, const LruEntry& b) { return b < a; });
   std::vector<int32_t> out;
-  for (const BlockKey& key : group(g).evictable_blocks) out.push_back(std::get<2>(key));
+  for (const LruEntry& e : live) out.push_back(e.block);
   return out;
 }
 

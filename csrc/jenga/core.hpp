@@ -15,10 +15,15 @@
 //        page p of group g:  | slot0 | slot1 | ... | slot B-1 |   owner = first request
 //        free chain:  page.free_head -> slot -> block.next_free -> ... -> -1
 //
-//   * Ordered sets (std::set) give exact, deterministic LRU order:
-//       evictable_blocks[g]: (last_access, -prefix_len, block)   step 5
-//       evictable_pages:     (newest last_access, group, page)    step 3
-//       pages_with_free[g]:  (owner, page)                        steps 1 and 4
+//   * Exact, deterministic LRU orders:
+//       lru[g] (binary min-heap, lazy deletion): (last_access, -prefix_len, block)  step 5
+//       evictable_pages (std::set):  (newest last_access, group, page)              step 3
+//       pages_with_free[g] (std::set): (owner, page)                                steps 1, 4
+//     The block heap is lazy: an entry is live iff its stamp equals its block's stamp and
+//     the block is CACHED; removal is a stamp bump (O(1)); releases arrive with a
+//     non-decreasing clock, so a push is O(1) in the common case. Stale entries are
+//     dropped when they reach the top or when they outnumber live ones (rebuild).
+//   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
 //     chain order included) and the plan is truncated.
@@ -35,6 +40,8 @@
 #include <tuple>
 #include <unordered_map>
 #include <vector>
+
+#include "jenga/flat_hash.hpp"
 
 namespace jvmm::jenga {
 
@@ -69,10 +76,23 @@ struct Block {
   uint64_t hash = 0;
   int64_t last_access = 0;
   int64_t prefix_len = 0;
+  uint64_t lru_stamp = 0;  // stamp of its live heap entry while CACHED
 };
 
-using BlockKey = std::tuple<int64_t, int64_t, int32_t>;  // last_access, -prefix_len, block
-using PageKey = std::tuple<int64_t, int32_t, int32_t>;   // newest access, group, page
+struct LruEntry {
+  int64_t last_access;
+  int64_t neg_prefix_len;
+  int32_t block;
+  uint64_t stamp;
+  // min-heap through std::push_heap's max-heap: "a < b" means a is evicted later
+  bool operator<(const LruEntry& o) const {
+    if (last_access != o.last_access) return last_access > o.last_access;
+    if (neg_prefix_len != o.neg_prefix_len) return neg_prefix_len > o.neg_prefix_len;
+    return block > o.block;
+  }
+};
+
+using PageKey = std::tuple<int64_t, int32_t, int32_t>;  // newest access, group, page
 
 struct Group {
   int32_t blocks_per_page = 1;
@@ -81,8 +101,8 @@ struct Group {
   std::vector<Block> blocks;
   std::vector<int32_t> free_page_ids;  // unmapped page indices below pages.size(), LIFO
   std::set<std::pair<int64_t, int32_t>> pages_with_free;
-  std::set<BlockKey> evictable_blocks;
-  std::unordered_map<uint64_t, int32_t> hash_to_block;
+  std::vector<LruEntry> lru;  // heap of CACHED blocks (plus stale entries)
+  FlatHashMap hash_to_block;
   int64_t num_mapped_pages = 0;
   int64_t num_cached_blocks = 0;
   int64_t num_free_blocks = 0;  // FREE blocks in mapped pages
@@ -116,7 +136,8 @@ class Core {
   std::optional<std::vector<std::vector<int32_t>>> allocate(
       int64_t owner, const std::vector<int32_t>& counts, int64_t now,
       const std::vector<std::vector<int32_t>>& releases);
-  // Drop one reference per listed block; blocks reaching 0 become CACHED (hashed) or FREE.
+  // Drop one reference per listed block, last listed first; blocks reaching 0 become CACHED
+  // (hashed) or FREE, and pages left all FREE are unmapped.
   // Throws std::invalid_argument (nothing changed) if a block is not USED.
   void release(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
   // Take one reference per listed block (a prefix hit). Blocks must be USED or CACHED.
@@ -124,8 +145,12 @@ class Core {
   // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.
   int64_t commit(int32_t group, const std::vector<int32_t>& blocks,
                  const std::vector<uint64_t>& hashes, const std::vector<int64_t>& prefix_lens);
-  // Block id per hash, or -1.
-  std::vector<int32_t> lookup(int32_t group, const std::vector<uint64_t>& hashes) const;
+  // Same, for a run of consecutive blocks: prefix_len of blocks[i] = first_prefix + i * step;
+  // entries < 0 (blocks the request released) are skipped.
+  int64_t commit_run(int32_t group, const std::vector<int32_t>& blocks, const uint64_t* hashes,
+                     int64_t first_prefix, int64_t step);
+  // Block id per hash, or -1 (out[i] for hashes[i], n entries).
+  void lookup(int32_t group, const uint64_t* hashes, size_t n, int32_t* out) const;
   // The plan ops emitted since the last drain.
   std::vector<PlanOp> drain_plan();
 
@@ -186,6 +211,10 @@ class Core {
   void rollback(size_t undo_mark, size_t plan_mark);
   void undo_one(const Undo& u);
 
+  void lru_insert(Group& G, int32_t block);
+  void lru_remove(Group& G, int32_t block);
+  int32_t lru_top(Group& G);
+  bool lru_live(const Group& G, const LruEntry& e) const;
   void refresh_page(int32_t g, int32_t page);
   void set_page_evictable(int32_t g, int32_t page, bool evictable);
   void remove_from_free_set(Group& G, int32_t page);
@@ -200,6 +229,7 @@ class Core {
   bool compact_order_;
   std::set<PageKey> evictable_pages_;
   std::vector<PlanOp> plan_;
+  uint64_t next_stamp_ = 0;
   std::vector<Undo> undo_;
   bool logging_ = false;
   bool defer_refresh_ = false;

@@ -97,7 +97,7 @@ void Core::prim_uncache(int32_t g, int32_t block) {
   if (logging_) {
     undo_.push_back({UndoKind::kUncache, g, block, k.last_access, k.prefix_len, k.hash});
   }
-  G.evictable_blocks.erase({k.last_access, -k.prefix_len, block});
+  lru_remove(G, block);
   G.hash_to_block.erase(k.hash);
   k.hashed = false;
   k.state = State::kLimbo;
@@ -144,7 +144,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now) {
   if (k.hashed) {
     if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
     k.state = State::kCached;
-    G.evictable_blocks.insert({now, -k.prefix_len, block});
+    lru_insert(G, block);
     P.num_cached += 1;
     G.num_cached_blocks += 1;
     refresh_page(g, page);
@@ -225,8 +225,8 @@ void Core::undo_one(const Undo& u) {
       k.hash = u.hash;
       k.last_access = u.a;
       k.prefix_len = u.b;
-      G.evictable_blocks.insert({u.a, -u.b, u.id});
-      G.hash_to_block.emplace(u.hash, u.id);
+      lru_insert(G, u.id);
+      G.hash_to_block.insert(u.hash, u.id);
       G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached += 1;
       G.num_cached_blocks += 1;
       break;
@@ -252,7 +252,7 @@ void Core::undo_one(const Undo& u) {
     }
     case UndoKind::kToCached: {
       Block& k = G.blocks[static_cast<size_t>(u.id)];
-      G.evictable_blocks.erase({k.last_access, -k.prefix_len, u.id});
+      lru_remove(G, u.id);
       G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached -= 1;
       G.num_cached_blocks -= 1;
       k.state = State::kLimbo;
@@ -266,6 +266,45 @@ void Core::undo_one(const Undo& u) {
       break;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// LRU heap of cached blocks (lazy deletion by stamps)
+// ---------------------------------------------------------------------------------------
+
+bool Core::lru_live(const Group& G, const LruEntry& e) const {
+  if (e.block < 0 || static_cast<size_t>(e.block) >= G.blocks.size()) return false;
+  const Block& k = G.blocks[static_cast<size_t>(e.block)];
+  return k.state == State::kCached && k.lru_stamp == e.stamp;
+}
+
+void Core::lru_insert(Group& G, int32_t block) {
+  Block& k = G.blocks[static_cast<size_t>(block)];
+  k.lru_stamp = ++next_stamp_;
+  G.lru.push_back({k.last_access, -k.prefix_len, block, k.lru_stamp});
+  std::push_heap(G.lru.begin(), G.lru.end());
+}
+
+void Core::lru_remove(Group& G, int32_t block) {
+  G.blocks[static_cast<size_t>(block)].lru_stamp = ++next_stamp_;  // its entry goes stale
+  const size_t live = static_cast<size_t>(G.num_cached_blocks);
+  if (G.lru.size() > 2 * live + 1024) {
+    std::vector<LruEntry> kept;
+    kept.reserve(live);
+    for (const LruEntry& e : G.lru) {
+      if (lru_live(G, e)) kept.push_back(e);
+    }
+    std::make_heap(kept.begin(), kept.end());
+    G.lru.swap(kept);
+  }
+}
+
+int32_t Core::lru_top(Group& G) {
+  while (!G.lru.empty() && !lru_live(G, G.lru.front())) {
+    std::pop_heap(G.lru.begin(), G.lru.end());
+    G.lru.pop_back();
+  }
+  return G.lru.empty() ? -1 : G.lru.front().block;
 }
 
 // A page is evictable (step 3) when mapped, no block is in use and at least one is cached.
@@ -335,13 +374,25 @@ void Core::check_invariants(bool expensive) const {
 void Core::check_group(int32_t g, bool expensive) const {
   const Group& G = groups_[static_cast<size_t>(g)];
   const std::string where = "group " + str(g) + ": ";
-  require(static_cast<int64_t>(G.evictable_blocks.size()) == G.num_cached_blocks,
-          where + "LRU set holds " + str(G.evictable_blocks.size()) + " blocks, count says " +
-              str(G.num_cached_blocks));
+  int64_t live_entries = 0;
+  for (const LruEntry& e : G.lru) live_entries += lru_live(G, e) ? 1 : 0;
+  require(live_entries == G.num_cached_blocks, where + "LRU heap holds " + str(live_entries) +
+                                                   " live blocks, count says " +
+                                                   str(G.num_cached_blocks));
+  require(std::is_heap(G.lru.begin(), G.lru.end()), where + "LRU heap order broken");
   require(G.blocks.size() == G.pages.size() * static_cast<size_t>(G.blocks_per_page),
           where + "block array size does not match pages");
   if (!expensive) return;
   const int32_t B = G.blocks_per_page;
+  std::vector<char> in_lru(G.blocks.size(), 0);
+  for (const LruEntry& e : G.lru) {
+    if (!lru_live(G, e)) continue;
+    const Block& k = G.blocks[static_cast<size_t>(e.block)];
+    require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == k.last_access &&
+                e.neg_prefix_len == -k.prefix_len,
+            where + "LRU entry of block " + str(e.block) + " duplicated or with a stale key");
+    in_lru[static_cast<size_t>(e.block)] = 1;
+  }
   int64_t mapped = 0, cached = 0, free_blocks = 0;
   std::vector<char> on_free_list(G.pages.size(), 0);
   for (const int32_t p : G.free_page_ids) {
@@ -374,12 +425,11 @@ void Core::check_group(int32_t g, bool expensive) const {
       if (k.state == State::kCached) {
         ++n_cached;
         newest = std::max(newest, k.last_access);
-        require(k.hashed && G.evictable_blocks.count({k.last_access, -k.prefix_len, b}) == 1,
-                pw + "cached block " + str(b) + " missing from the LRU set");
+        require(k.hashed && in_lru[static_cast<size_t>(b)],
+                pw + "cached block " + str(b) + " missing from the LRU heap");
       }
       if (k.hashed) {
-        auto it = G.hash_to_block.find(k.hash);
-        require(it != G.hash_to_block.end() && it->second == b,
+        require(G.hash_to_block.find(k.hash) == b,
                 pw + "hashed block " + str(b) + " missing from the hash index");
       }
     }
@@ -404,12 +454,12 @@ void Core::check_group(int32_t g, bool expensive) const {
   require(free_blocks == G.num_free_blocks, where + "free block count wrong");
   require(G.pages_with_free.size() <= static_cast<size_t>(mapped),
           where + "stale free-set entries");
-  for (const auto& [hash, b] : G.hash_to_block) {
+  G.hash_to_block.for_each([&](uint64_t hash, int32_t b) {
     require(b >= 0 && static_cast<size_t>(b) < G.blocks.size() &&
                 G.blocks[static_cast<size_t>(b)].hashed &&
                 G.blocks[static_cast<size_t>(b)].hash == hash,
             where + "hash index entry points at block " + str(b) + " without that hash");
-  }
+  });
 }
 
 }  // namespace jvmm::jenga

@@ -151,7 +151,7 @@ class CoreModel:
 
     def release(self, g: int, blocks: list[int], now: int) -> None:
         self.validate_release(g, blocks)
-        for b in blocks:
+        for b in reversed(blocks):
             self.release_one(g, b, now)
 
     def allocate(
@@ -161,7 +161,7 @@ class CoreModel:
             self.validate_release(g, rel)
         snapshot = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         for g, rel in enumerate(releases):
-            for b in rel:
+            for b in reversed(rel):
                 self.release_one(g, b, now)
         out: list[list[int]] = []
         for g, n in enumerate(counts):

@@ -72,7 +72,7 @@ def test_fig8_interleaved_allocation_strands_pages_after_finish():
     assert alloc.free("A") == MappingPlan(())  # both pages still hold B's blocks
     assert alloc.usage().free_units == 2
     assert alloc.usage().free_blocks == (3,)
-    assert alloc.free("B") == MappingPlan((UnmapPage(0, 0), UnmapPage(0, 1)))
+    assert alloc.free("B") == MappingPlan((UnmapPage(0, 1), UnmapPage(0, 0)))  # tail first
 
 
 def _full_and_window(window: int, blocks_per_page: int, total: int) -> JengaAllocator:

@@ -124,7 +124,7 @@ class CoreVsModel(RuleBasedStateMachine):
     def hit(self, data: st.DataObject, g: int, h: int) -> None:
         """A prefix hit: look a hash up; a new or live owner takes a reference."""
         g %= self.G
-        found = self.core.lookup(g, [h])
+        found = self.core.lookup(g, [h]).tolist()
         assert found == self.model.lookup(g, [h])
         if found[0] < 0:
             return
@@ -176,7 +176,7 @@ class CoreVsModel(RuleBasedStateMachine):
                 assert (state, refcount) == (1, n)
             for b, k in enumerate(self.model.groups[g].blocks):
                 if k.state == 2:
-                    assert self.core.lookup(g, [k.hash]) == [b]
+                    assert self.core.lookup(g, [k.hash]).tolist() == [b]
         assert mapped_units + self.core.free_units == self.total
         assert len(self.mapped) == sum(self.core.group_counts(g)[0] for g in range(self.G))
 

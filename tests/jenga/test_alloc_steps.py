@@ -25,7 +25,7 @@ def test_steps_1_2_4_5_in_order_with_lru_and_prefix_tie_break():
     assert core.allocate(3, [3], 13) == [[3, 1, 0]]
     counters = core.counters()
     assert [counters[f"alloc.step.{i}"] for i in range(1, 6)] == [0, 2, 0, 2, 2]
-    assert core.lookup(0, [100, 101]) == [-1, -1]
+    assert core.lookup(0, [100, 101]).tolist() == [-1, -1]
     assert plan(core) == [(0, 0, 0, 0)]
     core.check_invariants(True)
 
@@ -51,7 +51,7 @@ def test_step3_remaps_units_of_evicted_pages_lru_across_groups():
     # 1 unit free, the 2-unit page needs 1 more: evict page 1 only, remap its unit
     assert core.allocate(2, [0, 1], 4) == [[], [0]]
     assert plan(core) == [(1, 0, 1, 0), (0, 1, 0, 1)]  # Unmap(0, 1), Map(1, 0, reused=1)
-    assert core.lookup(0, [1, 2, 3, 4]) == [0, 1, -1, -1]
+    assert core.lookup(0, [1, 2, 3, 4]).tolist() == [0, 1, -1, -1]
     counters = core.counters()
     assert (counters["alloc.step.3"], counters["pages.evicted"]) == (1, 1)
     assert (counters["plan.remapped_units"], counters["blocks.evicted"]) == (1, 2)
@@ -66,7 +66,7 @@ def test_step3_not_taken_when_eviction_cannot_free_enough():
     core.release(0, [0], 2)  # one evictable unit, one unit free: the 3-unit page cannot fit
     plan(core)
     assert core.allocate(2, [0, 1], 3) is None
-    assert core.lookup(0, [7]) == [0]  # nothing was evicted for nothing
+    assert core.lookup(0, [7]).tolist() == [0]  # nothing was evicted for nothing
     assert plan(core) == []
 
 
@@ -96,7 +96,7 @@ def test_failed_allocation_rolls_back_evictions_releases_and_maps():
         core.group_counts(1),
     )
     assert after == before
-    assert core.lookup(0, [10, 11, 12, 13]) == [0, 1, 2, 3]
+    assert core.lookup(0, [10, 11, 12, 13]).tolist() == [0, 1, 2, 3]
     assert plan(core) == []
     assert core.counters()["alloc.failures"] == 1
     core.check_invariants(True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jenga.allocator import ImageSpan
 from jenga.policies import (
     POLICY_BY_KIND,
@@ -99,3 +101,35 @@ def test_vision_embeddings_needed_only_while_the_image_is_prefilled():
     assert valid == set(range(1, 16)) - {11, 12}
     assert p.hit_blocks(4, IMAGES) == range(0, 3)
     assert p.hit_blocks(8, IMAGES) == range(0)
+
+
+POLICIES = [
+    FullAttentionPolicy(2),
+    FullAttentionPolicy(2, token_fraction=(1, 2)),
+    SlidingWindowPolicy(2, window=5),
+    ChunkedLocalPolicy(2, chunk=6),
+    MambaPolicy(4),
+    CrossAttentionPolicy(2),
+    VisionEmbeddingPolicy(2),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    which=st.integers(0, len(POLICIES) - 1),
+    hits=st.lists(st.booleans(), max_size=14),
+    num_tokens=st.integers(1, 28),
+)
+def test_vectorized_mask_agrees_with_possible_prefix(which: int, hits: list[bool], num_tokens: int):
+    policy = POLICIES[which]
+    step = 4  # a multiple of every policy's block size above
+    images = IMAGES if policy.reads_images else ()
+    if policy.reads_images:
+        num_tokens = max(num_tokens, 13)
+        hits = (hits + [True] * 5)[:5]
+    mask = policy.valid_prefix_mask(np.array(hits, dtype=bool), step, num_tokens, images)
+    from_mask = {step * (i + 1) for i in np.flatnonzero(mask)}
+    from_set = {p for p in policy.possible_prefix(hits, num_tokens, images) if p % step == 0}
+    if not policy.reads_images:
+        from_mask = {p for p in from_mask if p <= len(hits) * policy.tokens_per_block}
+    assert from_mask == {p for p in from_set if p <= num_tokens}

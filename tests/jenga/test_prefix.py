@@ -3,32 +3,39 @@
 from __future__ import annotations
 
 import numpy as np
-
 from jenga.allocator import AllocatorConfig, GroupConfig, ImageSpan, JengaAllocator
-from jenga.prefix import HashChain, effective_tokens, image_block_hashes, root_hash
+from jenga.prefix import (
+    HashChain,
+    TokenBuffer,
+    effective_tokens,
+    image_block_hashes,
+    root_hash,
+)
 from jenga.specs import Kind
 from vmm._core import jenga as J
 
 
 def test_chained_hashes_name_the_whole_prefix():
-    a = J.hash_blocks([1, 2, 3, 4, 5, 6], 2, 0)
-    b = J.hash_blocks([9, 9, 3, 4, 5, 6], 2, 0)
+    a = J.hash_blocks([1, 2, 3, 4, 5, 6], 2, 0).tolist()
+    b = J.hash_blocks([9, 9, 3, 4, 5, 6], 2, 0).tolist()
     assert len(a) == 3 and len(set(a)) == 3
     assert a[0] != b[0] and a[1] != b[1]  # equal blocks after a different prefix differ
-    assert J.hash_blocks([1, 2, 3, 4, 5, 6, 7], 2, 0) == a  # incomplete block not hashed
-    assert J.hash_blocks([5, 6], 2, a[1]) == [a[2]]  # continuing a chain
+    assert J.hash_blocks([1, 2, 3, 4, 5, 6, 7], 2, 0).tolist() == a  # incomplete block not hashed
+    assert J.hash_blocks([5, 6], 2, a[1]).tolist() == [a[2]]  # continuing a chain
 
 
 def test_incremental_chain_equals_one_shot_and_salt_separates():
     tokens = list(range(1000, 1100))
+    buf = TokenBuffer(tokens[:5])
     chain = HashChain(salt=0, tokens_per_block=8)
     for n in (3, 17, 17, 64, 99, 100):
-        chain.extend(tokens, n, ())
+        buf.extend(tokens[len(buf) : n])
+        chain.extend(buf, n, ())
     oneshot = J.hash_blocks(np.asarray(tokens, dtype=np.int64), 8, root_hash(0, 8))
-    assert chain.hashes == oneshot and len(oneshot) == 12
+    assert chain.hashes.tolist() == oneshot.tolist() and len(oneshot) == 12
     salted = HashChain(salt=7, tokens_per_block=8)
-    salted.extend(tokens, 100, ())
-    assert not set(salted.hashes) & set(oneshot)
+    salted.extend(buf, 100, ())
+    assert not set(salted.hashes.tolist()) & set(oneshot.tolist())
 
 
 def test_image_tokens_hash_by_image_content():
@@ -65,11 +72,11 @@ def test_mamba_hits_only_at_checkpoints():
     assert got is not None and got.released == ((), (0, 1))  # one live state stays
     assert alloc.block_table("a", "mamba") == [-1, -1, 2]
     alloc.free("a")
-    assert alloc.match_prefix(prompt + [99]) == 8
+    assert alloc.match_prefix([*prompt, 99]) == 8
     assert alloc.match_prefix(prompt[:9]) == 8
     assert alloc.match_prefix(prompt[:8]) == 4  # 8 would leave nothing to compute
     assert alloc.match_prefix([0, 1, 2, 3, 7, 7, 7, 7, 7]) == 4
-    assert alloc.add_request("b", prompt + [99]) == 8
+    assert alloc.add_request("b", [*prompt, 99]) == 8
     assert alloc.block_table("b", "mamba") == [-1, 1]  # the checkpoint after 8 tokens
     got = alloc.allocate("b", 3)
     assert got is not None and got.new_blocks[1] == (2,)  # the new live state, page 1 again

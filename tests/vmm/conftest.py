@@ -8,10 +8,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from vmm_helpers import HOST_GRANULARITY
 
 import vmm
-
-HOST_GRANULARITY = 64 << 10  # small chunks keep the host tests light
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])

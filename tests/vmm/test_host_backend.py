@@ -7,22 +7,12 @@ import errno
 import os
 
 import pytest
+from vmm.host import HostBackend
+from vmm_helpers import kernel_vmas
 
 import vmm
-from vmm.host import HostBackend
 
 G = 64 << 10
-
-
-def kernel_vmas(va: int, size: int) -> int:
-    """VMAs of this process that intersect [va, va + size), read from /proc/self/maps."""
-    count = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo < va + size and hi > va:
-                count += 1
-    return count
 
 
 @pytest.fixture
@@ -122,7 +112,7 @@ def test_misaligned_and_unknown_addresses(backend):
         backend.reserve(1000)
     with pytest.raises(vmm.AlignmentError, match="unknown handle 7"):
         backend.map([va], [7])
-    with pytest.raises(vmm.MappingError, match="slot 1 .* which is not mapped"):
+    with pytest.raises(vmm.MappingError, match=r"slot 1 .* which is not mapped"):
         backend.unmap([va + G])
     backend.map([va], [h])
     with pytest.raises(vmm.MappingError, match="already mapped to handle 0"):

@@ -8,11 +8,10 @@ import errno
 
 import pytest
 import torch
-from conftest import HOST_GRANULARITY
-from vmm_helpers import check, snapshot
+from vmm.host import HostBackend
+from vmm_helpers import HOST_GRANULARITY, check, snapshot
 
 import vmm
-from vmm.host import HostBackend
 
 
 def setup(pool: vmm.ChunkPool) -> list[vmm.VirtualRange]:
@@ -60,7 +59,7 @@ def test_plan_applies_in_order_and_returns_handles(make_pool):
 def test_bad_op_mid_plan_rolls_everything_back(make_pool):
     pool = make_pool(16)
     ranges = setup(pool)
-    a, b, z = ranges
+    a = ranges[0]
     before = snapshot(pool, ranges)
     plan = big_plan(ranges).map(a, [1])  # slot 1 is mapped: fails after six good ops
     with pytest.raises(vmm.MappingError, match="slot 1 of range 'a' is mapped"):
@@ -89,7 +88,8 @@ def test_vma_budget_mid_plan_rolls_back():
     assert pool.stats()["vmas.current"] == 7
     before = snapshot(pool, ranges)
     plan = big_plan(ranges)
-    with pytest.raises(vmm.VmaBudgetExceeded, match=r"map of 2 slots needs 1 more VMAs, 12 of budget 12"):
+    expected = r"map of 2 slots needs 1 more VMAs, 12 of budget 12"
+    with pytest.raises(vmm.VmaBudgetExceeded, match=expected):
         plan.apply()
     assert snapshot(pool, ranges) == before
     check(pool)

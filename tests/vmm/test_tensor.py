@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from vmm_helpers import check
+from vmm_helpers import check, kernel_vmas
 
 import vmm
 
@@ -30,9 +30,10 @@ def test_view_is_zero_copy_with_any_dtype_shape_offset(make_pool):
     t.fill_(1.5)
     raw = rng.tensor((2 * 8 * 16 * 2,), torch.uint8, offset=256)
     assert raw.data_ptr() == t.data_ptr()
-    assert bytes(raw[:2].cpu().tolist()) == torch.tensor([1.5], dtype=torch.float16).view(
-        torch.uint8
-    ).numpy().tobytes()
+    assert (
+        bytes(raw[:2].cpu().tolist())
+        == torch.tensor([1.5], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    )
     strided = rng.tensor((4, 3), torch.int64, offset=64, strides=(5, 1))
     assert strided.stride() == (5, 1) and strided.data_ptr() == rng.va + 64
     for dtype in (torch.bfloat16, torch.float32, torch.int8, torch.bool, torch.float8_e4m3fn):
@@ -51,7 +52,7 @@ def test_views_past_the_range_or_misaligned_are_refused(make_pool):
         rng.tensor((gran + 1,), torch.int16)
     with pytest.raises(vmm.RangeError):
         rng.tensor((2, 2), torch.int32, offset=2 * gran - 16, strides=(3, 1))
-    with pytest.raises(vmm.AlignmentError, match="misaligned|not a multiple"):
+    with pytest.raises(vmm.AlignmentError, match=r"misaligned|not a multiple"):
         rng.tensor((2,), torch.float32, offset=2)
     rng.close()
     with pytest.raises(vmm.ClosedError):
@@ -102,14 +103,18 @@ def test_zero_backed_range_reads_zeros_until_mapped(make_pool):
 
 
 def test_tensor_keeps_the_reservation_until_it_dies(host_pool):
-    from test_host_backend import kernel_vmas
-
     rng = host_pool.reserve(4 * host_pool.granularity)
     va, size = rng.va, rng.size
     rng.map([0])
+    assert rng.num_views == 0
     t = rng.tensor((8,), torch.int32)
+    u = rng.tensor((2, 2), torch.int64, offset=64)
+    assert rng.num_views == 2
+    del u
+    assert rng.num_views == 1
     t.fill_(3)
     rng.close()
+    assert rng.num_views is None
     assert kernel_vmas(va, size) == 1  # still reserved (PROT_NONE): no other mmap lands here
     del t
     gc.collect()

@@ -6,6 +6,19 @@ from typing import Any
 
 import vmm
 
+HOST_GRANULARITY = 64 << 10  # small chunks keep the host tests light
+
+
+def kernel_vmas(va: int, size: int) -> int:
+    """VMAs of this process that intersect [va, va + size), read from /proc/self/maps."""
+    count = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo < va + size and hi > va:
+                count += 1
+    return count
+
 
 def snapshot(pool: vmm.ChunkPool, ranges: list[vmm.VirtualRange]) -> dict[str, Any]:
     """Everything observable about a pool and its ranges (rollback must restore it)."""
