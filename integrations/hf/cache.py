@@ -171,6 +171,7 @@ class VmmCache(Cache):
         block_size: tokens per block.
         dtype: storage dtype (must match the model's K/V dtype).
         pool: use this chunk pool instead of a new host one (the cache does not close it).
+        kv_split / layout: see `KVCacheConfig`.
     """
 
     def __init__(
@@ -183,6 +184,7 @@ class VmmCache(Cache):
         dtype: torch.dtype = torch.float32,
         pool: vmm.ChunkPool | None = None,
         kv_split: bool = False,
+        layout: str = "per_layer",
     ) -> None:
         text = config.get_text_config(decoder=True)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -193,7 +195,7 @@ class VmmCache(Cache):
         if pool is None:
             backend = vmm.get_backend("host", granularity=chunk_bytes)
             pool = vmm.ChunkPool(backend, budget_bytes)
-        self.kv = KVCache(spec, pool, KVCacheConfig(dtype=dtype, kv_split=kv_split))
+        self.kv = KVCache(spec, pool, KVCacheConfig(dtype=dtype, kv_split=kv_split, layout=layout))
         self.store = RowStore(self.kv)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
         layers = [

@@ -88,6 +88,19 @@ def test_logits_and_tokens_bitwise_equal_to_dynamic_cache(name: str, batch: int)
     cache.close()
 
 
+@pytest.mark.parametrize(("layout", "kv_split"), [("per_group", False), ("per_layer", True)])
+def test_other_layouts_are_bitwise_equal_too(layout: str, kv_split: bool):
+    model = tiny_model("gemma2")
+    generate.batch = 2  # type: ignore[attr-defined]
+    ref_tokens, ref_logits = generate(model)
+    cache = VmmCache(
+        model.config, chunk_bytes=4096, budget_bytes=4 << 20, layout=layout, kv_split=kv_split
+    )
+    tokens, logits = generate(model, cache)
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    cache.close()
+
+
 def test_sliding_layers_hold_only_the_window():
     model = tiny_model("mistral")  # 2 sliding layers, window 8, 16-token blocks
     generate.batch = 1  # type: ignore[attr-defined]

@@ -244,3 +244,23 @@ def test_translate_keeps_chunks_of_a_page_evicted_and_mapped_again_in_place(make
         ("remap", swa[0], (2,), full[0], (0,)),
         ("remap", swa[1], (2,), full[1], (0,)),
     ]
+
+
+@pytest.mark.parametrize("kv_split", [False, True])
+def test_per_group_layout_strided_layer_views(make_cache: MakeCache, kv_split: bool):
+    kv = make_cache(hybrid_model(), budget_chunks=64, layout="per_group", kv_split=kv_split)
+    geo = kv.geometries[GROUP_FULL]
+    names = ["full.k", "full.v"] if kv_split else ["full.kv"]
+    assert [r.name for r in kv.ranges[GROUP_FULL]] == names
+    # a block holds both layers: 2 x 512 B fused (2 x 256 B per tensor split)
+    assert (geo.layers_per_block, geo.small_page_bytes) == (2, 1024 if not kv_split else 512)
+    assert geo.blocks_per_page == (8 if kv_split else 4)
+    view0, view2 = kv.block_view(0), kv.block_view(2)
+    assert view0.data_ptr() + geo.layer_block_bytes == view2.data_ptr()
+    assert view0.stride(0) * 4 == geo.small_page_bytes  # fp32 elements
+    kv.add_request("r", list(range(20)))
+    kv.allocate("r", 20)
+    data = fill(kv, "r", 0, 20, seed=5)
+    check(kv, "r", 0, 20, data, [0, 1, 2, 3])
+    assert kv.stats()["chunks.mapped.current"] == 4  # 2 pages x 1 range or 1 page x 2
+    kv.check_invariants(expensive=True)

@@ -70,6 +70,7 @@ class KVCacheConfig:
     epsilon: float = 0.01
     order: AllocationOrder = AllocationOrder.PAPER
     zero_backed: bool = False
+    layout: str = "per_layer"  # or "per_group" (one range per group, strided layer views)
 
 
 class KVCache:
@@ -96,6 +97,7 @@ class KVCache:
             epsilon=self.config.epsilon,
             kv_split=self.config.kv_split,
             budget_bytes=pool.budget_bytes,
+            layout=self.config.layout,
         )
         self.allocator = JengaAllocator(
             AllocatorConfig.from_page_table(model, self.page_table, total_units, self.config.order)
@@ -135,6 +137,12 @@ class KVCache:
 
     def _reserve_group(self, geo: GroupGeometry) -> tuple[VirtualRange, ...]:
         names = ("k", "v") if geo.tensors_per_layer == 2 else ("kv",)
+        if geo.layers_per_block > 1:
+            return tuple(
+                self.pool.reserve(geo.range_bytes, zero_backed=self.config.zero_backed,
+                                  name=f"{geo.name}.{n}")
+                for n in names
+            )  # fmt: skip
         return tuple(
             self.pool.reserve(
                 geo.range_bytes,
@@ -221,7 +229,7 @@ class KVCache:
     def _block_shape(self, geo: GroupGeometry) -> tuple[int, ...]:
         spec = self.model.groups[geo.index].spec
         if spec.kind is Kind.MAMBA:
-            return (geo.small_page_bytes // self.itemsize,)
+            return (geo.layer_block_bytes // self.itemsize,)
         inner = (spec.block_size, spec.num_kv_heads, spec.head_dim)
         if spec.num_kv_tensors == 2 and geo.tensors_per_layer == 1:
             return (2, *inner)
@@ -249,7 +257,7 @@ class KVCache:
         inner_strides = _contiguous_strides(block)
         shape = (geo.max_pages, geo.blocks_per_page, *block)
         strides = (geo.page_bytes // self.itemsize, block_elems, *inner_strides)
-        return rng.tensor(shape, self.dtype, 0, strides)
+        return rng.tensor(shape, self.dtype, geo.layer_offset(layer), strides)
 
     def block_view(self, layer: int, tensor: int = 0) -> torch.Tensor:
         """``[max_blocks, *block]``: block b at ``b * p``; only when the group has no tail."""
@@ -260,8 +268,7 @@ class KVCache:
                 f"{geo.blocks_per_page} blocks of {geo.small_page_bytes} B and a "
                 f"{geo.tail_bytes} B tail; use layer_view (paged) instead"
             )
-        view = self.layer_view(layer, tensor)
-        return view.flatten(0, 1)
+        return _merge_pages(self.layer_view(layer, tensor))
 
     # ---- accounting ----------------------------------------------------------------------
     def live_bytes(self) -> int:
@@ -317,6 +324,12 @@ class KVCache:
         for rngs in self.ranges:
             for rng in rngs:
                 rng.close()
+
+
+def _merge_pages(view: torch.Tensor) -> torch.Tensor:
+    """``[pages, B, *block]`` -> ``[pages*B, *block]`` without a copy (uniform block stride)."""
+    shape = (view.shape[0] * view.shape[1], *view.shape[2:])
+    return view.as_strided(shape, view.stride()[1:], view.storage_offset())
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -21,8 +21,15 @@ Approach
     allocator recycles page indices below its high-water mark), so that many pages of
     virtual space are reserved per range; virtual space costs no memory.
 
+    per_group (the paper's page-layer partition on VMM): one range per group (two with
+    kv_split); a block holds the block of *every* layer of the group, layer after layer,
+    so a layer's view is strided (block stride = all layers' bytes)::
+
+        range of group g:  | blk 0: L0 | L1 | ... | blk 1: L0 | L1 | ... |
+                             ^ layer_offset(L1) = one layer's block bytes
+
 Limitations
-    per_layer only; the other layouts have their own classes.
+    per_request (vAttention rows) is a separate class (`vmm.kvcache.rows`).
 """
 
 from __future__ import annotations
@@ -44,20 +51,22 @@ class GroupGeometry:
     index: int
     name: str
     layer_ids: tuple[int, ...]
-    tensors_per_layer: int  # ranges per layer: 1 (fused or single-tensor kinds), 2 (K, V split)
+    tensors_per_layer: int  # 1 (fused K+V, or a single-tensor kind), 2 (K and V apart)
     chunk_bytes: int
     chunks_per_page: int  # k
     blocks_per_page: int  # B
     small_page_bytes: int  # p: one block in one range
     tail_bytes: int
     max_pages: int
+    layers_per_block: int = 1  # per_layer: 1; per_group: every layer of the group
 
     @classmethod
     def from_row(
         cls, index: int, group: KVGroup, row: GroupPages, chunk_bytes: int, total_units: int
     ) -> GroupGeometry:
-        per_layer = row.num_ranges // group.num_layers
-        if per_layer * group.num_layers != row.num_ranges:
+        layers_per_block = row.layers_per_small_page
+        per_layer = row.num_ranges * layers_per_block // group.num_layers
+        if per_layer * group.num_layers != row.num_ranges * layers_per_block:
             raise LayoutError(
                 f"group {group.name!r}: {row.num_ranges} ranges for {group.num_layers} layers"
             )
@@ -72,11 +81,17 @@ class GroupGeometry:
             small_page_bytes=row.small_page_bytes,
             tail_bytes=row.tail_bytes,
             max_pages=total_units // row.units_per_large_page,
+            layers_per_block=layers_per_block,
         )
 
     @property
     def num_ranges(self) -> int:
-        return len(self.layer_ids) * self.tensors_per_layer
+        return len(self.layer_ids) * self.tensors_per_layer // self.layers_per_block
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """One layer's share of a block (per_group: a block holds every layer's)."""
+        return self.small_page_bytes // self.layers_per_block
 
     @property
     def page_bytes(self) -> int:
@@ -115,4 +130,12 @@ class GroupGeometry:
 
     def range_index(self, layer: int, tensor: int = 0) -> int:
         """Position of (layer, tensor) among the group's ranges."""
+        if self.layers_per_block > 1:
+            return tensor
         return self.layer_ids.index(layer) * self.tensors_per_layer + tensor
+
+    def layer_offset(self, layer: int) -> int:
+        """Byte offset of `layer`'s part inside each block (0 in per_layer)."""
+        if self.layers_per_block == 1:
+            return 0
+        return self.layer_ids.index(layer) * self.layer_block_bytes
