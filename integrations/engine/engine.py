@@ -29,6 +29,8 @@ Approach
 
 Limitations
     Greedy sampling only; recompute (not swap) preemption; one model (Llama-style).
+    With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
+    (lengths are known; EOS is not used), so memory is committed one token early.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class EngineConfig:
     chunk_bytes: int = 4096
     block_size: int = 4
     use_prefix_cache: bool = True
+    overlap: bool = False  # allocate step t+1's decode tokens ahead; map them during step t
 
 
 @dataclass
@@ -97,6 +100,7 @@ class MiniEngine:
         self.running: list[EngineRequest] = []
         self.done: dict[Hashable, EngineRequest] = {}
         self.step_index = 0
+        self._ahead: dict[Hashable, int] = {}  # tokens allocated ahead (overlap)
         self.stats = {"steps": 0, "preemptions": 0, "prefix.hit_tokens": 0, "tokens.computed": 0,
                       "running.max": 0}  # fmt: skip
 
@@ -122,6 +126,7 @@ class MiniEngine:
 
     def _preempt_newest(self) -> EngineRequest:
         victim = self.running.pop()
+        self._ahead.pop(victim.request_id, None)
         self.kv.free(victim.request_id)
         victim.num_computed = 0
         victim.num_preemptions += 1
@@ -135,7 +140,9 @@ class MiniEngine:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(len(req.sequence) - req.num_computed, budget)
-            if self.kv.allocate(req.request_id, n) is None:
+            if self._ahead.get(req.request_id) == n:
+                del self._ahead[req.request_id]  # allocated (and mapped) last step
+            elif self.kv.allocate(req.request_id, n) is None:
                 if self._preempt_newest() is req:
                     continue  # the request itself was the newest: it waits
                 continue  # retry the same request with more room
@@ -165,6 +172,7 @@ class MiniEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> int:
         """One scheduling + forward step; returns the number of segments computed."""
+        self.kv.sync()  # the worker's maps for this step are done (a stall if not)
         self._arrivals()
         segments, budget = self._schedule_running(self.config.token_budget)
         segments += self._admit(budget)
@@ -175,12 +183,27 @@ class MiniEngine:
         self.stats["running.max"] = max(self.stats["running.max"], len(self.running))
         by_id = {r.request_id: r for r in self.running}
         tokens = [t for s in segments for t in by_id[s.request_id].sequence[s.start : s.stop]]
-        logits = self.forward(segments, tokens)
+        slots = self.forward.prepare(segments)
+        if self.config.overlap:
+            self._allocate_ahead(segments, by_id)
+        logits = self.forward(segments, tokens, slots)
         self.stats["tokens.computed"] += len(tokens)
         for seg, row in zip(segments, logits, strict=True):
             self._after_forward(by_id[seg.request_id], seg, row)
         self.running = [r for r in self.running if not r.finished]
         return len(segments)
+
+    def _allocate_ahead(self, segments: list[Segment], by_id: dict) -> None:
+        """Allocate next step's decode token of every request that samples now and goes on;
+        map-only plans run on the overlap worker during this step's forward."""
+        for seg in segments:
+            req = by_id[seg.request_id]
+            decodes_next = (
+                seg.stop == len(req.sequence) and len(req.output) + 1 < req.max_new_tokens
+            )
+            if decodes_next and self.kv.allocate_ahead(req.request_id, 1) is not None:
+                self._ahead[req.request_id] = 1
+        self.kv.launch_ahead()
 
     def _after_forward(self, req: EngineRequest, seg: Segment, logits: torch.Tensor) -> None:
         req.num_computed = seg.stop
@@ -211,5 +234,6 @@ class MiniEngine:
         return {rid: r.output for rid, r in self.done.items()}
 
     def close(self) -> None:
+        self.kv.sync()
         self.kv.close()
         self.pool.close()

@@ -85,15 +85,32 @@ class PackedForward:
         self.num_kv_heads = model.config.num_key_value_heads
         self.scaling = attn.scaling
 
+    def prepare(self, segments: Sequence[Segment]) -> dict[tuple[int, int, int], TokenSlots]:
+        """Every token slot the forward will write or read, from the block tables as they
+        are now (an allocation made before the forward may release blocks it reads)."""
+        slots: dict[tuple[int, int, int], TokenSlots] = {}
+        for index in range(len(self.layers)):
+            group = self.kv.group_of(index).index
+            window = self.windows[index]
+            for i, seg in enumerate(segments):
+                self._group_slots(slots, i, seg, group, seg.start)
+                self._group_slots(slots, i, seg, group, _key_start(seg, window))
+        return slots
+
     @torch.no_grad()
-    def __call__(self, segments: Sequence[Segment], token_ids: Sequence[int]) -> torch.Tensor:
+    def __call__(
+        self,
+        segments: Sequence[Segment],
+        token_ids: Sequence[int],
+        slots: dict[tuple[int, int, int], TokenSlots] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[len(segments), vocab]`` at each segment's last position."""
         inner = self.model.model
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = torch.cat([torch.arange(s.start, s.stop) for s in segments])
         hidden = inner.embed_tokens(ids)[None]  # [1, T, hidden]
         cos, sin = inner.rotary_emb(hidden, positions[None])
-        slots: dict[tuple[int, int, int], TokenSlots] = {}  # shared by a group's layers
+        slots = self.prepare(segments) if slots is None else slots
         for index, layer in enumerate(self.layers):
             residual = hidden
             normed = layer.input_layernorm(hidden)
@@ -138,7 +155,7 @@ class PackedForward:
             new = self._group_slots(slots, i, seg, group, seg.start)
             write_kv(self.kv, index, new, k[0, :, offset : offset + n].transpose(0, 1),
                      v[0, :, offset : offset + n].transpose(0, 1))  # fmt: skip
-            key_start = 0 if window is None else max(0, seg.start - window + 1)
+            key_start = _key_start(seg, window)
             past = self._group_slots(slots, i, seg, group, key_start)
             keys, values = read_kv(self.kv, index, past)
             mask = causal_mask(seg.start, seg.stop, key_start, window)
@@ -154,3 +171,8 @@ class PackedForward:
             offset += n
         merged = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, tokens, -1)
         return attn.o_proj(merged)
+
+
+def _key_start(seg: Segment, window: int | None) -> int:
+    """First position a segment's queries read (its first query's window start)."""
+    return 0 if window is None else max(0, seg.start - window + 1)

@@ -122,3 +122,16 @@ def test_request_larger_than_the_cache_raises_out_of_memory():
     with pytest.raises(vmm.OutOfMemory, match="does not fit"):
         engine.run()
     engine.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_overlap_maps_next_step_during_compute_with_identical_outputs(kind: str, llama):
+    model, requests, ref = llama if kind == "llama" else (tiny(kind), workload(4, 12), None)
+    if ref is None:
+        ref = reference(model, requests)
+    engine = run_engine(model, requests, token_budget=16, budget_bytes=64 * CHUNK, overlap=True)
+    assert engine.outputs == ref
+    stats = engine.kv.stats()
+    assert stats["overlap.launched"] > 0 and stats["overlap.plans.async"] > 0
+    assert stats["overlap.stalls"] <= stats["overlap.launched"]
+    engine.close()

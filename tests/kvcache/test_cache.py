@@ -264,3 +264,23 @@ def test_per_group_layout_strided_layer_views(make_cache: MakeCache, kv_split: b
     check(kv, "r", 0, 20, data, [0, 1, 2, 3])
     assert kv.stats()["chunks.mapped.current"] == 4  # 2 pages x 1 range or 1 page x 2
     kv.check_invariants(expensive=True)
+
+
+def test_allocate_ahead_maps_on_the_worker_and_defers_plans_that_unmap(make_cache: MakeCache):
+    kv = make_cache(hybrid_model(window=8), budget_chunks=64)
+    kv.add_request("a", list(range(64)))
+    kv.allocate("a", 64)
+    kv.add_request("b", list(range(8)))
+    got = kv.allocate_ahead("b", 8)  # fresh pages only: map-only, goes to the worker
+    assert got is not None and got.plan.ops == (MapPage(GROUP_FULL, 2), MapPage(GROUP_SWA, 2))
+    got = kv.allocate_ahead("a", 1)  # releases sliding page 0: must wait for sync
+    assert got is not None and got.plan.ops == (UnmapPage(GROUP_SWA, 0), MapPage(GROUP_FULL, 3))
+    assert kv.mapped_pages == [{0, 1}, {0, 1}]  # nothing applied yet
+    kv.launch_ahead()
+    kv.sync()
+    assert kv.mapped_pages == [{0, 1, 2, 3}, {1, 2}]
+    stats = kv.stats()
+    assert (stats["overlap.plans.async"], stats["overlap.plans.sync"]) == (1, 1)
+    assert stats["overlap.launched"] == 1
+    kv.check_invariants(expensive=True)
+    kv.close()

@@ -50,11 +50,14 @@ from jenga.specs import Kind, ModelSpec
 from vmm.errors import VmmError
 from vmm.kvcache.geometry import GroupGeometry, LayoutError
 from vmm.kvcache.translate import translate
+from vmm.plan import MappingPlan
 from vmm.pool import ChunkPool
 from vmm.range import VirtualRange
 
 if TYPE_CHECKING:
     import torch
+
+    from vmm.kvcache.overlap import OverlapWorker
 
 
 class KVCacheBroken(VmmError):
@@ -124,6 +127,10 @@ class KVCache:
         self._counters = {"kv.plans": 0, "kv.remapped_units": 0, "kv.pages.mapped": 0,
                           "kv.pages.unmapped": 0}  # fmt: skip
         self._broken = False
+        self._worker: OverlapWorker | None = None
+        self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
+        self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []
+        self._counters.update({"overlap.plans.async": 0, "overlap.plans.sync": 0})
 
     # ---- construction helpers ----------------------------------------------------------
     def _check_dtype(self) -> None:
@@ -203,6 +210,9 @@ class KVCache:
         if not plan:
             return
         vmm_plan, remapped = translate(plan, self.geometries, self.ranges)
+        self._apply_translated(plan, vmm_plan, remapped)
+
+    def _apply_translated(self, plan: PagePlan, vmm_plan: MappingPlan, remapped: int) -> None:
         try:
             vmm_plan.apply(self.pool)
         except BaseException:
@@ -218,6 +228,54 @@ class KVCache:
                 self._counters["kv.pages.unmapped"] += 1
         self._counters["kv.plans"] += 1
         self._counters["kv.remapped_units"] += remapped
+
+    # ---- overlap (see vmm.kvcache.overlap) -------------------------------------------------
+    def allocate_ahead(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
+        """Allocate now, map later: the plan waits for `launch_ahead` (map-only plans, on
+        the worker) or `sync` (plans that unmap, and every plan after one). Call `sync`
+        before any other call that touches memory."""
+        self._check_usable()
+        got = self.allocator.allocate(request_id, num_new_tokens)
+        if got is not None and got.plan:
+            vmm_plan, remapped = translate(got.plan, self.geometries, self.ranges)
+            map_only = all(op.kind == "map" for op in vmm_plan.ops)
+            if map_only and not self._ahead_sync:
+                self._ahead_async.append((got.plan, vmm_plan, remapped))
+            else:
+                self._ahead_sync.append((got.plan, vmm_plan, remapped))
+        return got
+
+    def launch_ahead(self) -> None:
+        """Hand the collected map-only plans to the overlap worker (returns at once)."""
+        jobs, self._ahead_async = self._ahead_async, []
+        if not jobs:
+            return
+        if self._worker is None:
+            from vmm.kvcache.overlap import OverlapWorker
+
+            for geo in self.geometries:  # build every view now: none is made mid-job
+                for layer in geo.layer_ids:
+                    for tensor in range(geo.tensors_per_layer):
+                        self.layer_view(layer, tensor)
+            self._worker = OverlapWorker()
+
+        def run() -> None:
+            for job in jobs:
+                self._apply_translated(*job)
+
+        self._counters["overlap.plans.async"] += len(jobs)
+        self._worker.launch(run)
+
+    def sync(self) -> None:
+        """Wait for the worker (a stall if it is still mapping), then apply deferred plans."""
+        if self._ahead_async:
+            self.launch_ahead()
+        if self._worker is not None:
+            self._worker.wait()
+        jobs, self._ahead_sync = self._ahead_sync, []
+        for job in jobs:
+            self._apply_translated(*job)
+        self._counters["overlap.plans.sync"] += len(jobs)
 
     # ---- layers and tensors --------------------------------------------------------------
     def group_of(self, layer: int) -> GroupGeometry:
@@ -284,6 +342,8 @@ class KVCache:
         out = self.pool.stats()
         out.update(self.allocator.stats())
         out.update(self._counters)
+        if self._worker is not None:
+            out.update(self._worker.stats)
         out["kv.bytes.live.current"] = self.live_bytes()
         for geo, pages in zip(self.geometries, self.mapped_pages, strict=True):
             out[f"kv.bytes.mapped.{geo.name}"] = len(pages) * geo.page_bytes * geo.num_ranges
@@ -320,6 +380,9 @@ class KVCache:
 
     def close(self) -> None:
         """Close every range (chunks go back to the pool). The pool stays open."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
         self._views.clear()
         for rngs in self.ranges:
             for rng in rngs:
