@@ -3,6 +3,20 @@
 Importing this package imports torch and transformers (it is an integration, not core).
 """
 
-from integrations.hf.cache import RowStore, UnsupportedLayer, VmmCache, VmmLayer, VmmSlidingLayer
+from integrations.hf.cache import (
+    RowStore,
+    UnsupportedLayer,
+    VmmCache,
+    VmmLayer,
+    VmmMambaLayer,
+    VmmSlidingLayer,
+)
 
-__all__ = ["RowStore", "UnsupportedLayer", "VmmCache", "VmmLayer", "VmmSlidingLayer"]
+__all__ = [
+    "RowStore",
+    "UnsupportedLayer",
+    "VmmCache",
+    "VmmLayer",
+    "VmmMambaLayer",
+    "VmmSlidingLayer",
+]

@@ -14,7 +14,8 @@ Approach
     `get_layer_types_and_kwargs`:
 
         full_attention     -> VmmLayer            (subclass of DynamicLayer)
-        sliding/chunked    -> VmmSlidingLayer     (subclass of DynamicSlidingWindowLayer)
+        sliding_attention  -> VmmSlidingLayer     (subclass of DynamicSlidingWindowLayer)
+        linear_attention   -> VmmMambaLayer       (LinearAttentionLayer; Mamba group)
 
     The first layer to see new tokens in a forward allocates them for every row (all
     groups at once: one jenga call, one vmm plan). Each layer then writes its new K/V
@@ -24,21 +25,27 @@ Approach
     bookkeeping (`get_mask_sizes`, `cumulative_length`) is inherited unchanged.
 
 Limitations
-    No beam search / cropping (reorder, crop and batch selection raise). Mamba, cross
-    attention (mllama) and vision layers are not wired yet. The gather copies the
-    visible K/V each step, as `DynamicLayer`'s concatenation does.
+    No beam search / cropping (reorder, crop and batch selection raise). Cross attention
+    (mllama), vision and chunked-attention layers are not wired (`UnsupportedLayer`).
+    Mamba states (Jamba) must stay in their first checkpoint block (sequences below the
+    checkpoint interval, 512 tokens) and need evenly spaced row blocks (a fresh cache).
+    The gather copies the visible K/V each step, as `DynamicLayer`'s concatenation does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from typing import Any
 
 import torch
 from jenga.hf import HfOptions, model_spec_from_config
+from jenga.specs import Kind, KVGroup, ModelSpec
 from transformers.cache_utils import (
     Cache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
     get_layer_types_and_kwargs,
 )
 from vmm.kvcache import KVCache, KVCacheConfig
@@ -161,6 +168,88 @@ class VmmSlidingLayer(_VmmLayerMixin, DynamicSlidingWindowLayer):
         return keys, values
 
 
+class VmmMambaLayer(LinearAttentionLayer):
+    """Mamba (Jamba): conv and SSM states are views over the row's live state block.
+
+    Block bytes: ``conv [d_inner, d_conv]`` then ``ssm [d_inner, d_state]``. The batch
+    dimension is a strided view across the rows' blocks, so it needs one uniform stride
+    between consecutive rows' blocks (rows added in order on a fresh cache get pages
+    0, 1, ...); transformers then updates the states in place, in our memory.
+    """
+
+    def __init__(self, store: RowStore, layer_idx: int, group: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.store, self.layer_idx, self.group = store, layer_idx, group
+        self._blocks: list[int] | None = None
+
+    def _state_view(
+        self, like: torch.Tensor, byte_offset: int, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        kv = self.store.kv
+        geo = kv.geometries[self.group]
+        rows = like.shape[0]
+        self.store.ensure(rows, max(self.store.length, 1))
+        blocks = [kv.block_table(r, self.group)[-1] for r in range(rows)]
+        if self._blocks is not None and blocks != self._blocks:
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: Mamba state moved to a new checkpoint block"
+            )
+        self._blocks = blocks
+        offsets = [geo.block_offset(b) + byte_offset for b in blocks]
+        steps = {b - a for a, b in itertools.pairwise(offsets)}
+        if len(steps) > 1 or any(step <= 0 for step in steps):
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: rows' state blocks {blocks} have no uniform stride"
+            )
+        itemsize = like.element_size()
+        row_stride = (steps.pop() if steps else geo.page_bytes) // itemsize
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        rng = kv.ranges[self.group][geo.range_index(self.layer_idx)]
+        view = rng.tensor((rows, *shape), like.dtype, offsets[0], (row_stride, *inner))
+        view.zero_()
+        return view
+
+    def lazy_initialization(
+        self,
+        conv_states: torch.Tensor | None = None,
+        recurrent_states: torch.Tensor | None = None,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+    ) -> None:
+        super().lazy_initialization(conv_states, recurrent_states, state_idx, conv_kernel_size)
+        if conv_states is not None:
+            shape = tuple(self.conv_states[state_idx].shape[1:])
+            self.conv_states[state_idx] = self._state_view(conv_states, 0, shape)
+            self._conv_bytes = conv_states.element_size() * shape[0] * shape[1]
+        if recurrent_states is not None:
+            shape = tuple(recurrent_states.shape[1:])
+            offset = getattr(self, "_conv_bytes", 0)
+            self.recurrent_states[state_idx] = self._state_view(recurrent_states, offset, shape)
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("VmmCache does not support beam search, cropping or reindexing")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+def _with_hf_mamba_state(spec: ModelSpec, text: Any, itemsize: int) -> ModelSpec:
+    """transformers keeps ``conv [d_inner, d_conv]`` + ``ssm [d_inner, d_state]`` in the model
+    dtype; size the Mamba group's state block for exactly that."""
+    if not any(g.spec.kind is Kind.MAMBA for g in spec.groups):
+        return spec
+    d_inner = text.mamba_expand * text.hidden_size
+    state = d_inner * (text.mamba_d_conv + text.mamba_d_state) * itemsize
+    groups = tuple(
+        KVGroup(g.name, dataclasses.replace(g.spec, state_bytes=state), g.layer_ids, g.readers)
+        if g.spec.kind is Kind.MAMBA
+        else g
+        for g in spec.groups
+    )
+    return dataclasses.replace(spec, groups=groups)
+
+
 class VmmCache(Cache):
     """`transformers.Cache` over a `KVCache` (see module note).
 
@@ -191,6 +280,7 @@ class VmmCache(Cache):
         spec = model_spec_from_config(
             config.to_dict(), options=HfOptions(block_size=block_size, dtype_bytes=itemsize)
         )
+        spec = _with_hf_mamba_state(spec, text, itemsize)
         self._owns_pool = pool is None
         if pool is None:
             backend = vmm.get_backend("host", granularity=chunk_bytes)
@@ -204,12 +294,14 @@ class VmmCache(Cache):
         ]
         super().__init__(layers=layers)
 
-    def _make_layer(self, layer_idx: int, kind: str, kwargs: dict[str, Any]) -> DynamicLayer:
+    def _make_layer(self, layer_idx: int, kind: str, kwargs: dict[str, Any]) -> Any:
         group = self.kv.group_of(layer_idx).index
         if kind == "full_attention":
             return VmmLayer(self.store, layer_idx, group)
         if kind in _SLIDING_TYPES:
             return VmmSlidingLayer(self.store, layer_idx, group, kwargs["sliding_window"])
+        if kind == "linear_attention" and self.kv.model.groups[group].spec.kind is Kind.MAMBA:
+            return VmmMambaLayer(self.store, layer_idx, group, **kwargs)
         raise UnsupportedLayer(f"layer {layer_idx}: type {kind!r} is not supported by VmmCache")
 
     def close(self) -> None:

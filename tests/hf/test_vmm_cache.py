@@ -44,6 +44,11 @@ MODELS = {
         "Gemma3TextConfig", "Gemma3ForCausalLM",
         {"num_hidden_layers": 4, "sliding_window": 8, "head_dim": 16},
     ),
+    "jamba": (
+        "JambaConfig", "JambaForCausalLM",
+        {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+         "expert_layer_period": 100, "num_experts": 1},
+    ),
 }  # fmt: skip
 GENERATE = {"max_new_tokens": 12, "do_sample": False, "output_logits": True}
 
@@ -112,6 +117,23 @@ def test_sliding_layers_hold_only_the_window():
     assert cache.kv.block_table(0, 0) == [-1, -1, -1, 0, 1, 2]  # freed ids reused
     stats = cache.kv.stats()
     assert stats["blocks.used.sliding_window"] == 3
+    cache.close()
+
+
+def test_jamba_mamba_states_live_in_the_mamba_group_blocks():
+    model = tiny_model("jamba")  # layers 0, 2 Mamba; 1, 3 attention
+    generate.batch = 2  # type: ignore[attr-defined]
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=4 << 20)
+    generate(model, cache)
+    geo = cache.kv.geometries[0]
+    assert cache.kv.model.groups[0].name == "mamba"
+    # conv [128, 4] + ssm [128, 16] fp32 = 10 KiB per state: 2 per 5-chunk page, no tail
+    assert (geo.small_page_bytes, geo.chunks_per_page, geo.tail_bytes) == (10240, 5, 0)
+    layer = cache.layers[0]
+    view = cache.kv.layer_view(0)
+    state = view[0, 0, : 128 * 4].view(128, 4)  # row 0's block: conv state first
+    assert torch.equal(layer.conv_states[0][0], state)
+    assert layer.conv_states[0].data_ptr() == view.data_ptr()  # the cache's tensor is ours
     cache.close()
 
 
