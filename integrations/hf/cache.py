@@ -16,6 +16,7 @@ Approach
         full_attention     -> VmmLayer            (subclass of DynamicLayer)
         sliding_attention  -> VmmSlidingLayer     (subclass of DynamicSlidingWindowLayer)
         linear_attention   -> VmmMambaLayer       (LinearAttentionLayer; Mamba group)
+        cross-attn group   -> VmmCrossLayer       (mllama: image K/V in the group's blocks)
 
     The first layer to see new tokens in a forward allocates them for every row (all
     groups at once: one jenga call, one vmm plan). Each layer then writes its new K/V
@@ -25,8 +26,9 @@ Approach
     bookkeeping (`get_mask_sizes`, `cumulative_length`) is inherited unchanged.
 
 Limitations
-    No beam search / cropping (reorder, crop and batch selection raise). Cross attention
-    (mllama), vision and chunked-attention layers are not wired (`UnsupportedLayer`).
+    No beam search / cropping (reorder, crop and batch selection raise). Vision-embedding
+    and chunked-attention layers are not wired (`UnsupportedLayer`). Cross attention
+    (mllama) needs the image token count up front (`image_tokens`), one image per row.
     Mamba states (Jamba) must stay in their first checkpoint block (sequences below the
     checkpoint interval, 512 tokens) and need evenly spaced row blocks (a fresh cache).
     The gather copies the visible K/V each step, as `DynamicLayer`'s concatenation does.
@@ -39,6 +41,7 @@ import itertools
 from typing import Any
 
 import torch
+from jenga.allocator import ImageSpan
 from jenga.hf import HfOptions, model_spec_from_config
 from jenga.specs import Kind, KVGroup, ModelSpec
 from transformers.cache_utils import (
@@ -61,18 +64,25 @@ class UnsupportedLayer(NotImplementedError):
 
 
 class RowStore:
-    """The KV cache plus one allocator request per batch row, grown in lockstep."""
+    """The KV cache plus one allocator request per batch row, grown in lockstep.
 
-    def __init__(self, kv: KVCache) -> None:
+    With ``image_tokens > 0`` each row is registered with one image of that many
+    cross-attention tokens (an `ImageSpan` at position 0 of a placeholder prompt), so the
+    cross-attention group gets its blocks with the row's first allocation."""
+
+    def __init__(self, kv: KVCache, image_tokens: int = 0) -> None:
         self.kv = kv
+        self.image_tokens = image_tokens
         self.num_rows = 0
         self.length = 0  # tokens allocated in every row
 
     def ensure(self, num_rows: int, length: int) -> None:
         """Allocate up to `length` tokens in each of `num_rows` rows (all-or-nothing)."""
         if self.num_rows == 0:
+            n = self.image_tokens
             for row in range(num_rows):
-                self.kv.add_request(row, [0], use_cache=False)
+                images = (ImageSpan(0, n, content_hash=row + 1),) if n else ()
+                self.kv.add_request(row, [0] * max(n, 1), images=images, use_cache=False)
             self.num_rows = num_rows
         if num_rows != self.num_rows:
             raise ValueError(
@@ -168,6 +178,67 @@ class VmmSlidingLayer(_VmmLayerMixin, DynamicSlidingWindowLayer):
         return keys, values
 
 
+class VmmCrossLayer(_VmmLayerMixin, DynamicLayer):
+    """Cross attention (mllama): the image K/V written once into the cross-attention
+    group's blocks; `keys` / `values` gather them from there on every read (transformers
+    reads them directly on decode steps)."""
+
+    def __init__(self, store: RowStore, layer_idx: int, group: int) -> None:
+        super().__init__()
+        self.store, self.layer_idx, self.group = store, layer_idx, group
+        self.length = 0
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        return self._gather()[0]
+
+    @keys.setter
+    def keys(self, value: Any) -> None:  # storage is ours; transformers' assignments are dropped
+        pass
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor:
+        return self._gather()[1]
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        pass
+
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.length == 0:
+            return torch.empty(0), torch.empty(0)
+        kv = self.store.kv
+        keys, values = [], []
+        for row in range(self.store.num_rows):
+            k, v = read_kv(kv, self.layer_idx, token_slots(kv, row, self.group, 0, self.length))
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        return torch.stack(keys), torch.stack(values)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, _, n, _ = key_states.shape
+        if n != self.store.image_tokens:
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: {n} cross-attention tokens, the cache was built for "
+                f"{self.store.image_tokens} (VmmCache(image_tokens=...))"
+            )
+        self.store.ensure(rows, max(self.store.length, 1))
+        kv = self.store.kv
+        for row in range(rows):
+            slots = token_slots(kv, row, self.group, 0, n)
+            write_kv(kv, self.layer_idx, slots, key_states[row].transpose(0, 1),
+                     value_states[row].transpose(0, 1))  # fmt: skip
+        self.length = n
+        return self._gather()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
 class VmmMambaLayer(LinearAttentionLayer):
     """Mamba (Jamba): conv and SSM states are views over the row's live state block.
 
@@ -261,6 +332,7 @@ class VmmCache(Cache):
         dtype: storage dtype (must match the model's K/V dtype).
         pool: use this chunk pool instead of a new host one (the cache does not close it).
         kv_split / layout: see `KVCacheConfig`.
+        image_tokens: cross-attention tokens per row (mllama: images x tiles x (patches+1)).
     """
 
     def __init__(
@@ -274,6 +346,7 @@ class VmmCache(Cache):
         pool: vmm.ChunkPool | None = None,
         kv_split: bool = False,
         layout: str = "per_layer",
+        image_tokens: int = 0,
     ) -> None:
         text = config.get_text_config(decoder=True)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -286,7 +359,7 @@ class VmmCache(Cache):
             backend = vmm.get_backend("host", granularity=chunk_bytes)
             pool = vmm.ChunkPool(backend, budget_bytes)
         self.kv = KVCache(spec, pool, KVCacheConfig(dtype=dtype, kv_split=kv_split, layout=layout))
-        self.store = RowStore(self.kv)
+        self.store = RowStore(self.kv, image_tokens)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
         layers = [
             self._make_layer(i, kind, kwargs)
@@ -300,6 +373,8 @@ class VmmCache(Cache):
             return VmmLayer(self.store, layer_idx, group)
         if kind in _SLIDING_TYPES:
             return VmmSlidingLayer(self.store, layer_idx, group, kwargs["sliding_window"])
+        if self.kv.model.groups[group].spec.kind is Kind.CROSS_ATTENTION:
+            return VmmCrossLayer(self.store, layer_idx, group)
         if kind == "linear_attention" and self.kv.model.groups[group].spec.kind is Kind.MAMBA:
             return VmmMambaLayer(self.store, layer_idx, group, **kwargs)
         raise UnsupportedLayer(f"layer {layer_idx}: type {kind!r} is not supported by VmmCache")

@@ -143,3 +143,49 @@ def test_unsupported_layer_types_are_refused():
     )
     with pytest.raises(UnsupportedLayer, match="chunked_attention"):
         VmmCache(config, chunk_bytes=4096, budget_bytes=4 << 20)
+
+
+def tiny_mllama():
+    text = {**SMALL, "num_hidden_layers": 4, "cross_attention_layers": [1, 3], "vocab_size": 160,
+            "pad_token_id": 0}  # fmt: skip
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_global_layers": 1, "attention_heads": 2, "image_size": 28, "patch_size": 14,
+        "max_num_tiles": 2, "vision_output_dim": 64, "intermediate_layers_indices": [0],
+        "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]], "initializer_range": 0.2,
+    }  # fmt: skip
+    config = transformers.MllamaConfig(
+        text_config=text, vision_config=vision, image_token_index=150
+    )
+    torch.manual_seed(0)
+    return transformers.MllamaForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mllama_cross_attention_bitwise_equal(batch: int):
+    model = tiny_mllama()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 140, (batch, 9), generator=gen)
+    ids[:, 2] = 150  # the <|image|> token
+    mask = torch.ones_like(ids)
+    if batch == 2:
+        ids[0, :2] = 0
+        mask[0, :2] = 0
+    cross_mask = torch.zeros(batch, 9, 1, 2, dtype=torch.long)
+    cross_mask[:, 2:, 0, :] = 1
+    kwargs = {
+        "input_ids": ids, "attention_mask": mask, "cross_attention_mask": cross_mask,
+        "pixel_values": torch.randn(batch, 1, 2, 3, 28, 28, generator=gen),
+        "aspect_ratio_ids": torch.full((batch, 1), 2),
+        "aspect_ratio_mask": torch.ones(batch, 1, 2, dtype=torch.long),
+        "max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True,
+        "output_logits": True,
+    }  # fmt: skip
+    ref = model.generate(**kwargs)
+    # 2 tiles x (4 patches + 1) = 10 cross-attention tokens per row
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=4 << 20, image_tokens=10)
+    ours = model.generate(**kwargs, past_key_values=cache)
+    assert torch.equal(ours.sequences, ref.sequences)
+    assert torch.equal(torch.stack(ours.logits), torch.stack(ref.logits))
+    assert cache.kv.stats()["blocks.used.cross_attention"] == batch  # 10 tokens: one block
+    cache.close()
