@@ -284,3 +284,13 @@ def test_allocate_ahead_maps_on_the_worker_and_defers_plans_that_unmap(make_cach
     assert stats["overlap.launched"] == 1
     kv.check_invariants(expensive=True)
     kv.close()
+
+
+def test_importing_vmm_kvcache_does_not_import_torch():
+    import subprocess
+    import sys
+
+    modules = "vmm.kvcache, vmm.kvcache.rows, vmm.kvcache.access, vmm.kvcache.overlap"
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
