@@ -40,6 +40,7 @@ Limitations
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -53,6 +54,8 @@ from jenga.policies import Policy, make_policy
 from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
+_EMPTY_PLAN = MappingPlan()
+_FREED_IDS_KEPT = 1 << 16
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
 
@@ -260,7 +263,8 @@ class JengaAllocator:
         # a hit must end on a block boundary of every text group
         self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
         self._requests: dict[Hashable, _Request] = {}
-        self._freed: set[Hashable] = set()
+        # ids freed recently (bounded: an older id's second free reads UnknownRequest)
+        self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._next_internal = 0
         self._clock = 0
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
@@ -283,10 +287,12 @@ class JengaAllocator:
             )
         return req
 
-    def _check_length(self, what: str, length: int) -> None:
+    def _check_length(self, request_id: Hashable, what: str, length: int) -> None:
         limit = self.config.max_model_len
         if limit is not None and length > limit:
-            raise InvalidSize(f"{what}: {length} tokens exceed max_model_len {limit}")
+            raise InvalidSize(
+                f"request {request_id!r} {what}: {length} tokens exceed max_model_len {limit}"
+            )
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -309,7 +315,7 @@ class JengaAllocator:
             raise DuplicateRequest(f"request {request_id!r} is already live")
         if len(prompt) == 0:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
-        self._check_length(f"request {request_id!r} prompt", len(prompt))
+        self._check_length(request_id, "prompt", len(prompt))
         spans = _checked_images(images, len(prompt))
         req = _Request(self._next_internal, TokenBuffer(prompt), spans, salt)
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
@@ -326,7 +332,7 @@ class JengaAllocator:
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req
-        self._freed.discard(request_id)
+        self._freed.pop(request_id, None)
         self._stats["prefix.queries"] += 1
         self._stats["prefix.hit_tokens"] += hit
         self._stats["prefix.query_tokens"] += len(prompt)
@@ -347,7 +353,7 @@ class JengaAllocator:
                 f"request {request_id!r}: num_new_tokens must be > 0, got {num_new_tokens}"
             )
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
-        self._check_length(f"request {request_id!r} after allocate", new)
+        self._check_length(request_id, "after allocate", new)
         releases: list[np.ndarray] = []
         counts: list[int] = []
         firsts: list[int] = []
@@ -358,13 +364,14 @@ class JengaAllocator:
             firsts.append(max(first, req.first_live[g]))
             counts.append(max(0, policy.num_blocks(new, req.images) - len(table)))
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
-        plan = plan_from_arrays(*self._core.drain_plan())
+        plan = self._drain_plan()
         if got is None:
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         for g, blocks in enumerate(got):
             table = req.tables[g]
-            table.view(req.first_live[g], firsts[g])[:] = NULL_BLOCK
+            if firsts[g] > req.first_live[g]:
+                table.view(req.first_live[g], firsts[g])[:] = NULL_BLOCK
             req.first_live[g] = firsts[g]
             table.extend(blocks)
         req.num_tokens = new
@@ -373,7 +380,7 @@ class JengaAllocator:
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
         req = self._request(request_id)
-        self._check_length(f"request {request_id!r} tokens", len(req.tokens) + len(token_ids))
+        self._check_length(request_id, "tokens", len(req.tokens) + len(token_ids))
         req.tokens.extend(token_ids)
 
     def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
@@ -454,7 +461,14 @@ class JengaAllocator:
         for g in range(self.num_groups):
             self._core.release(g, req.tables[g].view(req.first_live[g]), now)
         del self._requests[request_id]
-        self._freed.add(request_id)
+        self._freed[request_id] = None
+        if len(self._freed) > _FREED_IDS_KEPT:
+            self._freed.popitem(last=False)
+        return self._drain_plan()
+
+    def _drain_plan(self) -> MappingPlan:
+        if self._core.num_plan_ops == 0:
+            return _EMPTY_PLAN
         return plan_from_arrays(*self._core.drain_plan())
 
     # -- prefix matching --------------------------------------------------------------

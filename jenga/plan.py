@@ -78,6 +78,20 @@ OP_MAP = 0
 OP_UNMAP = 1
 
 
+def page_slots(page: int, chunks_per_range: int) -> range:
+    """Chunk slots that large page ``page`` occupies in each of its group's virtual ranges.
+
+    Page p of a group whose large page is k chunks per range covers slots
+    ``[p*k, (p+1)*k)`` of every range of the group (per_layer layout, `jenga.pages`):
+    a `MapPage` maps those slots in all of the group's ranges, an `UnmapPage` unmaps them.
+    """
+    if page < 0 or chunks_per_range <= 0:
+        raise ValueError(
+            f"page must be >= 0 and chunks_per_range > 0, got {page}, {chunks_per_range}"
+        )
+    return range(page * chunks_per_range, (page + 1) * chunks_per_range)
+
+
 def plan_from_arrays(
     kinds: list[int], groups: list[int], pages: list[int], reused: list[int]
 ) -> MappingPlan:

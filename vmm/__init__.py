@@ -5,7 +5,7 @@
     k = pool.reserve(64 << 20, name="layer0.k")      # VA only, no physical cost
     k.map([0, 1])                                     # back two slots with chunks
     t = k.tensor((2, 1024, 8, 128), torch.float16)    # zero-copy view, never a copy
-    vmm.MappingPlan().unmap(k, [1]).map(v, [0]).apply()   # atomic batch
+    vmm.MappingPlan().unmap(k, [1]).map(k, [5, 6]).apply()  # atomic batch
     pool.stats()["bytes.mapped.current"]
 
 Importing this package never imports torch and never touches a GPU driver; tensors and

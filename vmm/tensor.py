@@ -143,7 +143,6 @@ class _CudaArray:
             "data": (ptr, False),
             "version": 3,
             "strides": None,
-            "stream": None,
         }
 
 

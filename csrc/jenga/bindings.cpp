@@ -182,8 +182,8 @@ void register_jenga(py::module_ m) {
            py::arg("compact_order") = false)
       .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
-      .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"),
-           py::arg("now"), py::arg("releases") = std::vector<I32Array>{},
+      .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
+           py::arg("releases") = std::vector<I32Array>{},
            "allocate() taking and returning int32 arrays")
       .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
@@ -196,6 +196,7 @@ void register_jenga(py::module_ m) {
       .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
            "Block id per hash (int32 array), -1 where absent")
       .def("drain_plan", &plan_arrays)
+      .def_property_readonly("num_plan_ops", &Core::num_plan_ops)
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
       .def("page_eviction_order", &Core::page_eviction_order)

@@ -12,6 +12,8 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
+constexpr size_t kPrefetchAhead = 8;  // hash-table slots requested ahead in batched loops
+
 }  // namespace
 
 Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
@@ -200,6 +202,10 @@ void Core::evict_page(int32_t g, int32_t page) {
   const int32_t B = G.blocks_per_page;
   for (int32_t slot = 0; slot < B; ++slot) {
     const int32_t b = page * B + slot;
+    if (slot + static_cast<int32_t>(kPrefetchAhead) < B) {
+      const Block& ahead = G.blocks[static_cast<size_t>(b) + kPrefetchAhead];
+      if (ahead.hashed) G.hash_to_block.prefetch(ahead.hash);
+    }
     if (G.blocks[static_cast<size_t>(b)].state == State::kCached) {
       prim_uncache(g, b);
       prim_push_free(g, b);
@@ -309,6 +315,7 @@ int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const ui
   }
   int64_t added = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
+    if (i + kPrefetchAhead < blocks.size()) G.hash_to_block.prefetch(hashes[i + kPrefetchAhead]);
     if (blocks[i] < 0) continue;
     Block& k = G.blocks[static_cast<size_t>(blocks[i])];
     if (k.hashed) continue;
@@ -325,6 +332,7 @@ int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const ui
 void Core::lookup(int32_t g, const uint64_t* hashes, size_t n, int32_t* out) const {
   const Group& G = group(g);
   for (size_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) G.hash_to_block.prefetch(hashes[i + kPrefetchAhead]);
     out[i] = G.hash_to_block.find(hashes[i]);
   }
 }

@@ -153,6 +153,7 @@ class Core {
   void lookup(int32_t group, const uint64_t* hashes, size_t n, int32_t* out) const;
   // The plan ops emitted since the last drain.
   std::vector<PlanOp> drain_plan();
+  size_t num_plan_ops() const { return plan_.size(); }
 
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
@@ -220,7 +221,12 @@ class Core {
   void remove_from_free_set(Group& G, int32_t page);
   void add_to_free_set(Group& G, int32_t page);
 
+  struct PageTally {
+    int64_t mapped = 0, cached = 0, free_blocks = 0;
+  };
   void check_group(int32_t g, bool expensive) const;
+  std::vector<char> check_lru(const Group& G, const std::string& where) const;
+  void check_page(int32_t g, int32_t p, const std::vector<char>& in_lru, PageTally& tally) const;
 
   std::vector<Group> groups_;
   int64_t total_units_;

@@ -17,16 +17,6 @@
 
 namespace jvmm::jenga {
 
-namespace {
-
-std::string str(int64_t v) { return std::to_string(v); }
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::logic_error("jenga core invariant violated: " + what);
-}
-
-}  // namespace
-
 int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
   Group& G = grp(g);
   Page& P = G.pages[static_cast<size_t>(page)];
@@ -346,120 +336,6 @@ void Core::remove_from_free_set(Group& G, int32_t page) {
 
 void Core::add_to_free_set(Group& G, int32_t page) {
   G.pages_with_free.insert({G.pages[static_cast<size_t>(page)].owner, page});
-}
-
-// ---------------------------------------------------------------------------------------
-// invariants
-// ---------------------------------------------------------------------------------------
-
-void Core::check_invariants(bool expensive) const {
-  int64_t mapped_units = 0;
-  for (const Group& G : groups_) mapped_units += G.num_mapped_pages * G.units_per_page;
-  require(free_units_ >= 0 && free_units_ <= total_units_,
-          "free units " + str(free_units_) + " outside [0, " + str(total_units_) + "]");
-  require(free_units_ + mapped_units == total_units_, "free " + str(free_units_) + " + mapped " +
-                                                          str(mapped_units) + " units != total " +
-                                                          str(total_units_));
-  int64_t evictable_units = 0;
-  for (const PageKey& key : evictable_pages_) {
-    evictable_units += groups_[static_cast<size_t>(std::get<1>(key))].units_per_page;
-  }
-  require(
-      evictable_units == evictable_page_units_,
-      "evictable page units " + str(evictable_page_units_) + " != recount " + str(evictable_units));
-  require(!logging_ && undo_.empty(), "a transaction is still open");
-  for (int32_t g = 0; g < num_groups(); ++g) check_group(g, expensive);
-}
-
-void Core::check_group(int32_t g, bool expensive) const {
-  const Group& G = groups_[static_cast<size_t>(g)];
-  const std::string where = "group " + str(g) + ": ";
-  int64_t live_entries = 0;
-  for (const LruEntry& e : G.lru) live_entries += lru_live(G, e) ? 1 : 0;
-  require(live_entries == G.num_cached_blocks, where + "LRU heap holds " + str(live_entries) +
-                                                   " live blocks, count says " +
-                                                   str(G.num_cached_blocks));
-  require(std::is_heap(G.lru.begin(), G.lru.end()), where + "LRU heap order broken");
-  require(G.blocks.size() == G.pages.size() * static_cast<size_t>(G.blocks_per_page),
-          where + "block array size does not match pages");
-  if (!expensive) return;
-  const int32_t B = G.blocks_per_page;
-  std::vector<char> in_lru(G.blocks.size(), 0);
-  for (const LruEntry& e : G.lru) {
-    if (!lru_live(G, e)) continue;
-    const Block& k = G.blocks[static_cast<size_t>(e.block)];
-    require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == k.last_access &&
-                e.neg_prefix_len == -k.prefix_len,
-            where + "LRU entry of block " + str(e.block) + " duplicated or with a stale key");
-    in_lru[static_cast<size_t>(e.block)] = 1;
-  }
-  int64_t mapped = 0, cached = 0, free_blocks = 0;
-  std::vector<char> on_free_list(G.pages.size(), 0);
-  for (const int32_t p : G.free_page_ids) {
-    require(p >= 0 && static_cast<size_t>(p) < G.pages.size() && !on_free_list[p],
-            where + "bad free page id " + str(p));
-    on_free_list[static_cast<size_t>(p)] = 1;
-  }
-  for (int32_t p = 0; p < static_cast<int32_t>(G.pages.size()); ++p) {
-    const Page& P = G.pages[static_cast<size_t>(p)];
-    const std::string pw = where + "page " + str(p) + ": ";
-    require(P.mapped != static_cast<bool>(on_free_list[static_cast<size_t>(p)]),
-            pw + "mapped flag disagrees with the free page list");
-    int32_t chain = 0;
-    for (int32_t s = P.free_head; s != -1; s = G.blocks[static_cast<size_t>(p * B + s)].next_free) {
-      require(chain < B, pw + "free chain has a cycle");
-      require(G.blocks[static_cast<size_t>(p * B + s)].state == State::kFree,
-              pw + "slot " + str(s) + " on the free chain is not FREE");
-      ++chain;
-    }
-    int32_t n_free = 0, n_cached = 0;
-    int64_t newest = std::numeric_limits<int64_t>::min();
-    for (int32_t s = 0; s < B; ++s) {
-      const Block& k = G.blocks[static_cast<size_t>(p * B + s)];
-      const int32_t b = p * B + s;
-      require(k.state != State::kLimbo, pw + "block " + str(b) + " left in LIMBO");
-      require((k.state == State::kUsed) == (k.refcount > 0),
-              pw + "block " + str(b) + " refcount " + str(k.refcount) + " disagrees with state");
-      require(P.mapped || k.state == State::kFree, pw + "unmapped page holds a live block");
-      if (k.state == State::kFree) ++n_free;
-      if (k.state == State::kCached) {
-        ++n_cached;
-        newest = std::max(newest, k.last_access);
-        require(k.hashed && in_lru[static_cast<size_t>(b)],
-                pw + "cached block " + str(b) + " missing from the LRU heap");
-      }
-      if (k.hashed) {
-        require(G.hash_to_block.find(k.hash) == b,
-                pw + "hashed block " + str(b) + " missing from the hash index");
-      }
-    }
-    require(chain == n_free && n_free == P.num_free, pw + "free chain " + str(chain) +
-                                                         ", FREE blocks " + str(n_free) +
-                                                         ", count " + str(P.num_free));
-    require(n_cached == P.num_cached,
-            pw + "cached count " + str(P.num_cached) + " != " + str(n_cached));
-    const bool free_set = G.pages_with_free.count({P.owner, p}) == 1;
-    require(free_set == (P.mapped && n_free > 0), pw + "pages_with_free membership wrong");
-    require(!P.mapped || n_free < B, pw + "mapped page with every block free");
-    const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
-    require(evictable == P.in_evictable, pw + "evictable flag wrong");
-    require(!evictable || (P.evict_key == newest && evictable_pages_.count({newest, g, p}) == 1),
-            pw + "evictable page key wrong");
-    if (P.mapped) ++mapped;
-    if (P.mapped) free_blocks += n_free;
-    cached += n_cached;
-  }
-  require(mapped == G.num_mapped_pages, where + "mapped page count wrong");
-  require(cached == G.num_cached_blocks, where + "cached block count wrong");
-  require(free_blocks == G.num_free_blocks, where + "free block count wrong");
-  require(G.pages_with_free.size() <= static_cast<size_t>(mapped),
-          where + "stale free-set entries");
-  G.hash_to_block.for_each([&](uint64_t hash, int32_t b) {
-    require(b >= 0 && static_cast<size_t>(b) < G.blocks.size() &&
-                G.blocks[static_cast<size_t>(b)].hashed &&
-                G.blocks[static_cast<size_t>(b)].hash == hash,
-            where + "hash index entry points at block " + str(b) + " without that hash");
-  });
 }
 
 }  // namespace jvmm::jenga

@@ -31,6 +31,10 @@ class FlatHashMap {
 
   bool contains(uint64_t key) const { return find(key) >= 0; }
 
+  // Batched callers prefetch a few keys ahead: at a million entries the table is larger
+  // than the caches and each first probe is a memory miss.
+  void prefetch(uint64_t key) const { __builtin_prefetch(&slots_[home(key)]); }
+
   // Inserts when absent; returns false (and changes nothing) when the key is present.
   bool insert(uint64_t key, int32_t value) {
     if (2 * (size_ + 1) > slots_.size()) grow();

@@ -1,0 +1,127 @@
+"""Checked access to the CUDA driver through cuda-python, loaded only when asked for.
+
+Rationale
+---------
+`import vmm` must work on machines with no GPU, no driver and no cuda-python, so the
+driver module is imported inside `load_driver()`, never at module import. Every driver
+call returns a `CUresult` first; `Driver.call` turns anything but `CUDA_SUCCESS` into a
+`vmm.errors` exception that names the call and the code, so no result goes unchecked.
+
+Approach
+--------
+`cuda.bindings.driver` (package `cuda-bindings`, cuda-python >= 12.6) is tried first, then
+the older `cuda.cuda` name. A missing package, a missing `libcuda.so` (cuda-python raises
+when it first loads the library) or `cuInit` failing all become `BackendUnavailable` with
+the reason. `CUDA_ERROR_OUT_OF_MEMORY` becomes `OutOfMemory` carrying the device's free
+and total bytes (`cuMemGetInfo`); every other code becomes `BackendError(op, code)`.
+
+Limitations
+-----------
+Only the calls the VMM backend and vmm-bench use are named here; others go through
+`Driver.call` by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from types import ModuleType
+from typing import Any
+
+from vmm.errors import BackendError, BackendUnavailable, OutOfMemory
+
+_MODULE_NAMES = ("cuda.bindings.driver", "cuda.cuda")
+_OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def import_driver_module() -> ModuleType:
+    """The cuda-python driver module, or BackendUnavailable naming what is missing."""
+    reasons = []
+    for name in _MODULE_NAMES:
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:  # ImportError, or a broken install raising anything
+            reasons.append(f"{name}: {type(exc).__name__}: {exc}")
+    raise BackendUnavailable(
+        "cuda backend needs cuda-python (pip install 'jenga-vmm[cuda]'); " + "; ".join(reasons)
+    )
+
+
+class Driver:
+    """A cuda-python driver module whose calls are checked.
+
+    Invariant: `call` returns only the outputs of a call that returned CUDA_SUCCESS.
+    """
+
+    def __init__(self, module: ModuleType):
+        self.mod = module
+        self.num_calls: dict[str, int] = {}
+        #: when a dict, `call` appends each call's wall time (ns) under its name (vmm-bench)
+        self.timings: dict[str, list[int]] | None = None
+
+    def call(self, name: str, *args: Any) -> Any:
+        """Run driver function `name`; return its single output, a tuple of several, or None."""
+        self.num_calls[name] = self.num_calls.get(name, 0) + 1
+        if self.timings is None:
+            result = getattr(self.mod, name)(*args)
+        else:
+            t0 = time.perf_counter_ns()
+            result = getattr(self.mod, name)(*args)
+            self.timings.setdefault(name, []).append(time.perf_counter_ns() - t0)
+        err = result[0]
+        if err:
+            raise self.error(name, err)
+        if len(result) == 1:
+            return None
+        return result[1] if len(result) == 2 else tuple(result[1:])
+
+    def error(self, name: str, err: Any) -> BackendError | OutOfMemory:
+        """The exception for `name` having returned `err` (never raises itself)."""
+        code = int(err)
+        label = self.error_name(err)
+        if code == _OUT_OF_MEMORY:
+            free, total = self.mem_info()
+            return OutOfMemory(
+                f"{name} failed: {label} ({code}); device has {free} bytes free of {total}",
+                free=free,
+                total=total,
+            )
+        return BackendError(f"{name} failed: {label} ({code})", op=name, code=code)
+
+    def error_name(self, err: Any) -> str:
+        try:
+            res, raw = self.mod.cuGetErrorName(err)
+            if not res and raw:
+                return raw.decode() if isinstance(raw, bytes) else str(raw)
+        except Exception:
+            pass
+        return getattr(err, "name", str(err))
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device bytes, or (0, 0) if the driver cannot say."""
+        try:
+            res, free, total = self.mod.cuMemGetInfo()
+            if not res:
+                return int(free), int(total)
+        except Exception:
+            pass
+        return 0, 0
+
+
+def load_driver(module: ModuleType | None = None) -> Driver:
+    """Initialise the driver of `module` (default: cuda-python's, imported now);
+    BackendUnavailable with the reason if it cannot run."""
+    module = import_driver_module() if module is None else module
+    driver = Driver(module)
+    try:
+        driver.call("cuInit", 0)
+    except BackendError as exc:
+        raise BackendUnavailable(f"CUDA driver present but cuInit failed: {exc}") from exc
+    except Exception as exc:  # cuda-python raises when libcuda.so cannot be loaded
+        raise BackendUnavailable(
+            f"no usable CUDA driver: {type(exc).__name__}: {exc}".rstrip()
+        ) from exc
+    num_devices = driver.call("cuDeviceGetCount")
+    if int(num_devices) < 1:
+        raise BackendUnavailable("CUDA driver loaded but it reports 0 devices")
+    return driver
