@@ -58,6 +58,8 @@ class EngineConfig:
     block_size: int = 4
     use_prefix_cache: bool = True
     overlap: bool = False  # allocate step t+1's decode tokens ahead; map them during step t
+    backend: str = "host"  # "host" | "cuda" | "auto" (model must be on the backend's device)
+    attention: str = "sdpa"  # "sdpa" | "flash" (flash_attn_with_kvcache; CUDA only, untested)
 
 
 @dataclass
@@ -91,10 +93,19 @@ class MiniEngine:
         itemsize = torch.empty((), dtype=dtype).element_size()
         options = HfOptions(block_size=self.config.block_size, dtype_bytes=itemsize)
         spec = model_spec_from_config(model.config.to_dict(), options=options)
-        backend = vmm.get_backend("host", granularity=self.config.chunk_bytes)
-        self.pool = vmm.ChunkPool(backend, self.config.budget_bytes)
-        self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype))
-        self.forward = PackedForward(model, self.kv)
+        cfg = self.config
+        use_flash = cfg.attention == "flash"
+        if use_flash and cfg.block_size % 256:
+            raise ValueError(
+                f"flash-attn paged KV needs block_size % 256 == 0, got {cfg.block_size}"
+            )
+        if cfg.backend == "host":
+            backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
+        else:
+            backend = vmm.get_backend(cfg.backend)
+        self.pool = vmm.ChunkPool(backend, cfg.budget_bytes)
+        self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype, kv_split=use_flash))
+        self.forward = PackedForward(model, self.kv, use_flash=use_flash)
         self.pending: list[EngineRequest] = []
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []

@@ -20,8 +20,10 @@ Approach
 Limitations
     Llama-style decoders only (LlamaForCausalLM, MistralForCausalLM: q/k/v/o projections,
     RMSNorm, rotary, gated MLP). One SDPA call per request and layer (no varlen kernel on
-    CPU). flash-attn's `flash_attn_with_kvcache` is used instead when `use_flash` and a
-    GPU are given (not exercised here).
+    CPU). With `use_flash` (CUDA backend, flash-attn installed, kv_split, block size a
+    multiple of 256) `flash_attn_with_kvcache` reads the block table instead; released
+    window blocks (-1) are passed as block 0, outside the window. Written against the
+    flash-attn 2 API and NOT run: no GPU was lent to this task (tests marked `cuda`).
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ def layer_windows(model: Any) -> list[int | None]:
     ]
 
 
-def causal_mask(start: int, stop: int, key_start: int, window: int | None) -> torch.Tensor:
+def causal_mask(
+    start: int, stop: int, key_start: int, window: int | None, device: Any = "cpu"
+) -> torch.Tensor:
     """Boolean ``[stop-start, stop-key_start]``: True where query may attend key."""
-    queries = torch.arange(start, stop)[:, None]
-    keys = torch.arange(key_start, stop)[None, :]
+    queries = torch.arange(start, stop, device=device)[:, None]
+    keys = torch.arange(key_start, stop, device=device)[None, :]
     mask = keys <= queries
     if window is not None:
         mask &= keys > queries - window
@@ -73,9 +77,11 @@ def causal_mask(start: int, stop: int, key_start: int, window: int | None) -> to
 class PackedForward:
     """Runs `model` over packed segments, storing and reading K/V in `kv`."""
 
-    def __init__(self, model: Any, kv: KVCache) -> None:
+    def __init__(self, model: Any, kv: KVCache, *, use_flash: bool = False) -> None:
         self.model = model
         self.kv = kv
+        self.use_flash = use_flash
+        self.device = next(model.parameters()).device
         self.windows = layer_windows(model)
         inner = model.model
         self.layers = inner.layers
@@ -106,8 +112,8 @@ class PackedForward:
     ) -> torch.Tensor:
         """Logits ``[len(segments), vocab]`` at each segment's last position."""
         inner = self.model.model
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        positions = torch.cat([torch.arange(s.start, s.stop) for s in segments])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(s.start, s.stop) for s in segments]).to(self.device)
         hidden = inner.embed_tokens(ids)[None]  # [1, T, hidden]
         cos, sin = inner.rotary_emb(hidden, positions[None])
         slots = self.prepare(segments) if slots is None else slots
@@ -148,6 +154,9 @@ class PackedForward:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         group = self.kv.group_of(index).index
         window = self.windows[index]
+        if self.use_flash:
+            merged = self._flash(index, group, window, q, k, v, segments)
+            return attn.o_proj(merged.reshape(1, tokens, -1))
         outputs = []
         offset = 0
         for i, seg in enumerate(segments):
@@ -158,7 +167,7 @@ class PackedForward:
             key_start = _key_start(seg, window)
             past = self._group_slots(slots, i, seg, group, key_start)
             keys, values = read_kv(self.kv, index, past)
-            mask = causal_mask(seg.start, seg.stop, key_start, window)
+            mask = causal_mask(seg.start, seg.stop, key_start, window, self.device)
             out = F.scaled_dot_product_attention(
                 q[:, :, offset : offset + n],
                 keys.transpose(0, 1)[None],
@@ -171,6 +180,44 @@ class PackedForward:
             offset += n
         merged = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, tokens, -1)
         return attn.o_proj(merged)
+
+    def _flash(
+        self,
+        index: int,
+        group: int,
+        window: int | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: Sequence[Segment],
+    ) -> torch.Tensor:
+        """flash-attn over the paged cache (kv_split block views ``[blocks, T, H, D]``): the
+        kernel appends each segment's K/V at ``cache_seqlens`` itself. GPU only; untested
+        here (no GPU was lent)."""
+        from flash_attn import flash_attn_with_kvcache
+
+        k_cache, v_cache = self.kv.block_view(index, 0), self.kv.block_view(index, 1)
+        window_size = (-1, -1) if window is None else (window - 1, 0)
+        outputs, offset = [], 0
+        for seg in segments:
+            n = seg.num_tokens
+            table = [max(b, 0) for b in self.kv.block_table(seg.request_id, group)]
+            part = slice(offset, offset + n)
+            out = flash_attn_with_kvcache(
+                q[:, :, part].transpose(1, 2),
+                k_cache,
+                v_cache,
+                k=k[:, :, part].transpose(1, 2),
+                v=v[:, :, part].transpose(1, 2),
+                cache_seqlens=torch.tensor([seg.start], dtype=torch.int32, device=self.device),
+                block_table=torch.tensor([table], dtype=torch.int32, device=self.device),
+                softmax_scale=self.scaling,
+                causal=True,
+                window_size=window_size,
+            )
+            outputs.append(out)  # [1, n, H, D]
+            offset += n
+        return torch.cat(outputs, dim=1)
 
 
 def _key_start(seg: Segment, window: int | None) -> int:

@@ -47,7 +47,7 @@ def workload(num: int = 6, new_tokens: int = 10):
 def reference(model, requests) -> dict[str, list[int]]:
     out = {}
     for rid, prompt, n, _ in requests:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         seq = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
             pad_token_id=0,
@@ -134,4 +134,18 @@ def test_overlap_maps_next_step_during_compute_with_identical_outputs(kind: str,
     stats = engine.kv.stats()
     assert stats["overlap.launched"] > 0 and stats["overlap.plans.async"] > 0
     assert stats["overlap.stalls"] <= stats["overlap.launched"]
+    engine.close()
+
+
+@pytest.mark.cuda
+def test_flash_attention_on_cuda_matches_reference():
+    pytest.importorskip("flash_attn")
+    model = tiny("mistral").to("cuda", torch.float16)
+    requests = workload(num=4, new_tokens=8)
+    ref = reference(model, requests)  # the library's own generate, same GPU and dtype
+    engine = run_engine(
+        model, requests, token_budget=512, budget_bytes=64 << 21, chunk_bytes=2 << 20,
+        block_size=256, backend="cuda", attention="flash",
+    )  # fmt: skip
+    assert engine.outputs == ref
     engine.close()
