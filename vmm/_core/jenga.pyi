@@ -4,4 +4,131 @@ two-level LCM allocator bookkeeping
 
 from __future__ import annotations
 
-__all__: list[str] = list()
+import collections.abc
+import typing
+
+import numpy
+import numpy.typing
+
+__all__: list[str] = ["Core", "hash_blocks", "hash_ints"]
+
+class Core:
+    """
+    Two-level LCM allocator bookkeeping (see jenga/allocator.py)
+    """
+    def __init__(
+        self,
+        blocks_per_page: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        units_per_page: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        total_units: typing.SupportsInt | typing.SupportsIndex,
+        compact_order: bool = False,
+    ) -> None: ...
+    def acquire(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        blocks: typing.Annotated[numpy.typing.ArrayLike, numpy.int32],
+        now: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None: ...
+    def allocate(
+        self,
+        owner: typing.SupportsInt | typing.SupportsIndex,
+        counts: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        now: typing.SupportsInt | typing.SupportsIndex,
+        releases: collections.abc.Sequence[
+            collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+        ] = [],
+    ) -> list[list[int]] | None: ...
+    def allocate_arrays(
+        self,
+        owner: typing.SupportsInt | typing.SupportsIndex,
+        counts: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        now: typing.SupportsInt | typing.SupportsIndex,
+        releases: collections.abc.Sequence[
+            typing.Annotated[numpy.typing.ArrayLike, numpy.int32]
+        ] = [],
+    ) -> typing.Any:
+        """
+        allocate() taking and returning int32 arrays
+        """
+    def block_info(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        block: typing.SupportsInt | typing.SupportsIndex,
+    ) -> tuple:
+        """
+        (state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)
+        """
+    def check_invariants(self, expensive: bool = False) -> None: ...
+    def commit(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        blocks: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        hashes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        prefix_lens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    ) -> int: ...
+    def commit_run(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        blocks: typing.Annotated[numpy.typing.ArrayLike, numpy.int32],
+        hashes: typing.Annotated[numpy.typing.ArrayLike, numpy.uint64],
+        first_prefix: typing.SupportsInt | typing.SupportsIndex,
+        step: typing.SupportsInt | typing.SupportsIndex,
+    ) -> int:
+        """
+        commit() for consecutive blocks: prefix_len[i] = first_prefix + i * step; negative block ids are skipped
+        """
+    def counters(self) -> dict: ...
+    def drain_plan(self) -> tuple: ...
+    def eviction_order(self, group: typing.SupportsInt | typing.SupportsIndex) -> list[int]: ...
+    def group_counts(self, group: typing.SupportsInt | typing.SupportsIndex) -> tuple:
+        """
+        (mapped_pages, cached_blocks, free_blocks, used_blocks)
+        """
+    def lookup(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        hashes: typing.Annotated[numpy.typing.ArrayLike, numpy.uint64],
+    ) -> numpy.typing.NDArray[numpy.int32]:
+        """
+        Block id per hash (int32 array), -1 where absent
+        """
+    def page_eviction_order(self) -> list[tuple[int, int]]: ...
+    def page_info(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        page: typing.SupportsInt | typing.SupportsIndex,
+    ) -> tuple:
+        """
+        (mapped, owner, num_free, num_cached)
+        """
+    def release(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        blocks: typing.Annotated[numpy.typing.ArrayLike, numpy.int32],
+        now: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None: ...
+    @property
+    def free_units(self) -> int: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def num_plan_ops(self) -> int: ...
+    @property
+    def total_units(self) -> int: ...
+
+def hash_blocks(
+    tokens: typing.Annotated[numpy.typing.ArrayLike, numpy.int64],
+    tokens_per_block: typing.SupportsInt | typing.SupportsIndex,
+    parent: typing.SupportsInt | typing.SupportsIndex = 0,
+) -> numpy.typing.NDArray[numpy.uint64]:
+    """
+    Chained 64-bit hashes of the complete blocks of `tokens`; `parent` is the hash of the block before the first (continue a chain) or a root from hash_ints.
+    """
+
+def hash_ints(
+    values: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    seed: typing.SupportsInt | typing.SupportsIndex = 0,
+) -> int:
+    """
+    64-bit hash of a short list of integers.
+    """
