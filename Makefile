@@ -22,7 +22,7 @@ build: $(STAMP)
 	@$(PY) -c "import vmm._core" || (echo "extension failed to build/import" && exit 1)
 
 run: build
-	$(VENV)/bin/vmm-bench --quick
+	$(VENV)/bin/jenga-sim
 
 test: build
 	$(PY) -m pytest -q

@@ -541,7 +541,7 @@ class JengaAllocator:
 
     def page_eviction_order(self) -> list[tuple[int, int]]:
         """Evictable large pages ``(group, page)`` in the order step 3 would evict them."""
-        return [(g, p) for g, p in self._core.page_eviction_order()]
+        return [(int(g), int(p)) for g, p in self._core.page_eviction_order()]
 
     def usage(self) -> Usage:
         counts = [self._core.group_counts(g) for g in range(self.num_groups)]

@@ -14,7 +14,7 @@ from vmm.cuda import CudaBackend
 from vmm.cuda_driver import Driver, load_driver
 
 import vmm
-from cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
+from tests.cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
 
 G = 2 << 20
 
@@ -43,7 +43,7 @@ def state(b: CudaBackend, model: DriverModel) -> tuple[Any, ...]:
 def vmm_calls(model: DriverModel, fn: Callable[[], Any]) -> int:
     before = len(model.calls)
     fn()
-    from cuda_driver_model import _VMM_CALLS
+    from tests.cuda_driver_model import _VMM_CALLS
 
     return sum(1 for c in model.calls[before:] if c in _VMM_CALLS)
 
@@ -323,6 +323,13 @@ def test_cuda_python_accepts_the_arguments_we_pass():
         ("cuDevicePrimaryCtxRetain", (0,)),
         ("cuCtxPushCurrent", (0,)),
         ("cuStreamCreate", (1,)),
+        ("cuStreamSynchronize", (0,)),
+        ("cuStreamDestroy", (0,)),
+        ("cuCtxGetCurrent", ()),
+        ("cuCtxPopCurrent", ()),
+        ("cuDevicePrimaryCtxRelease", (0,)),
+        ("cuDeviceGet", (0,)),
+        ("cuMemGetInfo", ()),
     ]
     for name, args in calls:
         with pytest.raises(Exception) as e:
@@ -399,3 +406,37 @@ def test_bench_cli_on_cuda(tmp_path: Any):
     ops = {r["op"] for r in json.loads(path.read_text())["results"]}
     assert {"create", "reserve", "map", "set_access", "unmap", "release", "apply_plan",
             "tensor_view"} <= ops  # fmt: skip
+
+
+def test_bench_cuda_cases_run_on_the_model():
+    """vmm-bench's CUDA cases (raw loop and ours) produce every op, on the driver model."""
+    from vmm.bench_host import Case, ours_apply_plan
+
+    from vmm import bench_cuda
+
+    model = DriverModel(granularity=G, capacity_bytes=64 * G)
+
+    def make(chunk_size: int) -> CudaBackend:
+        return CudaBackend(0, granularity=chunk_size, driver=load_driver(model))  # type: ignore[arg-type]
+
+    def pools(chunk_size: int, budget: int) -> vmm.ChunkPool:
+        return vmm.ChunkPool(make(chunk_size), budget)
+
+    def plan(case: Case, samples: dict) -> None:
+        ours_apply_plan(pools, case, samples)
+
+    for mode in ("one_by_one", "batched"):
+        case = Case(G, 4, mode, "contiguous", 2)
+        results = bench_cuda.run_case(case, make, plan, 0, load_driver(model))  # type: ignore[arg-type]
+        by_op = {r.op: r for r in results}
+        expected = {"create", "reserve", "map", "set_access", "unmap", "release",
+                    "free_reservation"}  # fmt: skip
+        if mode == "batched":
+            expected.add("apply_plan")
+        assert set(by_op) == expected
+        per_chunk = 4 * 2 if mode == "one_by_one" else 2
+        assert by_op["map"].ours.n == by_op["map"].raw.n == per_chunk
+        assert by_op["set_access"].ours.n == per_chunk
+        assert by_op["reserve"].ours.n == by_op["reserve"].raw.n == 2
+    assert (model.handles, model.reservations, model.mappings) == ({}, {}, {})
+    assert (model.retained, model.ctx_stack) == (0, [])

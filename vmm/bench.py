@@ -76,70 +76,41 @@ class BenchArgs:
     max_bytes: int
 
 
+def _flags() -> list[tuple[str, dict[str, Any]]]:
+    """Every flag and its argparse options (defaults of None are resolved in resolve_args)."""
+    return [
+        ("--backend", {"choices": ("host", "cuda", "auto"), "default": "auto"}),
+        ("--chunk-sizes", {"type": _csv(parse_size),
+                           "help": "comma list, e.g. 64K,256K,2M,8M (default; --quick: 64K,2M)"}),
+        ("--counts", {"type": _csv(int), "help": "chunks per case, comma list (default 1000)"}),
+        ("--modes", {"type": _csv(str), "default": ["one_by_one", "batched"],
+                     "help": "one_by_one (one call per chunk) and/or batched (one call for all)"}),
+        ("--layouts", {"type": _csv(str), "default": ["contiguous", "scattered"],
+                       "help": "host memfd offsets per slot: contiguous (i) / scattered (2i)"}),
+        ("--rounds", {"type": int,
+                      "help": "create/reserve/release rounds, a fresh backend each (5; quick 3)"}),
+        ("--map-rounds", {"type": int,
+                          "help": "map/unmap/apply passes over chunks made once (30; quick 10)"}),
+        ("--create-count", {"type": int,
+                            "help": "chunks per create/release round (each count; quick 100)"}),
+        ("--views", {"type": int, "help": "tensor views timed (5000; quick 2000)"}),
+        ("--max-mib", {"type": int, "default": 4096,
+                       "help": "most memory one case may populate; larger counts are cut"}),
+        ("--device", {"type": int, "default": 0, "help": "CUDA device ordinal"}),
+        ("--zero-fill", {"action": "store_true",
+                         "help": "cuda: CudaBackend.create zero-fills (raw never does)"}),
+        ("--quick", {"action": "store_true", "help": "a short run (the default of make run)"}),
+        ("--json", {"metavar": "PATH", "help": "write the results as JSON to PATH"}),
+        ("--no-progress", {"action": "store_true", "help": "no progress bar"}),
+        ("--check", {"action": "store_true", "help": "exit 1 if a bar fails"}),
+    ]  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vmm-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=("host", "cuda", "auto"), default="auto")
-    p.add_argument(
-        "--chunk-sizes",
-        type=_csv(parse_size),
-        default=None,
-        help="comma list, e.g. 64K,256K,2M,8M (default; --quick: 64K,2M)",
-    )
-    p.add_argument(
-        "--counts",
-        type=_csv(int),
-        default=None,
-        help="chunks per case, comma list (default 1000; --quick 1000)",
-    )
-    p.add_argument(
-        "--modes",
-        type=_csv(str),
-        default=["one_by_one", "batched"],
-        help="one_by_one (one call per chunk) and/or batched (one call for all)",
-    )
-    p.add_argument(
-        "--layouts",
-        type=_csv(str),
-        default=["contiguous", "scattered"],
-        help="host memfd offsets per slot: contiguous (i) / scattered (2i)",
-    )
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=None,
-        help="create/reserve/release rounds, a fresh backend each (default 5; quick 3)",
-    )
-    p.add_argument(
-        "--map-rounds",
-        type=int,
-        default=None,
-        help="map/unmap/apply passes over chunks created once (default 30; quick 10)",
-    )
-    p.add_argument(
-        "--create-count",
-        type=int,
-        default=None,
-        help="chunks per create/release round (default: each count; quick 100)",
-    )
-    p.add_argument("--views", type=int, default=None, help="tensor views timed (default 5000)")
-    p.add_argument(
-        "--max-mib",
-        type=int,
-        default=4096,
-        help="most memory one case may populate; larger counts are cut to fit "
-        "(scattered cases hold 2 chunks per slot)",
-    )
-    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
-    p.add_argument(
-        "--zero-fill",
-        action="store_true",
-        help="cuda: let CudaBackend.create zero-fill chunks (raw never does)",
-    )
-    p.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--check", action="store_true", help="exit 1 if a bar fails")
-    return p  # fmt: skip
+    for flag, options in _flags():
+        p.add_argument(flag, **options)
+    return p
 
 
 def _given(value: Any, default: Any) -> Any:

@@ -49,14 +49,14 @@ def _ok(result: Any) -> Any:
 class RawCuda:
     """The driver module plus the allocation/access descriptors for one device."""
 
-    def __init__(self, ordinal: int):
+    def __init__(self, ordinal: int, driver: Any = None):
         from vmm.cuda_driver import load_driver
 
-        drv = load_driver()
+        drv = load_driver() if driver is None else driver
         self.d = d = drv.mod
-        dev = _ok(d.cuDeviceGet(ordinal))
-        self.ctx = _ok(d.cuDevicePrimaryCtxRetain(dev))
-        _ok(d.cuCtxSetCurrent(self.ctx))
+        self.dev = _ok(d.cuDeviceGet(ordinal))
+        self.ctx = _ok(d.cuDevicePrimaryCtxRetain(self.dev))
+        _ok(d.cuCtxPushCurrent(self.ctx))
         self.prop = d.CUmemAllocationProp()
         self.prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self.prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -66,6 +66,11 @@ class RawCuda:
         desc.location.id = ordinal
         desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.rw = [desc]
+
+    def close(self) -> None:
+        """Pop the context pushed at start and drop the retain."""
+        _ok(self.d.cuCtxPopCurrent())
+        _ok(self.d.cuDevicePrimaryCtxRelease(self.dev))
 
 
 def raw_round(raw: RawCuda, case: Case, samples: Samples) -> None:
@@ -132,21 +137,26 @@ def run_case(
     make_backend: Callable[[int], Any],
     apply_plan: Callable[[Case, Samples], None] | None,
     ordinal: int,
+    driver: Any = None,
 ) -> list[OpResult]:
-    """All CUDA ops of one case, `rounds` rounds of raw and ours interleaved."""
-    raw = RawCuda(ordinal)
+    """All CUDA ops of one case, `rounds` rounds of raw and ours interleaved (`driver`:
+    an initialised `vmm.cuda_driver.Driver` for the raw loop; default cuda-python's)."""
+    raw = RawCuda(ordinal, driver)
     ours: Samples = {}
     raw_samples: Samples = {}
-    with gc_paused():
-        for _ in range(case.rounds):
-            raw_round(raw, case, raw_samples)
-            backend = make_backend(case.chunk_size)
-            try:
-                ours_round(backend, case, ours)
-            finally:
-                backend.close()
-        if apply_plan is not None and case.mode == "batched":
-            apply_plan(case, ours)
+    try:
+        with gc_paused():
+            for _ in range(case.rounds):
+                raw_round(raw, case, raw_samples)
+                backend = make_backend(case.chunk_size)
+                try:
+                    ours_round(backend, case, ours)
+                finally:
+                    backend.close()
+            if apply_plan is not None and case.mode == "batched":
+                apply_plan(case, ours)
+    finally:
+        raw.close()
     ops = (*CUDA_OPS, "apply_plan")
     return [
         OpResult(

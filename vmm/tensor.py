@@ -74,6 +74,12 @@ def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
         return _dtype_info(dtype)
     import torch
 
+    if isinstance(dtype, str):  # "float16", "torch.bfloat16"
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise TypeError(f"unknown dtype name {dtype!r}")
+        DTYPES[dtype] = info = _dtype_info(resolved)
+        return info
     itemsize = torch.empty((), dtype=dtype).element_size()
     carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(itemsize)
     if carrier is None:
@@ -86,7 +92,7 @@ def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
 def view(
     rng: VirtualRange,
     shape: Sequence[int] | int,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     offset: int,
     strides: Sequence[int] | None,
 ) -> torch.Tensor:
@@ -149,7 +155,7 @@ class _CudaArray:
 def _cuda_view(
     rng: VirtualRange,
     shape: Sequence[int],
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     itemsize: int,
     offset: int,
     strides: Sequence[int] | None,

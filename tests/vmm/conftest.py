@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from vmm_helpers import HOST_GRANULARITY
 
 import vmm
+from tests.vmm.vmm_helpers import HOST_GRANULARITY
 
 
 @pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.cuda)])

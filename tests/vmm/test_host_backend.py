@@ -8,9 +8,9 @@ import os
 
 import pytest
 from vmm.host import HostBackend
-from vmm_helpers import kernel_vmas
 
 import vmm
+from tests.vmm.vmm_helpers import kernel_vmas
 
 G = 64 << 10
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from vmm.host import HostBackend
 from vmm.tensor import span_bytes
-from vmm_helpers import HOST_GRANULARITY, check
 
 import vmm
+from tests.vmm.vmm_helpers import HOST_GRANULARITY, check
 
 
 def small_pool(**opts: object) -> vmm.ChunkPool:

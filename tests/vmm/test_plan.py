@@ -9,9 +9,9 @@ import errno
 import pytest
 import torch
 from vmm.host import HostBackend
-from vmm_helpers import HOST_GRANULARITY, check, snapshot
 
 import vmm
+from tests.vmm.vmm_helpers import HOST_GRANULARITY, check, snapshot
 
 
 def setup(pool: vmm.ChunkPool) -> list[vmm.VirtualRange]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from vmm_helpers import check
 
 import vmm
+from tests.vmm.vmm_helpers import check
 
 
 def test_map_takes_chunks_and_unmap_keeps_them_ready(make_pool):

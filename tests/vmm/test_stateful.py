@@ -12,9 +12,9 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from vmm.host import HostBackend
-from vmm_helpers import check
 
 import vmm
+from tests.vmm.vmm_helpers import check
 
 G = 64 << 10
 NUM_RANGES, NUM_SLOTS = 3, 6

@@ -1,0 +1,193 @@
+"""``jenga-sim``: compare KV allocators on a simulated serving run.
+
+With no flags it runs the default scenario (Ministral 8B serving the arXiv-QA trace on
+an H100 80 GB) under every allocator and prints the comparison table. ``--scenario``
+picks another named scenario; the other flags override parts of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+
+from jenga.sim import report, sweep
+from jenga.sim.hardware import GPUS, HardwareError
+from jenga.sim.metrics import summarize
+from jenga.sim.models import UnknownModel, model_names
+from jenga.sim.protocol import SimError
+from jenga.sim.scenarios import (
+    ALLOCATORS,
+    DEFAULT_SCENARIO,
+    SCENARIOS,
+    Scenario,
+    get_scenario,
+    run_scenario,
+    with_overrides,
+)
+from jenga.sim.workloads import GENERATORS, WorkloadError
+
+
+def _parse_value(text: str) -> object:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_params(items: list[str]) -> dict[str, object]:
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise WorkloadError(f"--param expects key=value, got {item!r}")
+        params[key.replace("-", "_")] = _parse_value(value)
+    return params
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help=f"one of {sorted(SCENARIOS)}")
+    p.add_argument("--model", help="model preset (see --list)")
+    p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
+    p.add_argument("--reserved", type=float, help="share of GPU memory kept back (0.1)")
+    p.add_argument("--kv-gib", type=float, help="KV cache size in GiB (overrides the GPU budget)")
+    p.add_argument("--workload", help=f"one of {sorted(GENERATORS)}")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload parameter (repeatable), e.g. num_requests=50",
+    )
+    p.add_argument("--seed", type=int)
+    p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument(
+        "--sweep-kv-gib", metavar="LIST", help="run at each KV size, e.g. 4,6,8 (Fig. 17)"
+    )
+    p.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
+    p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
+    p.add_argument("--plot-dir", help="write PNG plots there")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--list", action="store_true", help="list scenarios, models, workloads, allocators"
+    )
+    return p
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    base = get_scenario(args.scenario)
+    params = dict(base.workload_params) if args.workload in (None, base.workload) else {}
+    params.update(_parse_params(args.param))
+    engine = replace(
+        base.engine,
+        **{
+            k: v
+            for k, v in (
+                ("max_num_batched_tokens", args.max_num_batched_tokens),
+                ("max_num_seqs", args.max_num_seqs),
+            )
+            if v is not None
+        },
+    )
+    allocators = tuple(a.strip() for a in args.allocators.split(",")) if args.allocators else None
+    return with_overrides(
+        base,
+        model=args.model,
+        gpu=args.gpu,
+        reserved_share=args.reserved,
+        kv_gib=args.kv_gib,
+        workload=args.workload,
+        seed=args.seed,
+        rate=args.rate,
+        allocators=allocators,
+        workload_params=params,
+        engine=engine,
+    )
+
+
+def _print_lists(console: Console) -> None:
+    console.print("scenarios:", ", ".join(sorted(SCENARIOS)))
+    console.print("models:", ", ".join(model_names()))
+    console.print("gpus:", ", ".join(sorted(GPUS)))
+    console.print("workloads:", ", ".join(sorted(GENERATORS)))
+    console.print("allocators:", ", ".join(sorted(ALLOCATORS)))
+
+
+def _run_sweep(args: argparse.Namespace, console: Console, scenario: Scenario) -> int:
+    try:
+        sizes = [float(x) for x in args.sweep_kv_gib.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SimError(f"--sweep-kv-gib expects numbers, got {args.sweep_kv_gib!r}") from exc
+    result = sweep.run_sweep(scenario, sizes)
+    if args.json != "-":
+        console.print(sweep.sweep_table(scenario, result))
+    if args.json:
+        doc = {"scenario": scenario.name, "sweep": sweep.sweep_json(result)}
+        report.write_json(doc, args.json)
+    if args.plot_dir:
+        console.print(f"wrote {sweep.plot_sweep(result, args.plot_dir)}")
+    return 0
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    scenario = scenario_from_args(args)
+    if args.sweep_kv_gib:
+        return _run_sweep(args, console, scenario)
+    quiet = args.no_progress or args.json == "-"
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=console,
+        disable=quiet,
+        transient=True,
+    ) as progress:
+        tasks: dict[str, TaskID] = {}
+
+        def on_step(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = progress.add_task(name, total=total)
+            progress.update(tasks[name], completed=done)
+
+        results, missing = run_scenario(scenario, on_step=on_step)
+    summaries = [summarize(r) for r in results]
+    if args.json != "-":
+        report.print_report(console, scenario, summaries, missing)
+    if args.json:
+        report.write_json(
+            report.to_json(scenario, summaries, results, missing, args.timelines), args.json
+        )
+    if args.plot_dir:
+        for path in report.plot(results, summaries, args.plot_dir):
+            console.print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=args.json == "-")
+    if not console.is_terminal:
+        console.width = 160  # logs and pipes: keep the table on one line per row
+    if args.list:
+        _print_lists(console)
+        return 0
+    try:
+        return run(args, console)
+    except (SimError, WorkloadError, HardwareError, UnknownModel) as exc:
+        console.print(f"[red]jenga-sim: {type(exc).__name__}: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
