@@ -65,6 +65,16 @@ def _init_dtypes() -> None:
     adopt_capsule = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
 
 
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype named `name` ("float16" or "torch.float16"); TypeError if none."""
+    import torch
+
+    resolved = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise TypeError(f"unknown dtype name {name!r}")
+    return resolved
+
+
 def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
     info = DTYPES.get(dtype)
     if info is not None:
@@ -74,12 +84,6 @@ def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
         return _dtype_info(dtype)
     import torch
 
-    if isinstance(dtype, str):  # "float16", "torch.bfloat16"
-        resolved = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(resolved, torch.dtype):
-            raise TypeError(f"unknown dtype name {dtype!r}")
-        DTYPES[dtype] = info = _dtype_info(resolved)
-        return info
     itemsize = torch.empty((), dtype=dtype).element_size()
     carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(itemsize)
     if carrier is None:
@@ -99,6 +103,8 @@ def view(
     """See `VirtualRange.tensor`."""
     if isinstance(shape, int):
         shape = (shape,)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype)
     code, bits, itemsize, reinterpret = _dtype_info(dtype)
     factory = rng._views
     if factory is None:
@@ -155,7 +161,7 @@ class _CudaArray:
 def _cuda_view(
     rng: VirtualRange,
     shape: Sequence[int],
-    dtype: torch.dtype | str,
+    dtype: torch.dtype,
     itemsize: int,
     offset: int,
     strides: Sequence[int] | None,
