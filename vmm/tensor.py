@@ -65,6 +65,16 @@ def _init_dtypes() -> None:
     adopt_capsule = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
 
 
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype named `name` ("float16" or "torch.float16"); TypeError if none."""
+    import torch
+
+    resolved = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise TypeError(f"unknown dtype name {name!r}")
+    return resolved
+
+
 def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
     info = DTYPES.get(dtype)
     if info is not None:
@@ -86,13 +96,15 @@ def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
 def view(
     rng: VirtualRange,
     shape: Sequence[int] | int,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     offset: int,
     strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """See `VirtualRange.tensor`."""
     if isinstance(shape, int):
         shape = (shape,)
+    if isinstance(dtype, str):
+        dtype = resolve_dtype(dtype)
     code, bits, itemsize, reinterpret = _dtype_info(dtype)
     factory = rng._views
     if factory is None:

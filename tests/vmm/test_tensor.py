@@ -42,6 +42,17 @@ def test_view_is_zero_copy_with_any_dtype_shape_offset(make_pool):
     assert rng.tensor((0,), torch.float32).numel() == 0
 
 
+def test_view_dtype_by_name(make_pool):
+    pool = make_pool(1)
+    rng = pool.reserve(pool.granularity)
+    rng.map([0])
+    by_name = rng.tensor((4,), "bfloat16")
+    assert by_name.dtype == torch.bfloat16
+    assert rng.tensor((4,), "torch.float16").dtype == torch.float16
+    with pytest.raises(TypeError, match="unknown dtype name 'float17'"):
+        rng.tensor((4,), "float17")
+
+
 def test_views_past_the_range_or_misaligned_are_refused(make_pool):
     pool = make_pool(2)
     gran = pool.granularity

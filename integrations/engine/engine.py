@@ -1,0 +1,250 @@
+"""A mini serving engine: jenga-driven continuous batching over vmm KV tensors.
+
+Rationale
+    The allocator, the mapping plans and the tensors are only proven together by an
+    engine that admits requests while others run, splits long prompts into chunks,
+    runs out of memory and preempts, and reuses cached prefixes — and still produces
+    exactly the tokens a plain per-request generation does.
+
+Approach
+    Each `step`:
+
+    1. requests whose arrival step has come join the waiting queue;
+    2. running requests (oldest first) get their next chunk: one token when decoding,
+       up to the remaining token budget when prefilling. If the KV cache has no room,
+       the newest running request is preempted (its KV freed, its prompt + output so
+       far requeued at the front of the waiting queue, recomputed later, often from the
+       prefix cache) until the allocation fits;
+    3. waiting requests are admitted (prefix-cache hit from `add_request`) while the
+       token budget, the running limit and memory allow;
+    4. one packed forward (`PackedForward`) computes every scheduled chunk; a request
+       whose chunk reaches the end of its sequence samples its next token greedily;
+       complete blocks are offered to the prefix cache; finished requests are freed.
+
+    ::
+
+        waiting ──admit (hit, allocate)──► running ──finish──► done (blocks cached)
+           ▲                                  │
+           └────────── preempt (free) ────────┘
+
+Limitations
+    Greedy sampling only; recompute (not swap) preemption; one model (Llama-style).
+    With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
+    (lengths are known; EOS is not used), so memory is committed one token early.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vmm.kvcache import KVCache, KVCacheConfig
+
+import vmm
+from integrations.engine.forward import PackedForward, Segment
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling limits and the KV pool."""
+
+    token_budget: int = 64  # tokens per forward (prefill chunks + decodes)
+    max_running: int = 8
+    budget_bytes: int = 1 << 20
+    chunk_bytes: int = 4096
+    block_size: int = 4
+    use_prefix_cache: bool = True
+    overlap: bool = False  # allocate step t+1's decode tokens ahead; map them during step t
+    backend: str = "host"  # "host" | "cuda" | "auto" (model must be on the backend's device)
+    attention: str = "sdpa"  # "sdpa" | "flash" (flash_attn_with_kvcache; CUDA only, untested)
+
+
+@dataclass
+class EngineRequest:
+    request_id: Hashable
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int = 0
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose K/V is in the cache
+    num_preemptions: int = 0
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class MiniEngine:
+    """Continuous batching over a `KVCache` built from the model's config."""
+
+    def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
+        from jenga.hf import HfOptions, model_spec_from_config
+
+        self.config = config or EngineConfig()
+        self.model = model
+        dtype = next(model.parameters()).dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        options = HfOptions(block_size=self.config.block_size, dtype_bytes=itemsize)
+        spec = model_spec_from_config(model.config.to_dict(), options=options)
+        cfg = self.config
+        use_flash = cfg.attention == "flash"
+        if use_flash and cfg.block_size % 256:
+            raise ValueError(
+                f"flash-attn paged KV needs block_size % 256 == 0, got {cfg.block_size}"
+            )
+        if cfg.backend == "host":
+            backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
+        else:
+            backend = vmm.get_backend(cfg.backend)
+        self.pool = vmm.ChunkPool(backend, cfg.budget_bytes)
+        self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype, kv_split=use_flash))
+        self.forward = PackedForward(model, self.kv, use_flash=use_flash)
+        self.pending: list[EngineRequest] = []
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.done: dict[Hashable, EngineRequest] = {}
+        self.step_index = 0
+        self._ahead: dict[Hashable, int] = {}  # tokens allocated ahead (overlap)
+        self.stats = {"steps": 0, "preemptions": 0, "prefix.hit_tokens": 0, "tokens.computed": 0,
+                      "running.max": 0}  # fmt: skip
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        arrival_step: int = 0,
+    ) -> None:
+        if not prompt or max_new_tokens <= 0:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens, "
+                f"max_new_tokens {max_new_tokens}; both must be > 0"
+            )
+        self.pending.append(EngineRequest(request_id, list(prompt), max_new_tokens, arrival_step))
+
+    # ---- scheduling ------------------------------------------------------------------------
+    def _arrivals(self) -> None:
+        arrived = [r for r in self.pending if r.arrival_step <= self.step_index]
+        self.pending = [r for r in self.pending if r.arrival_step > self.step_index]
+        self.waiting.extend(arrived)
+
+    def _preempt_newest(self) -> EngineRequest:
+        victim = self.running.pop()
+        self._ahead.pop(victim.request_id, None)
+        self.kv.free(victim.request_id)
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.stats["preemptions"] += 1
+        return victim
+
+    def _schedule_running(self, budget: int) -> tuple[list[Segment], int]:
+        segments: list[Segment] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.sequence) - req.num_computed, budget)
+            if self._ahead.get(req.request_id) == n:
+                del self._ahead[req.request_id]  # allocated (and mapped) last step
+            elif self.kv.allocate(req.request_id, n) is None:
+                if self._preempt_newest() is req:
+                    continue  # the request itself was the newest: it waits
+                continue  # retry the same request with more room
+            segments.append(Segment(req.request_id, req.num_computed, req.num_computed + n))
+            budget -= n
+            i += 1
+        return segments, budget
+
+    def _admit(self, budget: int) -> list[Segment]:
+        segments: list[Segment] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            seq = req.sequence
+            hit = self.kv.add_request(req.request_id, seq, use_cache=self.config.use_prefix_cache)
+            n = min(len(seq) - hit, budget)
+            if self.kv.allocate(req.request_id, n) is None:
+                self.kv.free(req.request_id)
+                break
+            self.waiting.popleft()
+            self.stats["prefix.hit_tokens"] += hit
+            req.num_computed = hit
+            self.running.append(req)
+            segments.append(Segment(req.request_id, hit, hit + n))
+            budget -= n
+        return segments
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> int:
+        """One scheduling + forward step; returns the number of segments computed."""
+        self.kv.sync()  # the worker's maps for this step are done (a stall if not)
+        self._arrivals()
+        segments, budget = self._schedule_running(self.config.token_budget)
+        segments += self._admit(budget)
+        self.step_index += 1
+        self.stats["steps"] += 1
+        if not segments:
+            return 0
+        self.stats["running.max"] = max(self.stats["running.max"], len(self.running))
+        by_id = {r.request_id: r for r in self.running}
+        tokens = [t for s in segments for t in by_id[s.request_id].sequence[s.start : s.stop]]
+        slots = self.forward.prepare(segments)
+        if self.config.overlap:
+            self._allocate_ahead(segments, by_id)
+        logits = self.forward(segments, tokens, slots)
+        self.stats["tokens.computed"] += len(tokens)
+        for seg, row in zip(segments, logits, strict=True):
+            self._after_forward(by_id[seg.request_id], seg, row)
+        self.running = [r for r in self.running if not r.finished]
+        return len(segments)
+
+    def _allocate_ahead(self, segments: list[Segment], by_id: dict) -> None:
+        """Allocate next step's decode token of every request that samples now and goes on;
+        map-only plans run on the overlap worker during this step's forward."""
+        for seg in segments:
+            req = by_id[seg.request_id]
+            decodes_next = (
+                seg.stop == len(req.sequence) and len(req.output) + 1 < req.max_new_tokens
+            )
+            if decodes_next and self.kv.allocate_ahead(req.request_id, 1) is not None:
+                self._ahead[req.request_id] = 1
+        self.kv.launch_ahead()
+
+    def _after_forward(self, req: EngineRequest, seg: Segment, logits: torch.Tensor) -> None:
+        req.num_computed = seg.stop
+        if seg.stop == len(req.sequence):
+            token = int(torch.argmax(logits))
+            req.output.append(token)
+            self.kv.append_tokens(req.request_id, [token])
+        if self.config.use_prefix_cache:
+            self.kv.cache(req.request_id, req.num_computed)
+        if req.finished:
+            self.kv.free(req.request_id)
+            self.done[req.request_id] = req
+
+    def run(self, max_steps: int = 10_000) -> dict[Hashable, list[int]]:
+        """Step until every request finished; returns each request's generated tokens."""
+        while self.pending or self.waiting or self.running:
+            if self.stats["steps"] >= max_steps:
+                raise RuntimeError(f"not finished after {max_steps} steps")
+            computed = self.step()
+            if not computed and not self.running and not self.pending and self.waiting:
+                usage = self.kv.allocator.usage()
+                raise vmm.OutOfMemory(
+                    f"request {self.waiting[0].request_id!r} does not fit in the KV cache "
+                    f"alone ({usage.free_units} of {usage.total_units} chunks free)",
+                    free=usage.free_units,
+                    total=usage.total_units,
+                )
+        return {rid: r.output for rid, r in self.done.items()}
+
+    def close(self) -> None:
+        self.kv.sync()
+        self.kv.close()
+        self.pool.close()

@@ -1,0 +1,206 @@
+"""vLLM 0.32 KV tensors on VMM ranges: a replacement for ``allocate_kv_cache``.
+
+Rationale
+    vLLM allocates one ``torch.zeros`` buffer for every block the KV cache could ever
+    hold and views it per layer. With jenga the scheduler hands out block ids per group
+    from large pages of ``k`` chunks; backing only the pages in use with physical chunks
+    makes unused blocks free, and lets memory move between groups (a page unmapped from
+    one group's ranges is mapped into another's).
+
+Approach
+    Per layer one virtual range (`vmm.ChunkPool.reserve`, zero-backed where the backend
+    has a zero chunk) holding ``capacity + 1`` blocks of the group's *unpadded* page:
+    block ``b`` at byte ``b * page`` — the layout vLLM's views expect — and the last
+    block is the group's null block. Large page ``P`` of group ``g`` is chunks
+    ``[P*k, (P+1)*k)`` of each of the group's ranges (``k`` = chunks per range, page
+    tail 0). The per-layer tensors come from vLLM's own `create_kv_cache_views` over a
+    flat int8 view of the range, so shapes and strides are exactly vLLM's.
+
+    Two ways to drive the mapping:
+
+    - `apply_plan` with the scheduler's `jenga.plan.MappingPlan` s (maps *and* unmaps;
+      used when scheduler and worker share a process, and in tests);
+    - `ensure_mapped` / `map_for_scheduler_output` with the block ids a
+      `SchedulerOutput` carries (what a separate worker process sees): pages are mapped
+      as their block ids first appear.
+
+Limitations
+    Only groups whose large page has no tail (exact LCM, ``epsilon`` small enough or
+    page sizes dividing the chunk) and layer-compact layouts (``LBHNC``/``LBNHC``) are
+    supported (`UnsupportedLayout` otherwise). A worker in another process learns no
+    unmaps (plans stay in the scheduler), so there memory only grows to the high-water
+    mark. Kernel-block splitting follows vLLM's rules for dense pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from jenga.plan import MapPage, MappingPlan, UnmapPage
+
+import vmm
+from integrations.vllm.layout import GroupLayout, JengaLayout, JengaVllmError
+
+_LAYER_COMPACT = ("LBHNC", "LBNHC")
+
+
+class UnsupportedLayout(JengaVllmError, NotImplementedError):
+    """A group or KV layout the VMM tensor path cannot place block by block."""
+
+
+class VmmKVCache:
+    """Per-layer VMM ranges and vLLM views for one `KVCacheConfig`.
+
+    Invariant: a page is in ``mapped_pages[g]`` exactly when its chunk slots are mapped
+    in every range of group g.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        layout: JengaLayout,
+        pool: vmm.ChunkPool,
+        kv_cache_layout: Any,
+        kernel_block_sizes: Sequence[int] | None = None,
+    ) -> None:
+        if pool.granularity != layout.options.chunk_bytes:
+            raise UnsupportedLayout(
+                f"pool granularity {pool.granularity} B != jenga chunk_bytes "
+                f"{layout.options.chunk_bytes} B"
+            )
+        if kv_cache_layout.name not in _LAYER_COMPACT:
+            raise UnsupportedLayout(
+                f"KV cache layout {kv_cache_layout.name} is not layer-compact; "
+                f"supported: {_LAYER_COMPACT}"
+            )
+        for g in layout.groups:
+            if g.pages.tail_bytes:
+                raise UnsupportedLayout(
+                    f"group {g.name!r}: its large page leaves a {g.pages.tail_bytes} B tail, so "
+                    "block b is not at b * page; use jenga_vmm.epsilon=0 (exact LCM)"
+                )
+        self.layout = layout
+        self.pool = pool
+        self.ranges: dict[str, vmm.VirtualRange] = {}
+        self.kv_caches: dict[str, Any] = {}
+        self.mapped_pages: list[set[int]] = [set() for _ in layout.groups]
+        specs = [grp.kv_cache_spec for grp in kv_cache_config.kv_cache_groups]
+        for g, spec in zip(layout.groups, specs, strict=True):
+            kernel = kernel_block_sizes[g.index] if kernel_block_sizes else None
+            self._build_group(g, spec, kv_cache_layout, kernel)
+
+    def _build_group(self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None) -> None:
+        import torch
+        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+
+        pages = g.capacity // g.pages.blocks_per_large_page + 1  # + the null block's page
+        size = pages * g.pages.chunks_per_range * self.pool.granularity
+        num_blocks = g.capacity + 1
+        dense = replace(spec, page_size_padded=None)
+        zero = self.pool.backend.zero_handle is not None
+        for name in g.layer_names:
+            rng = self.pool.reserve(size, zero_backed=zero, name=name)
+            raw = rng.tensor((size,), torch.int8)
+            placement = KVCacheTensor(
+                size=size, layers=[name], layer_stride=size, block_stride=g.page_bytes
+            )
+            (view,) = create_kv_cache_views(raw, dense, num_blocks, kv_layout, placement, kernel)
+            self.ranges[name] = rng
+            self.kv_caches[name] = view
+
+    # -- mapping ----------------------------------------------------------------------
+    def _slots(self, g: GroupLayout, page: int) -> list[int]:
+        k = g.pages.chunks_per_range
+        return list(range(page * k, (page + 1) * k))
+
+    def apply_plan(self, plan: MappingPlan) -> None:
+        """Carry out one scheduler plan atomically; an empty plan unmaps every page."""
+        if not plan:
+            self._unmap_all()
+            return
+        batch = vmm.MappingPlan()
+        mapped = [set(s) for s in self.mapped_pages]
+        for op in plan.ops:
+            g = self.layout.groups[op.group]
+            slots = self._slots(g, op.page)
+            for name in g.layer_names:
+                if isinstance(op, MapPage):
+                    batch.map(self.ranges[name], slots)
+                elif isinstance(op, UnmapPage):
+                    batch.unmap(self.ranges[name], slots)
+            if isinstance(op, MapPage):
+                mapped[op.group].add(op.page)
+            else:
+                mapped[op.group].discard(op.page)
+        batch.apply(self.pool)
+        self.mapped_pages = mapped
+
+    def _unmap_all(self) -> None:
+        batch = vmm.MappingPlan()
+        for g, pages in zip(self.layout.groups, self.mapped_pages, strict=True):
+            for page in sorted(pages):
+                for name in g.layer_names:
+                    batch.unmap(self.ranges[name], self._slots(g, page))
+        batch.apply(self.pool)
+        self.mapped_pages = [set() for _ in self.layout.groups]
+
+    def ensure_mapped(self, block_ids: Sequence[Iterable[int]]) -> int:
+        """Map the pages holding these block ids (per group) if not yet; returns pages mapped.
+
+        Null-block ids are skipped (their slots read the zero chunk when zero-backed).
+        """
+        batch = vmm.MappingPlan()
+        added: list[tuple[int, int]] = []
+        for g, ids in zip(self.layout.groups, block_ids, strict=True):
+            per_page = g.pages.blocks_per_large_page
+            want = {b // per_page for b in ids if 0 <= b < g.capacity}
+            for page in sorted(want - self.mapped_pages[g.index]):
+                for name in g.layer_names:
+                    batch.map(self.ranges[name], self._slots(g, page))
+                added.append((g.index, page))
+        if added:
+            batch.apply(self.pool)
+            for g_index, page in added:
+                self.mapped_pages[g_index].add(page)
+        return len(added)
+
+    def map_for_scheduler_output(self, scheduler_output: Any) -> int:
+        """`ensure_mapped` for every block id a vLLM `SchedulerOutput` hands the worker."""
+        total = 0
+        for new in scheduler_output.scheduled_new_reqs:
+            total += self.ensure_mapped(new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for ids in getattr(cached, "new_block_ids", ()):
+            if ids is not None:
+                total += self.ensure_mapped(ids)
+        return total
+
+    # -- accounting -------------------------------------------------------------------
+    def mapped_bytes(self) -> int:
+        return sum(rng.num_mapped for rng in self.ranges.values()) * self.pool.granularity
+
+    def check_invariants(self) -> None:
+        for g, pages in zip(self.layout.groups, self.mapped_pages, strict=True):
+            for name in g.layer_names:
+                rng = self.ranges[name]
+                slots = {s for p in pages for s in self._slots(g, p)}
+                mapped = {s for s, h in rng.slot_to_handle().items() if h >= 0}
+                assert mapped == slots, f"{name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
+
+    def close(self) -> None:
+        for rng in self.ranges.values():
+            rng.close()
+        self.ranges.clear()
+
+
+def allocate_kv_cache_on_vmm(
+    kv_cache_config: Any,
+    layout: JengaLayout,
+    pool: vmm.ChunkPool,
+    kv_cache_layout: Any,
+    kernel_block_sizes: Sequence[int] | None = None,
+) -> VmmKVCache:
+    """What ``vllm.v1.worker.utils.allocate_kv_cache`` returns, on VMM (``.kv_caches``)."""
+    return VmmKVCache(kv_cache_config, layout, pool, kv_cache_layout, kernel_block_sizes)

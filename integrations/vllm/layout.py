@@ -1,0 +1,249 @@
+"""vLLM `KVCacheConfig` → jenga geometry, shared by the scheduler and the worker.
+
+Rationale
+    The scheduler-side manager hands out block ids and the worker-side tensors must
+    place block ``b`` of group ``g`` where those ids say. Both sides therefore derive
+    the same geometry from the same inputs (vLLM's `KVCacheConfig`, ``max_model_len``
+    and `JengaVllmOptions`) through this one function, `build_layout`.
+
+Approach
+    - One jenga group per vLLM KV-cache group, in vLLM's order, so group ``i`` of the
+      scheduler output is jenga group ``i``. Layer names become integer layer ids.
+    - Each group keeps vLLM's ``block_size`` (the worker's slot mapping uses it) and its
+      *unpadded* page: vLLM pads every group's page to one size so all groups share one
+      block pool; jenga does not need that, each group gets its own large page of
+      ``k`` chunks per layer range (`jenga.pages.vmm_page_table`).
+    - The memory budget is vLLM's: the single backing allocation of the config's
+      `KVCacheTensor` s (or ``num_blocks`` × the largest per-block footprint when the
+      config lists no tensors, as vLLM's own scheduler tests build it).
+    - Group ``g`` can hold at most ``(total_units // U_g) * B_g`` blocks (the C++ core
+      recycles page ids LIFO below its peak), so ids ``< capacity``; the id
+      ``capacity`` is that group's *null block* (entries a request released: blocks out
+      of a sliding window, old Mamba states).
+
+Limitations
+    Supported vLLM specs: `FullAttentionSpec` (plain), `SlidingWindowSpec`,
+    `ChunkedLocalAttentionSpec`, `MambaSpec`. Cross attention, encoder-only, MLA, sink,
+    R-SWA, uniform-type and HiSparse specs raise `UnsupportedLayerKind`. A sliding
+    window wider than ``max_model_len`` is clamped to it (it then behaves as full).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from jenga.allocator import AllocationOrder, AllocatorConfig, JengaAllocator
+from jenga.pages import DEFAULT_CHUNK_BYTES, GroupPages, PageTable, vmm_page_table
+from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
+
+OPTIONS_KEY = "jenga_vmm"
+"""Key of our options inside ``VllmConfig.additional_config``."""
+
+SUPPORTED_SPECS = (
+    "FullAttentionSpec",
+    "SlidingWindowSpec",
+    "ChunkedLocalAttentionSpec",
+    "MambaSpec",
+)
+
+
+class JengaVllmError(Exception):
+    """Base class of the vLLM integration's own errors."""
+
+
+class UnsupportedLayerKind(JengaVllmError, NotImplementedError):
+    """A KV-cache spec jenga cannot manage in this integration."""
+
+
+class UnsupportedFeature(JengaVllmError, NotImplementedError):
+    """A vLLM feature (connector, speculative decoding, ...) this manager does not serve."""
+
+
+class InvalidOptions(JengaVllmError, ValueError):
+    """``additional_config["jenga_vmm"]`` holds an unknown key or a bad value."""
+
+
+@dataclass(frozen=True)
+class JengaVllmOptions:
+    """What the user may set under ``additional_config={"jenga_vmm": {...}}``.
+
+    ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
+    ``epsilon``: the tail a large page may waste (0: exact LCM; the VMM tensor path
+    needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5) or "paper"
+    (`jenga.allocator`); compact keeps other prompts' cached pages alive where the
+    paper order evicts whole pages before using free slots in other requests' pages
+    (measured in `docs/vllm.md`). ``kv_tensors``: "vmm" makes the worker plugin put
+    the KV cache on VMM ranges (`integrations.vllm.plugin`); "torch" leaves vLLM's.
+    """
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    epsilon: float = 0.01
+    order: str = "compact"
+    kv_tensors: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.kv_tensors not in ("torch", "vmm"):
+            raise InvalidOptions(f"kv_tensors must be 'torch' or 'vmm', got {self.kv_tensors!r}")
+        if self.chunk_bytes <= 0:
+            raise InvalidOptions(f"chunk_bytes must be > 0, got {self.chunk_bytes}")
+        if not 0.0 <= self.epsilon < 1.0:
+            raise InvalidOptions(f"epsilon must be in [0, 1), got {self.epsilon}")
+        if self.order not in tuple(AllocationOrder):
+            raise InvalidOptions(
+                f"order must be one of {[str(o) for o in AllocationOrder]}, got {self.order!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> JengaVllmOptions:
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidOptions(f"unknown jenga_vmm option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> JengaVllmOptions:
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        return cls.from_dict(extra.get(OPTIONS_KEY) if isinstance(extra, dict) else None)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One vLLM KV-cache group as jenga sees it (index = vLLM group id = jenga group)."""
+
+    index: int
+    name: str
+    kind: Kind
+    layer_names: tuple[str, ...]
+    block_size: int
+    page_bytes: int  # unpadded bytes of one block of one layer
+    pages: GroupPages
+    capacity: int  # block ids of this group are < capacity
+
+    @property
+    def null_block_id(self) -> int:
+        return self.capacity
+
+
+@dataclass(frozen=True)
+class JengaLayout:
+    """Everything both sides derive from one `KVCacheConfig`."""
+
+    model: ModelSpec
+    table: PageTable
+    allocator_config: AllocatorConfig
+    groups: tuple[GroupLayout, ...]
+    memory_bytes: int
+    options: JengaVllmOptions
+
+    @property
+    def total_units(self) -> int:
+        return self.allocator_config.total_units
+
+    def new_allocator(self) -> JengaAllocator:
+        return JengaAllocator(self.allocator_config)
+
+
+def kv_cache_memory_bytes(kv_cache_config: Any) -> int:
+    """Bytes vLLM would allocate for this config (its one backing buffer)."""
+    tensors = kv_cache_config.kv_cache_tensors
+    if tensors:
+        return max(int(t.size) for t in tensors)
+    per_block = max(
+        int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+        for g in kv_cache_config.kv_cache_groups
+    )
+    return int(kv_cache_config.num_blocks) * per_block
+
+
+def layer_spec_from_vllm(spec: Any, max_model_len: int, group_index: int) -> LayerSpec:
+    """The jenga `LayerSpec` whose page equals the vLLM spec's unpadded page."""
+    name = type(spec).__name__
+    where = f"KV-cache group {group_index} ({name})"
+    if name not in SUPPORTED_SPECS:
+        raise UnsupportedLayerKind(
+            f"{where}: jenga-vmm's vLLM manager supports {', '.join(SUPPORTED_SPECS)}; "
+            f"{name} is not supported"
+        )
+    if name == "MambaSpec":
+        return LayerSpec(
+            Kind.MAMBA,
+            state_bytes=int(spec.real_page_size_bytes),
+            checkpoint_interval=int(spec.block_size),
+            block_size=int(spec.block_size),
+        )
+    if getattr(spec, "tokens_per_state", 1) != 1 or spec.state_content_size_bytes % 2:
+        raise UnsupportedLayerKind(
+            f"{where}: packed or compressed attention pages are not supported"
+        )
+    common = {
+        "num_kv_heads": int(spec.num_heads),
+        "head_dim": int(spec.state_content_size_bytes) // 2,
+        "dtype_bytes": 1,
+        "block_size": int(spec.block_size),
+    }
+    if name == "SlidingWindowSpec":
+        return LayerSpec(
+            Kind.SLIDING_WINDOW, window=min(int(spec.sliding_window), max_model_len), **common
+        )
+    if name == "ChunkedLocalAttentionSpec":
+        return LayerSpec(Kind.CHUNKED_LOCAL, chunk=int(spec.attention_chunk_size), **common)
+    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        raise UnsupportedLayerKind(
+            f"{where}: a FullAttentionSpec carrying sliding_window/attention_chunk_size "
+            "(hybrid manager disabled) is not supported; enable vLLM's hybrid KV-cache "
+            "manager so such layers get SlidingWindowSpec/ChunkedLocalAttentionSpec"
+        )
+    return LayerSpec(Kind.FULL, **common)
+
+
+def build_layout(
+    kv_cache_config: Any, max_model_len: int, options: JengaVllmOptions | None = None
+) -> JengaLayout:
+    """Convert vLLM's config; raises `UnsupportedLayerKind`, `JengaVllmError` (no room)."""
+    options = options or JengaVllmOptions()
+    vgroups = list(kv_cache_config.kv_cache_groups)
+    if not vgroups:
+        raise JengaVllmError("the KV-cache config has no groups (attention-free model)")
+    kv_groups: list[KVGroup] = []
+    next_layer = 0
+    for i, g in enumerate(vgroups):
+        spec = layer_spec_from_vllm(g.kv_cache_spec, max_model_len, i)
+        ids = tuple(range(next_layer, next_layer + len(g.layer_names)))
+        next_layer += len(ids)
+        kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
+    model = ModelSpec("vllm", tuple(kv_groups), max_model_len)
+    memory = kv_cache_memory_bytes(kv_cache_config)
+    try:
+        table = vmm_page_table(
+            model, chunk_bytes=options.chunk_bytes, epsilon=options.epsilon, budget_bytes=memory
+        )
+    except SpecError as exc:
+        raise JengaVllmError(f"KV cache of {memory} B cannot hold one large page: {exc}") from exc
+    total_units = memory // options.chunk_bytes
+    one_each = sum(row.units_per_large_page for row in table.groups)
+    if one_each > total_units:
+        raise JengaVllmError(
+            f"one request needs a large page in each group: {one_each} chunks of "
+            f"{options.chunk_bytes} B, but the KV cache holds {total_units}; give the KV "
+            "cache more memory or raise jenga_vmm.epsilon for smaller Mamba pages"
+        )
+    config = AllocatorConfig.from_page_table(
+        model, table, total_units, AllocationOrder(options.order)
+    )
+    groups = tuple(
+        GroupLayout(
+            index=i,
+            name=kg.name,
+            kind=kg.spec.kind,
+            layer_names=tuple(vg.layer_names),
+            block_size=int(vg.kv_cache_spec.block_size),
+            page_bytes=kg.spec.page_bytes,
+            pages=row,
+            capacity=(total_units // row.units_per_large_page) * row.blocks_per_large_page,
+        )
+        for i, (vg, kg, row) in enumerate(zip(vgroups, kv_groups, table.groups, strict=True))
+    )
+    return JengaLayout(model, table, config, groups, memory, options)

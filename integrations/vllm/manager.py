@@ -1,0 +1,389 @@
+"""A vLLM 0.32 KV-cache manager backed by the Jenga allocator.
+
+Rationale
+    vLLM's hybrid manager pads every group's page to one size and shares one block
+    pool, so a Mamba state or a small sliding-window page costs as much as the largest
+    page, and a prefix hit is whatever each group's own LRU left behind. Jenga gives each
+    group its own large pages (k chunks per layer range), allocates request-aware, and
+    evicts aligned across groups (prefix-subset eviction), so hybrid models fit more
+    requests and keep longer common prefixes in the same memory.
+
+Approach
+    `JengaKVCacheManager` offers the methods vLLM's `Scheduler` calls on its
+    ``kv_cache_manager`` and translates them to `jenga.allocator.JengaAllocator`:
+
+    ============================  ==============================================
+    vLLM call                     jenga
+    ============================  ==============================================
+    get_computed_blocks           match_prefix (no state change)
+    allocate_slots (new request)  add_request (claims the hit) + allocate
+    allocate_slots (running)      allocate for the tokens past what it holds
+    cache_blocks                  append_tokens + cache (hash complete blocks)
+    free                          free (hashed blocks stay cached, evictable)
+    get_blocks / get_block_ids    block_table per group (released → null block)
+    ============================  ==============================================
+
+    Like vLLM, blocks are committed to the prefix cache when they are allocated for
+    tokens about to be computed, so a request admitted later in the same step can hit
+    them. Every call that changes physical needs yields a `jenga.plan.MappingPlan`;
+    they queue in order for the worker's VMM tensors (`take_mapping_plans`).
+
+    Null blocks: a released entry (out of the window, an old Mamba state) is shown as
+    a `KVCacheBlock` with ``is_null=True`` and id ``capacity`` of its group (see
+    `integrations.vllm.layout`), never a live id.
+
+Limitations
+    No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
+    slot allocation, no KV events beyond ``AllBlocksCleared`` on reset, no
+    ``full_sequence_must_fit`` admission gate (vLLM's ``scheduler_reserve_full_isl``),
+    no watermark. Blocks skipped by a sliding window are released at the request's
+    next `allocate_slots`, not in `remove_skipped_blocks`. `get_computed_blocks`
+    reports the hit length with empty block lists: the blocks are claimed by
+    `allocate_slots`, which re-derives them (nothing changes in between).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from typing import Any
+
+from jenga.allocator import NULL_BLOCK, JengaAllocator
+from jenga.plan import MappingPlan
+from jenga.specs import Kind
+from vllm.distributed.kv_events import AllBlocksCleared, KVCacheEvent
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+from integrations.vllm.layout import JengaLayout, JengaVllmError, UnsupportedFeature
+
+
+class JengaKVCacheManager:
+    """The Scheduler-facing surface of vLLM's `KVCacheManager`, on a `JengaAllocator`.
+
+    Invariants: ``_tokens_known[r]`` token ids of request r were handed to the allocator;
+    a request is in ``_live`` exactly while the allocator holds it; block objects are
+    interned per (group, id) so identity comparisons in the scheduler behave.
+    """
+
+    def __init__(
+        self,
+        layout: JengaLayout,
+        *,
+        enable_caching: bool = True,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.max_model_len = layout.model.max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(layout.groups)
+        self.allocator: JengaAllocator = layout.new_allocator()
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
+        self._tokens_known: dict[Hashable, int] = {}
+        self._block_objects: list[dict[int, KVCacheBlock]] = [{} for _ in layout.groups]
+        self._null_blocks = tuple(
+            KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
+        )
+        self._step_tokens = min(g.block_size for g in layout.groups)
+        self._has_mamba = any(g.kind is Kind.MAMBA for g in layout.groups)
+        self._plans: list[MappingPlan] = []
+        self._events: list[KVCacheEvent] = []
+        self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
+
+    # -- stats ------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of the KV-cache bytes held by live requests' blocks (0.0 .. 1.0)."""
+        use = self.allocator.usage()
+        used = sum(
+            n * g.page_bytes * len(g.layer_names)
+            for n, g in zip(use.used_blocks, self.layout.groups, strict=True)
+        )
+        return used / self.layout.memory_bytes
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def stats(self) -> dict[str, int]:
+        """The allocator's dotted counters plus ``requests.*`` of this manager."""
+        out = self.allocator.stats()
+        out.update(self.counters)
+        return out
+
+    # -- prefix lookup ----------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """(empty blocks, hit tokens, 0): the hit is claimed by `allocate_slots`."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        hit = self.allocator.match_prefix(request.all_token_ids, salt=_salt(request))
+        return self.empty_kv_cache_blocks, hit, 0
+
+    def get_computed_blocks_for_connector(
+        self, request: Request
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        raise UnsupportedFeature("KV connectors are not supported by the jenga manager")
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request whose blocks are committed to the prefix cache."""
+        if request.request_id not in self._tokens_known:
+            return 0
+        return min(request.num_computed_tokens, self.allocator.num_tokens(request.request_id))
+
+    # -- allocation -------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        **_ignored: Any,
+    ) -> KVCacheBlocks | None:
+        """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room.
+
+        All-or-nothing: on None, a request admitted by this call is released again and
+        a running request keeps exactly what it had.
+        """
+        if num_external_computed_tokens or delay_cache_blocks:
+            raise UnsupportedFeature("external (connector) KV tokens are not supported")
+        if num_encoder_tokens:
+            raise UnsupportedFeature("encoder (cross-attention) tokens are not supported")
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
+        rid = request.request_id
+        admitted = rid not in self._tokens_known
+        if admitted:
+            self._admit(request, num_new_computed_tokens)
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        need = target - self.allocator.num_tokens(rid)
+        cache_upto = min(computed + num_new_tokens, request.num_tokens)
+        new_blocks = self._allocate(request, need, cache_upto) if need > 0 else None
+        if need > 0 and new_blocks is None:
+            if admitted:
+                self._release(rid)
+            self.counters["requests.rejected"] += 1
+            return None
+        if self.enable_caching:
+            self._cache(request, cache_upto)
+        if new_blocks is None:
+            return self.empty_kv_cache_blocks
+        return self._blocks_of(new_blocks)
+
+    def _allocate(self, request: Request, need: int, cache_upto: int) -> list[list[int]] | None:
+        """Slots for ``need`` more tokens; per group the new block ids, or None.
+
+        One allocator call per block boundary (of the smallest block size):
+
+        - a Mamba state exists only where a chunk ends, so the interior checkpoints of a
+          long chunk are released (never hashed) before the next is taken, and a chunk
+          holds one state per group instead of one per ``block_size`` tokens;
+        - a call that needs a new large page in several groups at once can fail although
+          memory is there (an earlier group's step-2 map or step-3 eviction takes the
+          units or the page a later group needed, see docs/vllm.md); one block per group
+          per call avoids that cascade.
+
+        Without Mamba groups, blocks are hashed as each call completes them (up to
+        ``cache_upto``, the tokens this step computes), so blocks a sliding window
+        releases within the chunk enter the prefix cache instead of the free list. With
+        Mamba groups they are hashed once, after the last call (interior states do not
+        exist). A later call that finds no room leaves the earlier slots with the
+        request (a running request uses them next step; an admitted one is released by
+        the caller).
+        """
+        rid = request.request_id
+        step = self._step_tokens
+        hash_as_we_go = self.enable_caching and not self._has_mamba
+        new_blocks: list[list[int]] = [[] for _ in self.layout.groups]
+        while need > 0:
+            have = self.allocator.num_tokens(rid)
+            n = min(need, step - have % step)
+            got = self.allocator.allocate(rid, n)
+            if got is None:
+                return None
+            if got.plan:
+                self._plans.append(got.plan)
+            for row, blocks in zip(new_blocks, got.new_blocks, strict=True):
+                row.extend(blocks)
+            need -= n
+            if hash_as_we_go:
+                self._cache(request, min(have + n, cache_upto))
+        return new_blocks
+
+    def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
+        rid = request.request_id
+        tokens = request.all_token_ids
+        use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
+        hit = self.allocator.add_request(rid, tokens, salt=_salt(request), use_cache=use_cache)
+        if hit != num_new_computed_tokens:
+            self.allocator.free(rid)
+            raise JengaVllmError(
+                f"request {rid!r}: the scheduler adopted {num_new_computed_tokens} cached "
+                f"tokens but the allocator's hit is {hit}"
+            )
+        self._tokens_known[rid] = len(tokens)
+        self.counters["requests.admitted"] += 1
+        self.counters["prefix.hit_tokens"] += hit
+
+    def _release(self, rid: Hashable) -> None:
+        plan = self.allocator.free(rid)
+        if plan:
+            self._plans.append(plan)
+        del self._tokens_known[rid]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Commit the hashes of the request's blocks complete within the computed tokens."""
+        if self.enable_caching and request.request_id in self._tokens_known:
+            self._cache(request, num_computed_tokens)
+
+    def _cache(self, request: Request, num_computed_tokens: int) -> None:
+        rid = request.request_id
+        known = self._tokens_known[rid]
+        tokens = request.all_token_ids
+        if len(tokens) > known:
+            self.allocator.append_tokens(rid, tokens[known:])
+            self._tokens_known[rid] = len(tokens)
+        limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
+        self.allocator.cache(rid, max(0, min(num_computed_tokens, limit)))
+
+    def free(self, request: Request) -> None:
+        """Finish or preempt: hashed blocks stay cached; unknown requests are ignored."""
+        if request.request_id in self._tokens_known:
+            self._release(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Frees at once (no deferred frees without connectors); nothing is left to pop."""
+        self.free(request)
+        return []
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        """No-op: jenga releases out-of-window blocks in the request's next allocation."""
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; refused (False) while any request holds blocks."""
+        if self._tokens_known:
+            return False
+        self.allocator = self.layout.new_allocator()
+        self._plans.append(MappingPlan())  # marker: the worker unmaps everything
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # -- queries ----------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        if request_id not in self._tokens_known:
+            return self.empty_kv_cache_blocks
+        tables = tuple(
+            self.allocator.block_table(request_id, g) for g in range(self.num_kv_cache_groups)
+        )
+        return self._blocks_of(tables)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        ids = self.get_block_ids(request_id)
+        return tuple(
+            row[: -(-num_computed_tokens // g.block_size)]
+            for row, g in zip(ids, self.layout.groups, strict=True)
+        )
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def _blocks_of(self, tables: Any) -> KVCacheBlocks:
+        out: list[list[KVCacheBlock]] = []
+        for g, ids in enumerate(tables):
+            interned = self._block_objects[g]
+            row = []
+            for b in ids:
+                if b == NULL_BLOCK:
+                    row.append(self._null_blocks[g])
+                    continue
+                blk = interned.get(b)
+                if blk is None:
+                    blk = interned[b] = KVCacheBlock(b)
+                row.append(blk)
+            out.append(row)
+        return self.create_kv_cache_blocks(tuple(out))
+
+    # -- per-step hand-offs -------------------------------------------------------------
+    def new_step_starts(self) -> None:
+        """Nothing to reset per step."""
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def take_mapping_plans(self) -> list[MappingPlan]:
+        """Plans since the last call, in order (an empty plan = reset: unmap everything)."""
+        plans, self._plans = self._plans, []
+        return plans
+
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        raise UnsupportedFeature("block zeroing after failed KV loads needs a KV connector")
+
+    def check_invariants(self, expensive: bool = False) -> None:
+        """The allocator's checks plus: every live request is known to the allocator."""
+        self.allocator.check_invariants(expensive)
+        for rid in self._tokens_known:
+            self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
+
+
+def _salt(request: Request) -> int:
+    """A stable 63-bit integer for the request's cache salt (0 without one)."""
+    salt = getattr(request, "cache_salt", None)
+    if not salt:
+        return 0
+    digest = hashlib.blake2b(str(salt).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

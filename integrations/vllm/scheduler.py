@@ -1,0 +1,86 @@
+"""Scheduler subclasses that swap vLLM's KV-cache manager for `JengaKVCacheManager`.
+
+Rationale
+    vLLM 0.32 builds its `KVCacheManager` inside ``Scheduler.__init__`` with no hook, and
+    we may not edit vLLM's files. ``SchedulerConfig.scheduler_cls`` accepts any
+    `Scheduler` subclass, so the subclass lets vLLM build everything, then replaces
+    ``self.kv_cache_manager`` and resets the few derived flags that read the old one.
+
+Approach
+    ``--scheduler-cls integrations.vllm.scheduler.JengaScheduler`` (or
+    ``JengaAsyncScheduler`` with ``--async-scheduling``) is the explicit opt-in; options
+    come from ``additional_config={"jenga_vmm": {...}}`` (`JengaVllmOptions`). Features
+    the manager does not serve are refused up front with `UnsupportedFeature`.
+
+Limitations
+    vLLM's own manager is built once and dropped (its block objects cost memory for
+    the life of ``__init__`` only). Supported vLLM version: exactly 0.32.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.version import check_vllm_version
+
+
+def check_supported_config(vllm_config: Any) -> None:
+    """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
+    problems = []
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV connectors (kv_transfer_config)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding (speculative_config)")
+    if vllm_config.model_config.is_encoder_decoder:
+        problems.append("encoder-decoder models (cross attention)")
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        problems.append("decode context parallelism")
+    if problems:
+        raise UnsupportedFeature(
+            "the jenga KV-cache manager does not support "
+            + ", ".join(problems)
+            + "; supported: decoder-only models with full, sliding-window, chunked-local "
+            "attention and Mamba layers, prefix caching, chunked prefill, preemption"
+        )
+
+
+def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
+    """Replace ``scheduler.kv_cache_manager`` (built by vLLM) with a jenga-backed one."""
+    options = JengaVllmOptions.from_vllm_config(scheduler.vllm_config)
+    layout = build_layout(scheduler.kv_cache_config, scheduler.max_model_len, options)
+    manager = JengaKVCacheManager(
+        layout,
+        enable_caching=bool(scheduler.cache_config.enable_prefix_caching),
+        log_stats=scheduler.log_stats,
+        enable_kv_cache_events=scheduler.enable_kv_cache_events,
+    )
+    scheduler.kv_cache_manager = manager  # type: ignore[assignment]
+    # Flags vLLM derived from its own manager's coordinator.
+    scheduler.mamba_partial_cache_hit = False
+    scheduler.mamba_shared_prefix_checkpoint = False
+    return manager
+
+
+class JengaScheduler(Scheduler):
+    """vLLM's Scheduler with the jenga KV-cache manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
+        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
+        super().__init__(*args, **kwargs)
+        install_jenga_manager(self)
+
+
+class JengaAsyncScheduler(AsyncScheduler):
+    """vLLM's AsyncScheduler with the jenga KV-cache manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
+        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
+        super().__init__(*args, **kwargs)
+        install_jenga_manager(self)
