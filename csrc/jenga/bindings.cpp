@@ -39,6 +39,7 @@ py::dict counters_dict(const Core& core) {
   for (int s = 1; s <= 5; ++s) d[py::str("alloc.step." + std::to_string(s))] = c.step_blocks[s];
   d["alloc.calls"] = c.alloc_calls;
   d["alloc.failures"] = c.alloc_failures;
+  d["alloc.frugal_retries"] = c.frugal_retries;
   d["pages.mapped"] = c.pages_mapped;
   d["pages.unmapped"] = c.pages_unmapped;
   d["pages.evicted"] = c.pages_evicted;

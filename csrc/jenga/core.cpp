@@ -84,16 +84,29 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     for (auto it = rel.rbegin(); it != rel.rend(); ++it)
       prim_release(static_cast<int32_t>(g), *it, now);
   }
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    out[g].reserve(static_cast<size_t>(counts[g]));
-    if (!allocate_group(static_cast<int32_t>(g), owner, counts[g], now, c, out[g])) {
-      rollback(0, plan_mark);
-      logging_ = false;
-      counters_ = saved;
-      counters_.alloc_calls += 1;
-      counters_.alloc_failures += 1;
-      return std::nullopt;
+  const size_t released_undo = undo_.size();
+  const size_t plan_released = plan_.size();
+  bool ok = allocate_groups(owner, counts, now, c, out);
+  if (!ok) {
+    // Undo the groups (not the releases), then retry frugally if the bound allows it.
+    rollback(released_undo, plan_released);
+    logging_ = true;
+    if (may_fit_frugally(counts)) {
+      c = Counters{};
+      c.frugal_retries = 1;
+      frugal_ = true;
+      ok = allocate_groups(owner, counts, now, c, out);
+      frugal_ = false;
     }
+  }
+  if (!ok) {
+    rollback(0, plan_mark);
+    logging_ = false;
+    counters_ = saved;
+    counters_.alloc_calls += 1;
+    counters_.alloc_failures += 1;
+    counters_.frugal_retries += c.frugal_retries;
+    return std::nullopt;
   }
   logging_ = false;
   undo_.clear();
@@ -103,23 +116,38 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   counters_.pages_evicted += c.pages_evicted;
   counters_.blocks_evicted += c.blocks_evicted;
   counters_.remapped_units += c.remapped_units;
+  counters_.frugal_retries += c.frugal_retries;
   counters_.alloc_calls += 1;
   return out;
+}
+
+// Every group in order; false at the first group that cannot be served (out is reset).
+bool Core::allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+                           Counters& c, std::vector<std::vector<int32_t>>& out) {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    out[g].clear();
+    out[g].reserve(static_cast<size_t>(counts[g]));
+    if (!allocate_group(static_cast<int32_t>(g), owner, counts[g], now, c, out[g])) return false;
+  }
+  return true;
 }
 
 bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
                           std::vector<int32_t>& out) {
   static constexpr int kPaper[] = {kOwnFree, kNewPage, kEvictPage, kAnyFree, kEvictBlock};
   static constexpr int kCompact[] = {kOwnFree, kAnyFree, kNewPage, kEvictPage, kEvictBlock};
-  const int* order = compact_order_ ? kCompact : kPaper;
-  while (n > 0) {
+  static constexpr int kFrugal[] = {kOwnFree, kAnyFree, kEvictBlock, kNewPage, kEvictPage};
+  const int* order = frugal_ ? kFrugal : compact_order_ ? kCompact : kPaper;
+  bool ok = true;
+  while (ok && n > 0) {
     bool progressed = false;
     for (int i = 0; i < 5 && !progressed; ++i) {
       progressed = try_step(order[i], g, owner, n, now, c, out);
     }
-    if (!progressed) return false;
+    ok = progressed;
   }
-  return true;
+  if (frugal_) restore_lru_aside(grp(g));
+  return ok;
 }
 
 bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now, Counters& c,
@@ -129,6 +157,11 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
   int32_t reused = 0;
   switch (step) {
     case kOwnFree: {
+      if (frugal_) {
+        page = frugal_own_free_page(G, owner);
+        if (page < 0) return false;
+        break;
+      }
       auto it = G.pages_with_free.lower_bound({owner, std::numeric_limits<int32_t>::min()});
       if (it == G.pages_with_free.end() || it->first != owner) return false;
       page = it->second;
@@ -146,11 +179,13 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       c.remapped_units += reused;
       break;
     case kAnyFree:
-      if (G.pages_with_free.empty()) return false;
-      page = G.pages_with_free.begin()->second;
+      page = frugal_                       ? frugal_any_free_page(G)
+             : G.pages_with_free.empty() ? -1
+                                         : G.pages_with_free.begin()->second;
+      if (page < 0) return false;
       break;
     case kEvictBlock: {
-      const int32_t block = lru_top(G);
+      const int32_t block = frugal_ ? frugal_lru_top(G) : lru_top(G);
       if (block < 0) return false;
       prim_uncache(g, block);
       prim_use_limbo(g, block, now);

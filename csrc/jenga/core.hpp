@@ -27,6 +27,14 @@
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
 //     chain order included) and the plan is truncated.
+//   * Frugal retry: groups are served one after another, so an earlier group's step 2/3
+//     can spend units a later group needed while the earlier one could have used blocks
+//     that cost no units. When the paper-order pass fails and a cheap bound says the call
+//     may fit, it is undone and retried in frugal mode: every group first takes blocks
+//     that cost no units (steps 1, 4, 5 on pages that are not wholly evictable), then
+//     steps 2 and 3. That pass succeeds whenever any assignment under the step rules does:
+//     a block on an evictable page or on a new page costs the pool its page's units
+//     either way, and frugal mode buys the fewest pages per group (core_frugal.cpp).
 //
 // Limitations: not thread-safe (one allocator per engine thread; the GIL is released
 // only so other Python threads run). std::set costs ~O(log n) per evictable block.
@@ -140,6 +148,7 @@ struct Counters {
   int64_t remapped_units = 0;
   int64_t alloc_calls = 0;
   int64_t alloc_failures = 0;
+  int64_t frugal_retries = 0;  // failed paper-order passes retried in frugal mode
   int64_t blocks_released = 0;
   int64_t blocks_acquired = 0;  // prefix hits
   int64_t hashes_committed = 0;
@@ -211,8 +220,16 @@ class Core {
   int32_t page_of(const Group& G, int32_t block) const { return block / G.blocks_per_page; }
   int32_t num_used(const Group& G, int32_t page) const;
 
+  bool allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+                       Counters& c, std::vector<std::vector<int32_t>>& out);
   bool allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
                       std::vector<int32_t>& out);
+  // Frugal mode (core_frugal.cpp): pages wholly evictable are kept for step 3.
+  bool may_fit_frugally(const std::vector<int32_t>& counts) const;
+  int32_t frugal_own_free_page(const Group& G, int64_t owner) const;
+  int32_t frugal_any_free_page(const Group& G) const;
+  int32_t frugal_lru_top(Group& G);
+  void restore_lru_aside(Group& G);
   bool try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now, Counters& c,
                 std::vector<int32_t>& out);
   int32_t take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
@@ -259,6 +276,8 @@ class Core {
   std::vector<Undo> undo_;
   bool logging_ = false;
   bool defer_refresh_ = false;
+  bool frugal_ = false;
+  std::vector<LruEntry> lru_aside_;  // frugal step 5: entries on evictable pages, set aside
   Counters counters_;
 };
 

@@ -166,27 +166,58 @@ class CoreModel:
         for g, rel in enumerate(releases):
             for b in reversed(rel):
                 self.release_one(g, b, now)
+        released = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
+        out = self.allocate_groups(owner, counts, now, self.order, frugal=False)
+        if out is None:
+            self.groups, self.free_units, plan_len = released
+            del self.plan[plan_len:]
+            if self.may_fit_frugally(counts):
+                out = self.allocate_groups(owner, counts, now, [1, 4, 5, 2, 3], frugal=True)
+        if out is None:
+            self.groups, self.free_units, plan_len = snapshot
+            del self.plan[plan_len:]
+        return out
+
+    def allocate_groups(
+        self, owner: int, counts: list[int], now: int, order: list[int], frugal: bool
+    ) -> list[list[int]] | None:
         out: list[list[int]] = []
         for g, n in enumerate(counts):
             got: list[int] = []
             while n > 0:
-                for step in self.order:
-                    k = self.try_step(step, g, owner, n, now, got)
+                for step in order:
+                    k = self.try_step(step, g, owner, n, now, got, frugal)
                     if k is not None:
                         n -= k
                         break
                 else:
-                    self.groups, self.free_units, plan_len = snapshot
-                    del self.plan[plan_len:]
                     return None
             out.append(got)
         return out
 
+    def may_fit_frugally(self, counts: list[int]) -> bool:
+        """Frugal retry's bound: pages still short after every free/cached block fit."""
+        pool = self.free_units + sum(self.groups[h].U for _, _, h, _ in self.evictable_pages())
+        need = 0
+        for g, n in enumerate(counts):
+            G = self.groups[g]
+            costless = sum(
+                k.state == CACHED or (G.pages[b // G.B].mapped and k.state == FREE)
+                for b, k in enumerate(G.blocks)
+            )
+            short = n - costless
+            if short > 0:
+                need += -(-short // G.B) * G.U
+        return need <= pool
+
     def try_step(
-        self, step: int, g: int, owner: int, n: int, now: int, got: list[int]
+        self, step: int, g: int, owner: int, n: int, now: int, got: list[int], frugal: bool
     ) -> int | None:
         G = self.groups[g]
         pwf = self.pages_with_free(g)
+        if frugal:  # wholly evictable pages are kept for step 3
+            evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
+            pwf = [(o, p) for o, p in pwf if p not in evictable]
         if step == 1:
             own = [p for o, p in pwf if o == owner]
             if not own:
@@ -207,6 +238,8 @@ class CoreModel:
             page = pwf[0][1]
         else:
             order = self.eviction_order(g)
+            if frugal:
+                order = [b for b in order if b // G.B not in evictable]
             if not order:
                 return None
             b = order[0]
