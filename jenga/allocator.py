@@ -134,6 +134,9 @@ class AllocatorConfig:
     total_units: int
     order: AllocationOrder = AllocationOrder.PAPER
     max_model_len: int | None = None
+    # Mamba: True when the engine writes a state only where each step ends (vLLM's
+    # "align" mode), so one step holds 2 states, not one per checkpoint it spans.
+    mamba_step_end_only: bool = False
 
     @classmethod
     def from_page_table(
@@ -142,6 +145,8 @@ class AllocatorConfig:
         table: PageTable,
         total_units: int,
         order: AllocationOrder = AllocationOrder.PAPER,
+        *,
+        mamba_step_end_only: bool = False,
     ) -> AllocatorConfig:
         """One `GroupConfig` per model group from a `jenga.pages` page table row.
 
@@ -165,7 +170,7 @@ class AllocatorConfig:
                     token_fraction=spec.token_fraction,
                 )
             )
-        return cls(tuple(groups), total_units, order, model.max_model_len)
+        return cls(tuple(groups), total_units, order, model.max_model_len, mamba_step_end_only)
 
 
 @dataclass(frozen=True)
@@ -249,6 +254,7 @@ class JengaAllocator:
                 window=g.window,
                 chunk=g.chunk,
                 token_fraction=g.token_fraction,
+                step_end_only=config.mamba_step_end_only,
             )
             for g in config.groups
         )
@@ -357,12 +363,16 @@ class JengaAllocator:
         releases: list[np.ndarray] = []
         counts: list[int] = []
         firsts: list[int] = []
+        skips: list[int] = []
         for g, policy in enumerate(self.policies):
             table = req.tables[g]
             first = min(policy.first_live_block(old, req.images), len(table))
-            releases.append(table.view(req.first_live[g], first))  # live: never NULL
+            live = table.view(req.first_live[g], first)
+            releases.append(live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live)
             firsts.append(max(first, req.first_live[g]))
-            counts.append(max(0, policy.num_blocks(new, req.images) - len(table)))
+            count = max(0, policy.num_blocks(new, req.images) - len(table))
+            skips.append(min(count, policy.num_superseded(old, new, req.images)))
+            counts.append(count - skips[g])
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
         if got is None:
@@ -373,6 +383,8 @@ class JengaAllocator:
             if firsts[g] > req.first_live[g]:
                 table.view(req.first_live[g], firsts[g])[:] = NULL_BLOCK
             req.first_live[g] = firsts[g]
+            if skips[g]:  # Mamba checkpoints inside the span: never held
+                table.extend(np.full(skips[g], NULL_BLOCK, dtype=np.int32))
             table.extend(blocks)
         req.num_tokens = new
         return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
@@ -459,7 +471,10 @@ class JengaAllocator:
         req = self._request(request_id)
         now = self._tick()
         for g in range(self.num_groups):
-            self._core.release(g, req.tables[g].view(req.first_live[g]), now)
+            live = req.tables[g].view(req.first_live[g])
+            if self.policies[g].kind is Kind.MAMBA:
+                live = live[live != NULL_BLOCK]
+            self._core.release(g, live, now)
         del self._requests[request_id]
         self._freed[request_id] = None
         if len(self._freed) > _FREED_IDS_KEPT:
@@ -591,6 +606,8 @@ class JengaAllocator:
                     f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
                 )
                 for b in table[req.first_live[g] :]:
+                    if b == NULL_BLOCK and self.policies[g].kind is Kind.MAMBA:
+                        continue  # a checkpoint inside one step's span, never held
                     assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
                     refs[b] = refs.get(b, 0) + 1
             for b, n in refs.items():

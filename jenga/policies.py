@@ -82,6 +82,15 @@ class Policy:
         """Lowest block index still read by the token at position ``length``."""
         return 0
 
+    def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
+        """New block indices of one step ``old -> new`` that are stale before it ends.
+
+        They come first among the step's new blocks and are never allocated (their table
+        entries are NULL). Only Mamba has any: the engine writes the state where the step
+        ends, so the checkpoints strictly inside the span never exist.
+        """
+        return 0
+
     def active_blocks(self, length: int, images: Sequence[Image] = ()) -> range:
         """Blocks whose last access the step computing position ``length`` refreshes."""
         return range(self.first_live_block(length, images), self.num_blocks(length, images))
@@ -217,12 +226,24 @@ class MambaPolicy(Policy):
 
     Block i = state after (i+1)*T tokens. The live state is the last block; the one
     before it is kept while a step crosses a boundary (the engine copies it forward).
+    With ``step_end_only`` (an engine that writes the state only where a step ends, like
+    vLLM's "align" Mamba cache mode) a step spanning several checkpoints holds only the
+    state it starts from and the one it ends at (`num_superseded`): the checkpoints in
+    between are NULL table entries, so a table's live entries may have NULL holes.
     """
 
     kind: ClassVar[Kind] = Kind.MAMBA
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         return max(0, _ceil_div(length, self.tokens_per_block) - 1)
+
+    step_end_only: bool = False  # the engine writes a state only where a step ends
+
+    def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
+        if not self.step_end_only:
+            return 0  # every checkpoint in the span is written (and cacheable)
+        # held after the step: the state it starts from and the one where it ends
+        return max(0, self.first_live_block(new) - self.num_blocks(old))
 
     def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
         k = prefix // self.tokens_per_block
@@ -358,9 +379,14 @@ def make_policy(
     window: int | None = None,
     chunk: int | None = None,
     token_fraction: tuple[int, int] = (1, 1),
+    step_end_only: bool = False,
 ) -> Policy:
-    """The policy for ``kind`` from the dispatch table, with its parameters checked."""
+    """The policy for ``kind`` from the dispatch table, with its parameters checked.
+
+    ``step_end_only`` applies to Mamba only (see `MambaPolicy`)."""
     cls = POLICY_BY_KIND[kind]
+    if cls is MambaPolicy:
+        return MambaPolicy(tokens_per_block, step_end_only=step_end_only)
     if cls is FullAttentionPolicy:
         return FullAttentionPolicy(tokens_per_block, token_fraction=token_fraction)
     if cls is SlidingWindowPolicy:

@@ -1,0 +1,88 @@
+"""Mamba state counts per call: a long step holds the states it needs, not one per block."""
+
+from __future__ import annotations
+
+import pytest
+from jenga.allocator import NULL_BLOCK, AllocatorConfig, GroupConfig, JengaAllocator
+from jenga.specs import Kind
+
+GROUPS = (
+    GroupConfig("attn", Kind.FULL, 16, 4, 1),
+    GroupConfig("mamba", Kind.MAMBA, 16, 1, 1),
+)
+
+
+def make(step_end_only: bool, units: int = 1024) -> JengaAllocator:
+    return JengaAllocator(AllocatorConfig(GROUPS, units, mamba_step_end_only=step_end_only))
+
+
+def test_a_2048_token_chunk_holds_one_state_not_128():
+    alloc = make(step_end_only=True)
+    alloc.add_request("a", list(range(6000)))
+    got = alloc.allocate("a", 2048)
+    assert got is not None and len(got.new_blocks[0]) == 128 and len(got.new_blocks[1]) == 1
+    assert alloc.usage().used_blocks == (128, 1)
+    table = alloc.block_table("a", "mamba")
+    assert len(table) == 128 and table[:127] == [NULL_BLOCK] * 127 and table[127] >= 0
+    alloc.check_invariants(expensive=True)
+    # next chunk: the state it starts from (after 2048) stays, the one after 4096 is new
+    got = alloc.allocate("a", 2048)
+    assert got is not None and got.released == ((), ()) and len(got.new_blocks[1]) == 1
+    assert alloc.usage().used_blocks == (256, 2)
+    assert [i for i, b in enumerate(alloc.block_table("a", "mamba")) if b >= 0] == [127, 255]
+    alloc.check_invariants(expensive=True)
+    # third chunk: the start state of the previous step is released, still 2 held
+    got = alloc.allocate("a", 1000)
+    assert got is not None and got.released[1] == (table[127],)
+    assert alloc.usage().used_blocks == (319, 2)
+    assert [i for i, b in enumerate(alloc.block_table("a", "mamba")) if b >= 0] == [255, 318]
+    alloc.check_invariants(expensive=True)
+    alloc.free("a")
+    assert alloc.usage().used_blocks == (0, 0)
+    alloc.check_invariants(expensive=True)
+
+
+def test_step_end_states_are_the_cached_checkpoints():
+    alloc = make(step_end_only=True)
+    prompt = list(range(64))
+    alloc.add_request("a", prompt)
+    assert alloc.allocate("a", 32) is not None and alloc.allocate("a", 32) is not None
+    assert alloc.cache("a", 64) == 4 + 2  # 4 attention blocks, states after 32 and 64
+    alloc.free("a")
+    assert alloc.match_prefix([*prompt, 7]) == 64
+    assert alloc.match_prefix(prompt[:48] + [9] * 17) == 32  # 16 and 48 never existed
+    alloc.check_invariants(expensive=True)
+
+
+def test_a_step_of_one_block_is_unchanged():
+    alloc = make(step_end_only=True)
+    alloc.add_request("a", list(range(100)))
+    for n in (16, 16, 16):
+        got = alloc.allocate("a", n)
+        assert got is not None and len(got.new_blocks[1]) == 1
+    assert alloc.usage().used_blocks == (3, 2)  # live state + the one the step started from
+    assert alloc.block_table("a", "mamba")[0] == NULL_BLOCK
+
+
+@pytest.mark.parametrize("step_end_only", [False, True])
+def test_states_held_per_call(step_end_only):
+    """Default: every checkpoint in the span is written, so each is held until cached."""
+    alloc = make(step_end_only)
+    alloc.add_request("a", list(range(200)))
+    assert alloc.allocate("a", 160) is not None
+    assert alloc.usage().used_blocks[1] == (1 if step_end_only else 10)
+    assert alloc.allocate("a", 16) is not None
+    assert alloc.usage().used_blocks[1] == 2
+    alloc.check_invariants(expensive=True)
+
+
+def test_the_state_count_decides_whether_a_chunk_fits():
+    # 33 units: a 2048-token chunk's 128 attention blocks take 32 pages, 1 unit is left
+    small = (GROUPS[0], GroupConfig("mamba", Kind.MAMBA, 16, 1, 1))
+    every = JengaAllocator(AllocatorConfig(small, 33))
+    every.add_request("a", list(range(2048)))
+    assert every.allocate("a", 2048) is None  # needs 32 + 128 units
+    end_only = JengaAllocator(AllocatorConfig(small, 33, mamba_step_end_only=True))
+    end_only.add_request("a", list(range(2048)))
+    assert end_only.allocate("a", 2048) is not None  # 32 + 1
+    assert end_only.usage().free_units == 0
