@@ -110,3 +110,10 @@ def test_mllama_prefix_hit_covers_the_image_and_text_blocks():
     result = run("jenga_vmm", "llama-3.2-11b-vision", trace, 8 << 30, EngineConfig(max_num_seqs=1))
     # r1: the image plus placeholder + 31 text tokens (2 self blocks); r2's image differs
     assert result.hit_tokens == MLLAMA_IMAGE + 31
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_adapter_groups_come_from_the_page_table_with_token_fractions(name):
+    model = get_model("pyramidkv-llama-3.1-8b")
+    groups = FACTORIES[name](model, 4 << 30).core.config.groups
+    assert [g.token_fraction for g in groups] == [(1, 1), (3, 4), (1, 2), (1, 4)]
