@@ -34,7 +34,7 @@ def test_self_attention_holds_text_and_cross_attention_the_whole_image_at_once()
 
 def test_image_committed_and_hit_as_a_unit_keyed_by_its_hash():
     alloc = mllama_like()
-    prompt = [9] + list(range(100, 111))  # placeholder + 11 text tokens
+    prompt = [9, *range(100, 111)]  # placeholder + 11 text tokens
     image = ImageSpan(0, 10, 4242, in_text=False)
     alloc.add_request("a", prompt, images=[image])
     alloc.allocate("a", len(prompt))
