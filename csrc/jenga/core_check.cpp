@@ -133,7 +133,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
   const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
   require(evictable == P.in_evictable, pw + "evictable flag wrong");
   require(!evictable || (P.evict_key == age.newest && P.evict_tie == age.neg_longest &&
-                          evictable_pages_.count({age.newest, age.neg_longest, g, p}) == 1),
+                         evictable_pages_.count({age.newest, age.neg_longest, g, p}) == 1),
           pw + "evictable page key wrong");
   tally.mapped += P.mapped ? 1 : 0;
   tally.free_blocks += P.mapped ? n_free : 0;

@@ -189,3 +189,16 @@ def test_step3_older_access_still_goes_before_a_longer_prefix():
     core.release(0, [0], 2)  # prefix 16, older
     core.release(0, [1], 3)  # prefix 32, newer
     assert core.page_eviction_order() == [(0, 0), (0, 1)]
+
+
+def test_plan_ops_are_shared_and_equal_to_fresh_ones(monkeypatch):
+    import jenga.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_OPS_CACHED_MAX", 2)
+    monkeypatch.setattr(plan_mod, "_op_cache", {})
+    a = plan_mod.plan_from_arrays([1, 0], [0, 1], [3, 4], [0, 2])
+    assert a.ops == (UnmapPage(0, 3), MapPage(1, 4, 2))
+    b = plan_mod.plan_from_arrays([1], [0], [3], [0])
+    assert b.ops[0] is a.ops[0]  # the same frozen op, not rebuilt
+    c = plan_mod.plan_from_arrays([0], [2], [5], [0])  # a third op: the cache is cleared first
+    assert c.ops == (MapPage(2, 5, 0),) and len(plan_mod._op_cache) == 1
