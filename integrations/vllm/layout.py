@@ -230,8 +230,9 @@ def build_layout(
             f"{options.chunk_bytes} B, but the KV cache holds {total_units}; give the KV "
             "cache more memory or raise jenga_vmm.epsilon for smaller Mamba pages"
         )
+    # vLLM writes a Mamba state only where a scheduled chunk ends ("align" mode)
     config = AllocatorConfig.from_page_table(
-        model, table, total_units, AllocationOrder(options.order)
+        model, table, total_units, AllocationOrder(options.order), mamba_step_end_only=True
     )
     groups = tuple(
         GroupLayout(

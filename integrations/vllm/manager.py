@@ -50,7 +50,6 @@ from typing import Any
 
 from jenga.allocator import NULL_BLOCK, JengaAllocator
 from jenga.plan import MappingPlan
-from jenga.specs import Kind
 from vllm.distributed.kv_events import AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -90,8 +89,6 @@ class JengaKVCacheManager:
         self._null_blocks = tuple(
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
-        self._step_tokens = min(g.block_size for g in layout.groups)
-        self._has_mamba = any(g.kind is Kind.MAMBA for g in layout.groups)
         self._plans: list[MappingPlan] = []
         self._events: list[KVCacheEvent] = []
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
@@ -183,7 +180,7 @@ class JengaKVCacheManager:
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
-        new_blocks = self._allocate(request, need, cache_upto) if need > 0 else None
+        new_blocks = self._allocate(request, need) if need > 0 else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -195,45 +192,19 @@ class JengaKVCacheManager:
             return self.empty_kv_cache_blocks
         return self._blocks_of(new_blocks)
 
-    def _allocate(self, request: Request, need: int, cache_upto: int) -> list[list[int]] | None:
-        """Slots for ``need`` more tokens; per group the new block ids, or None.
+    def _allocate(self, request: Request, need: int) -> list[list[int]] | None:
+        """Slots for ``need`` more tokens in one all-or-nothing allocator call.
 
-        One allocator call per block boundary (of the smallest block size):
-
-        - a Mamba state exists only where a chunk ends, so the interior checkpoints of a
-          long chunk are released (never hashed) before the next is taken, and a chunk
-          holds one state per group instead of one per ``block_size`` tokens;
-        - a call that needs a new large page in several groups at once can fail although
-          memory is there (an earlier group's step-2 map or step-3 eviction takes the
-          units or the page a later group needed, see docs/vllm.md); one block per group
-          per call avoids that cascade.
-
-        Without Mamba groups, blocks are hashed as each call completes them (up to
-        ``cache_upto``, the tokens this step computes), so blocks a sliding window
-        releases within the chunk enter the prefix cache instead of the free list. With
-        Mamba groups they are hashed once, after the last call (interior states do not
-        exist). A later call that finds no room leaves the earlier slots with the
-        request (a running request uses them next step; an admitted one is released by
-        the caller).
+        Per group the new block ids, or None with nothing changed. The layout configures
+        Mamba groups with ``mamba_step_end_only`` (vLLM writes a state only where a chunk
+        ends), so a long chunk holds the state it starts from and the one it ends at.
         """
-        rid = request.request_id
-        step = self._step_tokens
-        hash_as_we_go = self.enable_caching and not self._has_mamba
-        new_blocks: list[list[int]] = [[] for _ in self.layout.groups]
-        while need > 0:
-            have = self.allocator.num_tokens(rid)
-            n = min(need, step - have % step)
-            got = self.allocator.allocate(rid, n)
-            if got is None:
-                return None
-            if got.plan:
-                self._plans.append(got.plan)
-            for row, blocks in zip(new_blocks, got.new_blocks, strict=True):
-                row.extend(blocks)
-            need -= n
-            if hash_as_we_go:
-                self._cache(request, min(have + n, cache_upto))
-        return new_blocks
+        got = self.allocator.allocate(request.request_id, need)
+        if got is None:
+            return None
+        if got.plan:
+            self._plans.append(got.plan)
+        return [list(blocks) for blocks in got.new_blocks]
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
