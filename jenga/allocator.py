@@ -29,7 +29,15 @@ Approach
 
     ``AllocationOrder.COMPACT`` tries 4 before 2 (commits fewer units, frees less cleanly).
     `allocate` is all-or-nothing across groups: on "no room" it returns None and the
-    core rolls back every step it took (evictions included).
+    core rolls back every step it took (evictions included). A call that fails because
+    an earlier group's step 2/3 spent units a later group needed is retried in frugal
+    order (steps 1, 4, 5 on pages not wholly evictable, then 2, 3), which succeeds
+    whenever any assignment under the step rules does (csrc/jenga/core_frugal.cpp).
+    ``AllocationOrder.PINNED`` is compact order with one more step between 2 and 3:
+    once free units run out, evict a cached block of g on a page that is not wholly
+    evictable (pinned by live blocks anyway) before evicting whole pages, so the units
+    of evictable pages stay for the groups that have nothing else (sliding-window pages
+    full of out-of-window cached blocks otherwise starve the full-attention group).
 
 Limitations
     One allocator serves one model (groups of a draft and a target model are just more
@@ -92,6 +100,7 @@ class AllocationOrder(StrEnum):
 
     PAPER = "paper"  # 1, 2, 3, 4, 5
     COMPACT = "compact"  # 1, 4, 2, 3, 5
+    PINNED = "pinned"  # 1, 4, 2, 5 on pages not wholly evictable, 3, 5
 
 
 @dataclass(frozen=True)
@@ -276,6 +285,7 @@ class JengaAllocator:
             config.total_units,
             config.order is AllocationOrder.COMPACT,
         )
+        self._core.pinned_order = config.order is AllocationOrder.PINNED
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
         text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
         # a hit must end on a block boundary of every text group

@@ -198,6 +198,8 @@ void register_jenga(py::module_ m) {
            "Block id per hash (int32 array), -1 where absent")
       .def("drain_plan", &plan_arrays)
       .def_property_readonly("num_plan_ops", &Core::num_plan_ops)
+      .def_property("pinned_order", &Core::pinned_order, &Core::set_pinned_order,
+                    "steps 1, 4, 2, then 5 on pages not wholly evictable, 3, 5")
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
       .def("page_eviction_order", &Core::page_eviction_order)

@@ -137,16 +137,22 @@ bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Coun
   static constexpr int kPaper[] = {kOwnFree, kNewPage, kEvictPage, kAnyFree, kEvictBlock};
   static constexpr int kCompact[] = {kOwnFree, kAnyFree, kNewPage, kEvictPage, kEvictBlock};
   static constexpr int kFrugal[] = {kOwnFree, kAnyFree, kEvictBlock, kNewPage, kEvictPage};
-  const int* order = frugal_ ? kFrugal : compact_order_ ? kCompact : kPaper;
+  static constexpr int kPinned[] = {kOwnFree,     kAnyFree,   kNewPage,
+                                    kEvictPinned, kEvictPage, kEvictBlock};
+  const int* order = frugal_          ? kFrugal
+                     : pinned_order_  ? kPinned
+                     : compact_order_ ? kCompact
+                                      : kPaper;
+  const int num_steps = (!frugal_ && pinned_order_) ? 6 : 5;
   bool ok = true;
   while (ok && n > 0) {
     bool progressed = false;
-    for (int i = 0; i < 5 && !progressed; ++i) {
+    for (int i = 0; i < num_steps && !progressed; ++i) {
       progressed = try_step(order[i], g, owner, n, now, c, out);
     }
     ok = progressed;
   }
-  if (frugal_) restore_lru_aside(grp(g));
+  if (!lru_aside_.empty()) restore_lru_aside(grp(g));
   return ok;
 }
 
@@ -179,13 +185,14 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       c.remapped_units += reused;
       break;
     case kAnyFree:
-      page = frugal_                       ? frugal_any_free_page(G)
+      page = frugal_                     ? frugal_any_free_page(G)
              : G.pages_with_free.empty() ? -1
                                          : G.pages_with_free.begin()->second;
       if (page < 0) return false;
       break;
-    case kEvictBlock: {
-      const int32_t block = frugal_ ? frugal_lru_top(G) : lru_top(G);
+    case kEvictBlock:
+    case kEvictPinned: {
+      const int32_t block = (frugal_ || step == kEvictPinned) ? frugal_lru_top(G) : lru_top(G);
       if (block < 0) return false;
       prim_uncache(g, block);
       prim_use_limbo(g, block, now);

@@ -138,6 +138,8 @@ struct Group {
 
 // Steps of the paper's allocation (1-based indices into step counters).
 enum Step : int { kOwnFree = 1, kNewPage = 2, kEvictPage = 3, kAnyFree = 4, kEvictBlock = 5 };
+// Step 5 restricted to pages that are not wholly evictable (counted as step 5).
+constexpr int kEvictPinned = 6;
 
 struct Counters {
   std::array<int64_t, 6> step_blocks{};  // blocks served by each step (index 1..5)
@@ -184,6 +186,13 @@ class Core {
   std::vector<PlanOp> drain_plan();
   size_t num_plan_ops() const { return plan_.size(); }
 
+  // Pinned order: 1, 4, 2, then step 5 on pages that are not wholly evictable, 3, 5. Once
+  // free units run out, a group reuses cached blocks on pages it pins anyway before
+  // evicting whole pages, so the evictable pages (units that can move to any group) are
+  // left to the groups that have nothing else.
+  void set_pinned_order(bool on) { pinned_order_ = on; }
+  bool pinned_order() const { return pinned_order_; }
+
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
   int64_t free_units() const { return free_units_; }
@@ -220,8 +229,8 @@ class Core {
   int32_t page_of(const Group& G, int32_t block) const { return block / G.blocks_per_page; }
   int32_t num_used(const Group& G, int32_t page) const;
 
-  bool allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
-                       Counters& c, std::vector<std::vector<int32_t>>& out);
+  bool allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now, Counters& c,
+                       std::vector<std::vector<int32_t>>& out);
   bool allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
                       std::vector<int32_t>& out);
   // Frugal mode (core_frugal.cpp): pages wholly evictable are kept for step 3.
@@ -277,6 +286,7 @@ class Core {
   bool logging_ = false;
   bool defer_refresh_ = false;
   bool frugal_ = false;
+  bool pinned_order_ = false;
   std::vector<LruEntry> lru_aside_;  // frugal step 5: entries on evictable pages, set aside
   Counters counters_;
 };

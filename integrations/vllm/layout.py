@@ -70,11 +70,13 @@ class JengaVllmOptions:
 
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
     ``epsilon``: the tail a large page may waste (0: exact LCM; the VMM tensor path
-    needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5) or "paper"
-    (`jenga.allocator`); compact keeps other prompts' cached pages alive where the
-    paper order evicts whole pages before using free slots in other requests' pages
-    (measured in `docs/vllm.md`). ``kv_tensors``: "vmm" makes the worker plugin put
-    the KV cache on VMM ranges (`integrations.vllm.plugin`); "torch" leaves vLLM's.
+    needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned"
+    (compact plus step 5 on pinned pages before step 3) or "paper" (`jenga.allocator`);
+    compact keeps other prompts' cached pages alive where the paper order evicts whole
+    pages before using free slots in other requests' pages; pinned keeps more requests
+    running under memory pressure (both measured in `docs/vllm.md`). ``kv_tensors``:
+    "vmm" makes the worker plugin put the KV cache on VMM ranges
+    (`integrations.vllm.plugin`); "torch" leaves vLLM's.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)
-    parser.add_argument("--order", choices=("compact", "paper"), default="compact")
+    parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     workload = Workload(requests=args.requests, output_tokens=args.output)

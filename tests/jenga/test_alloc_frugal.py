@@ -134,3 +134,23 @@ def test_allocate_fails_only_when_no_assignment_exists(ops, compact):
                 row.extend(blocks)
         assert plan(core) == model.drain_plan()
         core.check_invariants(True)
+
+
+def test_pinned_order_reuses_cached_blocks_on_pinned_pages_before_evicting_pages():
+    # one group, 2 blocks per 1-unit page, 2 units. Page 0: block 0 live, block 1 cached
+    # (pinned by block 0). Page 1: wholly cached (evictable).
+    for pinned, expected, evicted_pages in ((False, [3], 1), (True, [1], 0)):
+        core = J.Core([2], [1], 2, True)
+        core.pinned_order = pinned
+        assert core.allocate(1, [2], 1) == [[0, 1]]
+        assert core.allocate(2, [2], 2) == [[2, 3]]
+        core.commit(0, [1, 2, 3], [11, 12, 13], [32, 16, 32])
+        core.release(0, [1], 3)
+        core.release(0, [2, 3], 4)
+        plan(core)
+        # compact order: no free unit, step 3 evicts page 1 (its prefixes) and remaps it;
+        # pinned order: block 1 on the pinned page 0 is reused, page 1 stays cached
+        assert core.allocate(3, [1], 5) == [expected]
+        assert core.counters()["pages.evicted"] == evicted_pages
+        assert core.lookup(0, [11, 12, 13]).tolist() == ([-1, 2, 3] if pinned else [1, -1, -1])
+        core.check_invariants(True)

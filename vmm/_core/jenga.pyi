@@ -114,6 +114,13 @@ class Core:
     @property
     def num_plan_ops(self) -> int: ...
     @property
+    def pinned_order(self) -> bool:
+        """
+        steps 1, 4, 2, then 5 on pages not wholly evictable, 3, 5
+        """
+    @pinned_order.setter
+    def pinned_order(self, arg1: bool) -> None: ...
+    @property
     def total_units(self) -> int: ...
 
 def hash_blocks(
