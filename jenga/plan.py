@@ -117,7 +117,5 @@ def plan_from_arrays(
     """Build a plan from the C++ core's parallel arrays (``kinds``: OP_MAP / OP_UNMAP)."""
     get = _op_cache.get
     return MappingPlan(
-        tuple(
-            get(key) or _make_op(key) for key in zip(kinds, groups, pages, reused, strict=True)
-        )
+        tuple(get(key) or _make_op(key) for key in zip(kinds, groups, pages, reused, strict=True))
     )
