@@ -96,15 +96,27 @@ class AllocationOrder(StrEnum):
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """An image's placeholder tokens in the prompt: positions [start, start + length)."""
+    """An image of a request: ``length`` image (encoder) tokens keyed by ``content_hash``.
+
+    ``in_text=True`` (LLaVA-style): the image's tokens sit in the prompt at positions
+    ``[start, start + length)``; every group stores them, cross-attention and vision groups
+    store them again as image tokens. ``in_text=False`` (encoder-side, e.g. Llama 3.2
+    Vision / mllama): the prompt holds one placeholder token at ``start`` (its
+    ``<|image|>``); self-attention groups store only the text, and image groups
+    (cross attention) store the ``length`` encoder tokens, all or nothing, from the step
+    that computes the placeholder. Either way ``[start, end)`` is the span of prompt
+    positions the image occupies, and those positions are hashed as the image's key.
+    """
 
     start: int
     length: int
     content_hash: int
+    in_text: bool = True
 
     @property
     def end(self) -> int:
-        return self.start + self.length
+        """End of the image's prompt positions (``start + 1`` for an encoder-side image)."""
+        return self.start + (self.length if self.in_text else 1)
 
 
 @dataclass(frozen=True)

@@ -92,11 +92,30 @@ def page_slots(page: int, chunks_per_range: int) -> range:
     return range(page * chunks_per_range, (page + 1) * chunks_per_range)
 
 
+_OPS_CACHED_MAX = 1 << 16
+_op_cache: dict[tuple[int, int, int, int], PlanOp] = {}
+
+
+def _make_op(key: tuple[int, int, int, int]) -> PlanOp:
+    """The op for ``(kind, group, page, reused)``, built once and shared (ops are frozen).
+
+    Building a frozen dataclass costs ~0.7 µs; a page's ops recur as it is mapped and
+    unmapped again, so sharing them makes plans nearly free. The cache is cleared when it
+    holds `_OPS_CACHED_MAX` ops (memory stays bounded for any pool).
+    """
+    kind, group, page, units = key
+    op: PlanOp = MapPage(group, page, units) if kind == OP_MAP else UnmapPage(group, page)
+    if len(_op_cache) >= _OPS_CACHED_MAX:
+        _op_cache.clear()
+    _op_cache[key] = op
+    return op
+
+
 def plan_from_arrays(
     kinds: list[int], groups: list[int], pages: list[int], reused: list[int]
 ) -> MappingPlan:
     """Build a plan from the C++ core's parallel arrays (``kinds``: OP_MAP / OP_UNMAP)."""
-    ops: list[PlanOp] = []
-    for kind, group, page, units in zip(kinds, groups, pages, reused, strict=True):
-        ops.append(MapPage(group, page, units) if kind == OP_MAP else UnmapPage(group, page))
-    return MappingPlan(tuple(ops))
+    get = _op_cache.get
+    return MappingPlan(
+        tuple(get(key) or _make_op(key) for key in zip(kinds, groups, pages, reused, strict=True))
+    )

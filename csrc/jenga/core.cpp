@@ -176,7 +176,8 @@ int32_t Core::take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
   return k;
 }
 
-// Step 3: evict whole evictable pages (any group, LRU by newest access) until group g's
+// Step 3: evict whole evictable pages (any group, LRU by newest access, ties: longest
+// prefix first) until group g's
 // large page fits. Does nothing and returns false when even evicting all would not do.
 bool Core::evict_pages_for(int32_t g, Counters& c, int32_t& reused_units) {
   const int64_t need = grp(g).units_per_page;
@@ -184,8 +185,8 @@ bool Core::evict_pages_for(int32_t g, Counters& c, int32_t& reused_units) {
   const int64_t before = free_units_;
   while (free_units_ < need) {
     const PageKey victim = *evictable_pages_.begin();
-    const int32_t h = std::get<1>(victim);
-    const int32_t page = std::get<2>(victim);
+    const int32_t h = std::get<2>(victim);
+    const int32_t page = std::get<3>(victim);
     c.blocks_evicted += grp(h).pages[static_cast<size_t>(page)].num_cached;
     evict_page(h, page);
     c.pages_evicted += 1;
@@ -357,7 +358,7 @@ std::vector<int32_t> Core::eviction_order(int32_t g) const {
 
 std::vector<std::pair<int32_t, int32_t>> Core::page_eviction_order() const {
   std::vector<std::pair<int32_t, int32_t>> out;
-  for (const PageKey& key : evictable_pages_) out.push_back({std::get<1>(key), std::get<2>(key)});
+  for (const PageKey& key : evictable_pages_) out.push_back({std::get<2>(key), std::get<3>(key)});
   return out;
 }
 

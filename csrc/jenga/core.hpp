@@ -17,7 +17,7 @@
 //
 //   * Exact, deterministic LRU orders:
 //       lru[g] (binary min-heap, lazy deletion): (last_access, -prefix_len, block)  step 5
-//       evictable_pages (std::set):  (newest last_access, group, page)              step 3
+//       evictable_pages (std::set): (newest access, -longest prefix, group, page)  step 3
 //       pages_with_free[g] (std::set): (owner, page)                                steps 1, 4
 //     The block heap is lazy: an entry is live iff its stamp equals its block's stamp and
 //     the block is CACHED; removal is a stamp bump (O(1)); releases arrive with a
@@ -32,8 +32,10 @@
 // only so other Python threads run). std::set costs ~O(log n) per evictable block.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -62,6 +64,7 @@ struct Page {
   bool mapped = false;
   bool in_evictable = false;
   int64_t evict_key = 0;  // newest last_access of its cached blocks while in_evictable
+  int64_t evict_tie = 0;  // -(longest prefix_len among the cached blocks of that access)
 };
 
 // FREE: on its page's free chain. USED: refcount > 0. CACHED: refcount 0, hashed, in the
@@ -92,7 +95,24 @@ struct LruEntry {
   }
 };
 
-using PageKey = std::tuple<int64_t, int32_t, int32_t>;  // newest access, group, page
+// Step 3 order: newest access (LRU), then the longest prefix first (aligned eviction: among
+// pages last touched together, the tail of a prefix goes before its head, in every group),
+// then group and page. Key: (newest access, -longest prefix_len, group, page).
+using PageKey = std::tuple<int64_t, int64_t, int32_t, int32_t>;
+
+// The page's step-3 key parts from its cached blocks, folded one block at a time.
+struct PageAge {
+  int64_t newest = std::numeric_limits<int64_t>::min();
+  int64_t neg_longest = 0;
+  void add(int64_t last_access, int64_t prefix_len) {
+    if (last_access > newest) {
+      newest = last_access;
+      neg_longest = -prefix_len;
+    } else if (last_access == newest) {
+      neg_longest = std::min(neg_longest, -prefix_len);
+    }
+  }
+};
 
 struct Group {
   int32_t blocks_per_page = 1;

@@ -30,7 +30,7 @@ void Core::check_invariants(bool expensive) const {
                                                           str(total_units_));
   int64_t evictable_units = 0;
   for (const PageKey& key : evictable_pages_) {
-    evictable_units += groups_[static_cast<size_t>(std::get<1>(key))].units_per_page;
+    evictable_units += groups_[static_cast<size_t>(std::get<2>(key))].units_per_page;
   }
   require(
       evictable_units == evictable_page_units_,
@@ -105,7 +105,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
     ++chain;
   }
   int32_t n_free = 0, n_cached = 0;
-  int64_t newest = std::numeric_limits<int64_t>::min();
+  PageAge age;
   for (int32_t b = p * B; b < (p + 1) * B; ++b) {
     const Block& k = G.blocks[static_cast<size_t>(b)];
     require(k.state != State::kLimbo, pw + "block " + str(b) + " left in LIMBO");
@@ -115,7 +115,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
     n_free += k.state == State::kFree ? 1 : 0;
     if (k.state == State::kCached) {
       ++n_cached;
-      newest = std::max(newest, k.last_access);
+      age.add(k.last_access, k.prefix_len);
       require(k.hashed && in_lru[static_cast<size_t>(b)],
               pw + "cached block " + str(b) + " missing from the LRU heap");
     }
@@ -132,7 +132,8 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
   require(!P.mapped || n_free < B, pw + "mapped page with every block free");
   const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
   require(evictable == P.in_evictable, pw + "evictable flag wrong");
-  require(!evictable || (P.evict_key == newest && evictable_pages_.count({newest, g, p}) == 1),
+  require(!evictable || (P.evict_key == age.newest && P.evict_tie == age.neg_longest &&
+                         evictable_pages_.count({age.newest, age.neg_longest, g, p}) == 1),
           pw + "evictable page key wrong");
   tally.mapped += P.mapped ? 1 : 0;
   tally.free_blocks += P.mapped ? n_free : 0;

@@ -310,23 +310,24 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
   Page& P = G.pages[static_cast<size_t>(page)];
   if (!evictable) {
     if (P.in_evictable) {
-      evictable_pages_.erase({P.evict_key, g, page});
+      evictable_pages_.erase({P.evict_key, P.evict_tie, g, page});
       evictable_page_units_ -= G.units_per_page;
       P.in_evictable = false;
     }
     return;
   }
-  int64_t newest = std::numeric_limits<int64_t>::min();
+  PageAge age;
   const int32_t B = G.blocks_per_page;
   for (int32_t s = 0; s < B; ++s) {
     const Block& k = G.blocks[static_cast<size_t>(page * B + s)];
-    if (k.state == State::kCached) newest = std::max(newest, k.last_access);
+    if (k.state == State::kCached) age.add(k.last_access, k.prefix_len);
   }
-  if (P.in_evictable && P.evict_key == newest) return;
+  if (P.in_evictable && P.evict_key == age.newest && P.evict_tie == age.neg_longest) return;
   set_page_evictable(g, page, false);
-  P.evict_key = newest;
+  P.evict_key = age.newest;
+  P.evict_tie = age.neg_longest;
   P.in_evictable = true;
-  evictable_pages_.insert({newest, g, page});
+  evictable_pages_.insert({age.newest, age.neg_longest, g, page});
   evictable_page_units_ += G.units_per_page;
 }
 

@@ -24,12 +24,21 @@ Approach
     padding); live = blocks owned by requests, cached = evictable blocks. Committed =
     the whole buffer in static modes; mapped units (chunks) x unit bytes in VMM mode.
 
+Images
+    The engine's sequence is ``image tokens + text tokens``. For a LLaVA-style model
+    (no cross attention) the image tokens are in the text stream: the core gets that
+    sequence with an in-text `ImageSpan` over them. For a model with cross attention
+    (Llama 3.2 Vision / mllama) the self-attention layers never see the image: the core
+    gets ``[placeholder] + text`` (the placeholder is the prompt's ``<|image|>`` token)
+    and an encoder-side span (``in_text=False``) of ``image_tokens`` encoder tokens, so
+    cross-attention groups store exactly the image and self-attention groups only the
+    text. Engine position ``n`` maps to core length ``0`` (n = 0), ``1`` while the
+    image is being computed, ``1 + n - image_tokens`` after it (`_core_length`).
+
 Limitations
-    Image tokens are given to the core as an `ImageSpan` over the prompt positions they
-    occupy, so full-attention groups allocate slots for those positions too (the core's
-    LLaVA-style convention). For Llama 3.2 Vision, whose self-attention layers never see
-    the image tokens, that is memory the model does not need, and the simulator counts
-    it as waste (see docs/reproduction.md).
+    In encoder mode the placeholder takes one slot of every self-attention group (the
+    real model stores its KV too; the waste model counts only text tokens), and the
+    image is committed to the prefix cache once the engine computed all of its tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from collections.abc import Callable
 
 from jenga.allocator import AllocationOrder, AllocatorConfig, ImageSpan, JengaAllocator
 from jenga.pages import PageTable, static_page_table, vmm_page_table
+from jenga.sim.needs import role_of
 from jenga.sim.protocol import AllocatorSnapshot, RequestState
 from jenga.specs import ModelSpec
 
@@ -65,13 +75,32 @@ class JengaCoreAllocator:
         self._blocks_per_page = [table.group(g.name).blocks_per_large_page for g in model.groups]
         self._group_names = [g.name for g in model.groups]
         self._known_tokens: dict[str, int] = {}
+        # images outside the text stream: the model has cross attention (role "text")
+        self.encoder_images = any(role_of(g.spec, model) == "text" for g in model.groups)
 
-    @staticmethod
-    def _images(state: RequestState) -> tuple[ImageSpan, ...]:
+    def _images(self, state: RequestState) -> tuple[ImageSpan, ...]:
         image = state.image_tokens
         if not image:
             return ()
-        return (ImageSpan(0, image, hash(tuple(state.tokens[:image]))),)
+        key = hash(tuple(state.tokens[:image]))
+        return (ImageSpan(0, image, key, in_text=not self.encoder_images),)
+
+    def _encoder_offset(self, state: RequestState) -> int:
+        """Engine positions minus core positions after the image (0 unless encoder-side)."""
+        return state.image_tokens - 1 if self.encoder_images and state.image_tokens else 0
+
+    def _core_length(self, state: RequestState, n: int, computed: bool = False) -> int:
+        """Core tokens for the first ``n`` engine tokens (allocated, or ``computed``)."""
+        offset = self._encoder_offset(state)
+        if not offset or n == 0:
+            return n
+        if n < state.image_tokens:  # the image is in progress: its placeholder needs a slot
+            return 0 if computed else 1
+        return n - offset
+
+    def _core_prompt(self, state: RequestState) -> list[int]:
+        offset = self._encoder_offset(state)
+        return state.tokens[offset:] if offset else state.tokens
 
     def _sync_tokens(self, state: RequestState) -> None:
         """Tell the core the generated tokens that are computed (only those get hashed)."""
@@ -82,17 +111,19 @@ class JengaCoreAllocator:
 
     def _commit(self, state: RequestState) -> None:
         self._sync_tokens(state)
-        self.core.cache(state.req_id, min(state.num_computed, self.core.num_tokens(state.req_id)))
+        computed = self._core_length(state, state.num_computed, computed=True)
+        self.core.cache(state.req_id, min(computed, self.core.num_tokens(state.req_id)))
 
     def admit(self, state: RequestState) -> int:
-        hit = self.core.add_request(state.req_id, state.tokens, images=self._images(state))
+        prompt = self._core_prompt(state)
+        hit = self.core.add_request(state.req_id, prompt, images=self._images(state))
         self._known_tokens[state.req_id] = len(state.tokens)
-        state.num_computed = hit
-        return hit
+        state.num_computed = hit + self._encoder_offset(state) if hit else 0
+        return state.num_computed
 
     def allocate(self, state: RequestState, num_tokens: int) -> bool:
         self._commit(state)
-        delta = num_tokens - self.core.num_tokens(state.req_id)
+        delta = self._core_length(state, num_tokens) - self.core.num_tokens(state.req_id)
         if delta <= 0:
             return True
         return self.core.allocate(state.req_id, delta) is not None

@@ -58,17 +58,20 @@ class CoreModel:
         G = self.groups[g]
         return sum(G.blocks[p * G.B + s].state == USED for s in range(G.B))
 
-    def evictable_pages(self) -> list[tuple[int, int, int]]:
+    def evictable_pages(self) -> list[tuple[int, int, int, int]]:
+        """(newest access, -longest prefix of that access, group, page), evicted in order."""
         out = []
         for g, G in enumerate(self.groups):
             for p, P in enumerate(G.pages):
                 if P.mapped and self.num_cached(g, p) > 0 and self.num_used(g, p) == 0:
-                    newest = max(
-                        G.blocks[p * G.B + s].last
+                    cached = [
+                        G.blocks[p * G.B + s]
                         for s in range(G.B)
                         if G.blocks[p * G.B + s].state == CACHED
-                    )
-                    out.append((newest, g, p))
+                    ]
+                    newest = max(k.last for k in cached)
+                    longest = max(k.prefix for k in cached if k.last == newest)
+                    out.append((newest, -longest, g, p))
         return sorted(out)
 
     def eviction_order(self, g: int) -> list[int]:
@@ -77,7 +80,7 @@ class CoreModel:
         return [b for _, _, b in sorted(keys)]
 
     def page_eviction_order(self) -> list[tuple[int, int]]:
-        return [(g, p) for _, g, p in self.evictable_pages()]
+        return [(g, p) for _, _, g, p in self.evictable_pages()]
 
     def pages_with_free(self, g: int) -> list[tuple[int, int]]:
         G = self.groups[g]
@@ -219,12 +222,12 @@ class CoreModel:
     def evict_pages_for(self, g: int) -> int | None:
         need = self.groups[g].U
         pages = self.evictable_pages()
-        units = sum(self.groups[h].U for _, h, _ in pages)
+        units = sum(self.groups[h].U for _, _, h, _ in pages)
         if self.free_units >= need or self.free_units + units < need:
             return None
         before = self.free_units
         while self.free_units < need:
-            _, h, p = self.evictable_pages()[0]
+            _, _, h, p = self.evictable_pages()[0]
             H = self.groups[h]
             for s in range(H.B):
                 b = p * H.B + s

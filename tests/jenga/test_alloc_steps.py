@@ -101,8 +101,9 @@ def test_failed_allocation_rolls_back_evictions_releases_and_maps():
     assert core.counters()["alloc.failures"] == 1
     core.check_invariants(True)
     # and the same call that fits afterwards behaves exactly as if the failure never was
-    # (evicts g0 pages 0 then 1; group 1's block 0 is cached again, its free slot 1 serves)
-    assert core.allocate(1, [3, 1], 4, [[], [0]]) == [[1, 0, 3], [1]]
+    # (pages 0 and 1 of g0 were released together: page 1, ending the longer prefix, is
+    # evicted first, then page 0; group 1's block 0 is cached again, its free slot 1 serves)
+    assert core.allocate(1, [3, 1], 4, [[], [0]]) == [[3, 2, 1], [1]]
 
 
 def _full_and_window_16_tokens(window: int) -> JengaAllocator:
@@ -159,3 +160,45 @@ def test_page_slots_name_the_chunks_a_plan_op_touches():
     assert page_slots(3, 5) == range(15, 20)
     with pytest.raises(ValueError, match="got -1, 5"):
         page_slots(-1, 5)
+
+
+def test_step3_ties_evict_the_longest_prefix_first_across_groups():
+    # two groups, 2 blocks per 1-unit page; one request's prefix spans pages 0..2 of group 0
+    # and pages 0..1 of group 1 (a sliding window keeps only its tail), all released together
+    core = J.Core([2, 2], [1, 1], 5)
+    assert core.allocate(1, [6, 4], 1) == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3]]
+    core.commit(0, [0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15], [16, 32, 48, 64, 80, 96])
+    core.commit(1, [0, 1, 2, 3], [20, 21, 22, 23], [48, 64, 80, 96])
+    core.release(0, [0, 1, 2, 3, 4, 5], 2)
+    core.release(1, [0, 1, 2, 3], 2)
+    # equal newest access: the page ending the longer prefix first, then group, then page
+    assert core.page_eviction_order() == [(0, 2), (1, 1), (0, 1), (1, 0), (0, 0)]
+    core.check_invariants(True)
+    plan(core)
+    # a 1-unit page for a new owner: the tail page of group 0 goes, the head survives
+    assert core.allocate(2, [1, 0], 3) == [[5], []]
+    assert core.lookup(0, [10, 11, 12, 13, 14, 15]).tolist() == [0, 1, 2, 3, -1, -1]
+    assert core.page_eviction_order() == [(1, 1), (0, 1), (1, 0), (0, 0)]
+    core.check_invariants(True)
+
+
+def test_step3_older_access_still_goes_before_a_longer_prefix():
+    core = J.Core([1], [1], 2)
+    assert core.allocate(1, [2], 1) == [[0, 1]]
+    core.commit(0, [0, 1], [1, 2], [16, 32])
+    core.release(0, [0], 2)  # prefix 16, older
+    core.release(0, [1], 3)  # prefix 32, newer
+    assert core.page_eviction_order() == [(0, 0), (0, 1)]
+
+
+def test_plan_ops_are_shared_and_equal_to_fresh_ones(monkeypatch):
+    import jenga.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_OPS_CACHED_MAX", 2)
+    monkeypatch.setattr(plan_mod, "_op_cache", {})
+    a = plan_mod.plan_from_arrays([1, 0], [0, 1], [3, 4], [0, 2])
+    assert a.ops == (UnmapPage(0, 3), MapPage(1, 4, 2))
+    b = plan_mod.plan_from_arrays([1], [0], [3], [0])
+    assert b.ops[0] is a.ops[0]  # the same frozen op, not rebuilt
+    c = plan_mod.plan_from_arrays([0], [2], [5], [0])  # a third op: the cache is cleared first
+    assert c.ops == (MapPage(2, 5, 0),) and len(plan_mod._op_cache) == 1

@@ -6,7 +6,7 @@ from jenga.sim.hardware import get_gpu
 from jenga.sim.jenga_adapter import FACTORIES
 from jenga.sim.metrics import summarize
 from jenga.sim.models import get_model
-from jenga.sim.workloads import Request, Trace, make_trace
+from jenga.sim.workloads import Request, Trace, image_ids, make_trace
 
 CHECKED = EngineConfig(check_invariants_every=1)
 
@@ -85,3 +85,35 @@ def test_max_page_pads_every_block_to_the_largest():
     assert result.timeline["needed_bytes"][0] == 100 * (32 * 4096 + 16 * 2048)
     vmm = run("jenga_vmm", "llama-3.1-8b+llama-3.2-1b", trace, 1 << 30)
     assert vmm.timeline["live_bytes"][0] == 7 * 32 * (64 << 10) + 7 * 16 * (32 << 10)
+
+
+MLLAMA_IMAGE = 6193
+
+
+def mllama_request(req_id: str, image_key: int = 5) -> Request:
+    prompt = image_ids(image_key, MLLAMA_IMAGE) + tuple(range(10, 53))  # 43 text tokens
+    return Request(req_id, prompt, (1, 2, 3), image_tokens=MLLAMA_IMAGE)
+
+
+@pytest.mark.parametrize("name", ["jenga_static", "jenga_vmm"])
+def test_mllama_self_attention_holds_text_only_cross_attention_the_image(name):
+    trace = Trace("one", (mllama_request("r0"),))
+    result = run(name, "llama-3.2-11b-vision", trace, 8 << 30, EngineConfig(1 << 20))
+    block = 16 * 2 * 8 * 128 * 2  # 16 tokens x (K, V) x 8 heads x 128 dims x bf16
+    # 32 self-attention layers: placeholder + 43 text = 3 blocks; 8 cross layers: 388 blocks
+    assert result.timeline["live_bytes"][0] == (32 * 3 + 8 * 388) * block
+    assert result.timeline["needed_bytes"][0] == (32 * 43 + 8 * MLLAMA_IMAGE) * block // 16
+
+
+def test_mllama_prefix_hit_covers_the_image_and_text_blocks():
+    trace = Trace("two", (mllama_request("r0"), mllama_request("r1"), mllama_request("r2", 6)))
+    result = run("jenga_vmm", "llama-3.2-11b-vision", trace, 8 << 30, EngineConfig(max_num_seqs=1))
+    # r1: the image plus placeholder + 31 text tokens (2 self blocks); r2's image differs
+    assert result.hit_tokens == MLLAMA_IMAGE + 31
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_adapter_groups_come_from_the_page_table_with_token_fractions(name):
+    model = get_model("pyramidkv-llama-3.1-8b")
+    groups = FACTORIES[name](model, 4 << 30).core.config.groups
+    assert [g.token_fraction for g in groups] == [(1, 1), (3, 4), (1, 2), (1, 4)]
