@@ -51,15 +51,13 @@ DEFAULT_CAPACITY = 1 << 40
 #: Sentinel id of the host zero chunk (the kernel zero page behind a read-only mapping).
 HOST_ZERO_HANDLE = -1
 _OOM_ERRNOS = (errno_codes.ENOMEM, errno_codes.ENOSPC)
+#: Mappings short of vm.max_map_count at which ENOMEM from mmap/munmap is taken as the map count.
+_MAP_COUNT_SLACK = 16
 
 
 def default_vma_budget() -> int:
     """Half of `vm.max_map_count` (the rest is left to the process's other mappings)."""
-    try:
-        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-    except (OSError, ValueError):
-        limit = 65530
-    return max(limit // 2, 1)
+    return max(kernel_map_limit() // 2, 1)
 
 
 def translate_host_error(exc: Exception) -> NoReturn:
@@ -75,9 +73,43 @@ def translate_host_error(exc: Exception) -> NoReturn:
         if op == "closed":
             raise ClosedError(message) from None
         raise MappingError(message) from None
-    if op == "create" and code in _OOM_ERRNOS:
-        raise OutOfMemory(message) from None
+    if code in _OOM_ERRNOS:
+        _raise_out_of_memory(message, op, code)
     raise BackendError(message, op=op, code=code) from None
+
+
+def _raise_out_of_memory(message: str, op: str, code: int) -> NoReturn:
+    """ENOMEM/ENOSPC of any op: VmaBudgetExceeded where mmap/munmap hit the kernel's map
+    count (the process holds about vm.max_map_count mappings), else OutOfMemory."""
+    name = errno_codes.errorcode.get(code, str(code))
+    if op != "create" and code == errno_codes.ENOMEM:
+        count, limit = process_map_count(), kernel_map_limit()
+        if count >= limit - _MAP_COUNT_SLACK:
+            raise VmaBudgetExceeded(
+                f"{message} ({name} in {op}: the process holds {count} of the kernel's "
+                f"{limit} mappings, vm.max_map_count)"
+            ) from None
+        raise OutOfMemory(
+            f"{message} ({name} in {op}; the process holds {count} of {limit} mappings)"
+        ) from None
+    raise OutOfMemory(f"{message} ({name} in {op})") from None
+
+
+def process_map_count() -> int:
+    """Mappings the process holds now (lines of /proc/self/maps); 0 where unreadable."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def kernel_map_limit() -> int:
+    """`vm.max_map_count` (65530, the kernel default, where unreadable)."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530
 
 
 class HostBackend(Backend):

@@ -290,8 +290,15 @@ class ChunkPool:
             raise BackendError(f"chunk pool is broken: {self._broken}", op="broken")
 
     def close(self) -> None:
-        """Close every range, release every chunk, close the backend. Idempotent."""
+        """Close every range, release every chunk, close the backend. Idempotent.
+
+        A broken pool (failed rollback) is not unmapped range by range, since its tables
+        cannot be trusted: the backend's close tears everything down (unmaps, releases,
+        frees every reservation) and the ranges are marked closed."""
         if self._closed:
+            return
+        if self._broken:
+            self._close_broken()
             return
         for rng in list(self._ranges.values()):
             rng.close()
@@ -299,6 +306,18 @@ class ChunkPool:
             self._release_free(len(self._free))
         self._closed = True
         self.backend.close()
+
+    def _close_broken(self) -> None:
+        self._closed = True
+        try:
+            self.backend.close()
+        finally:
+            for rng in self._ranges.values():
+                rng._forget()
+            self._ranges.clear()
+            self._free.clear()
+            self._refcount.clear()
+            self._num_created = 0
 
     def __enter__(self) -> ChunkPool:
         return self

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vmm import tensor as _tensor
-from vmm.errors import ClosedError, MappingError, RangeError
+from vmm.errors import BackendError, ClosedError, MappingError, RangeError
 
 if TYPE_CHECKING:
     import torch
@@ -197,10 +197,22 @@ class VirtualRange:
         self.map_handles(slots, handles)
         try:
             src.unmap(src_slots)
-        except BaseException:
-            self.unmap(slots)
+        except BaseException as exc:
+            self._undo_remap_target(slots, exc)
             raise
         self.pool._counters["ops.remap"] += len(slots)
+
+    def _undo_remap_target(self, slots: Sequence[int], cause: BaseException) -> None:
+        """Compensate a remap whose source unmap failed; if that fails too the chunks are
+        mapped at both ends, so the pool is marked broken (as a failed plan rollback does)."""
+        try:
+            self.unmap(slots)
+        except Exception as exc:
+            self.pool._broken = (
+                f"remap of {len(slots)} slots into {self.name!r} could not be undone after the "
+                f"source unmap failed ({cause}): {exc}"
+            )
+            raise BackendError(self.pool._broken, op="rollback") from exc
 
     def _mapped_handles(self, slots: Sequence[int], op: str) -> list[int]:
         self._validate(slots, True, op)
@@ -226,13 +238,20 @@ class VirtualRange:
         Any sub-span may be viewed, mapped or not: the tensor sees slots as they are mapped
         later (reading an unmapped, non-zero-backed slot faults). The tensor keeps the
         address range reserved while it lives. Raises RangeError past the range."""
-        views, info = self._views, _tensor.DTYPES.get(dtype)
-        if views is not None and info is not None and info[3] is None and type(shape) is tuple:
+        views, info, pool = self._views, _tensor.DTYPES.get(dtype), self.pool
+        if (
+            views is not None
+            and info is not None
+            and info[3] is None
+            and type(shape) is tuple
+            and not (pool._broken or pool._closed)
+        ):
             try:  # fast path (~1.5 µs): C++ capsule, torch adopts it; errors take the slow one
                 capsule = views.capsule(offset, shape, strides or (), info[0], info[1], 1)
+            except _tensor.HostError:
+                pass  # the slow path re-raises it as the matching vmm error
+            else:
                 return _tensor.adopt_capsule(capsule)
-            except Exception:
-                pass
         self._check_open()
         return _tensor.view(self, shape, dtype, offset, strides)
 
@@ -272,6 +291,13 @@ class VirtualRange:
         self._closed = True
         self._views = None
         del self.pool._ranges[id(self)]
+
+    def _forget(self) -> None:
+        """Mark closed without backend calls (the pool's backend tore everything down)."""
+        self._slot_to_handle = [-1] * self.num_slots
+        self.num_mapped = 0
+        self._closed = True
+        self._views = None
 
     def __enter__(self) -> VirtualRange:
         return self

@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING, Any
 from vmm._core import host as _h
 from vmm.errors import AlignmentError, ClosedError, RangeError
 
+#: The C++ host error base class (what a view capsule raises on bad input).
+HostError = _h.HostError
+
 if TYPE_CHECKING:
     import torch
 

@@ -86,17 +86,20 @@ void register_vmm(py::module_& m) {
           [](HostVmm& self, uint64_t va, size_t size) {
             return ViewFactory(self.reservation(va, size), /*device_type=*/1, /*device_id=*/0);
           },
-          py::arg("va"), py::arg("size"))
-      .def("slot_table", &HostVmm::slot_table, py::arg("va"), py::arg("size"))
+          py::arg("va"), py::arg("size"), Release())
+      .def("slot_table", &HostVmm::slot_table, py::arg("va"), py::arg("size"), Release())
       .def("close", &HostVmm::close, Release())
       .def("inject_fault", &HostVmm::inject_fault, py::arg("k"), py::arg("errno_value"),
-           "Make the k-th counted syscall from now fail with errno_value (k <= 0: off).")
-      .def_property_readonly("syscalls", &HostVmm::syscalls)
-      .def_property_readonly("vmas", &HostVmm::vmas)
+           "Make the k-th counted syscall from now fail with errno_value (k <= 0: off).", Release())
+      // Getters lock the backend's mutex: they wait out a mapping worker without the GIL
+      // (pybind11 converts results to Python objects after re-taking it).
+      .def_property_readonly("syscalls", py::cpp_function(&HostVmm::syscalls, Release()))
+      .def_property_readonly("vmas", py::cpp_function(&HostVmm::vmas, Release()))
       .def_property_readonly("vma_budget", &HostVmm::vma_budget)
-      .def_property_readonly("chunks", &HostVmm::chunks)
-      .def_property_readonly("physical_bytes", &HostVmm::physical_bytes)
-      .def_property_readonly("closed", &HostVmm::closed);
+      .def_property_readonly("chunks", py::cpp_function(&HostVmm::chunks, Release()))
+      .def_property_readonly("physical_bytes",
+                             py::cpp_function(&HostVmm::physical_bytes, Release()))
+      .def_property_readonly("closed", py::cpp_function(&HostVmm::closed, Release()));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "host/dlpack_view.hpp"
 
+#include <algorithm>
 #include <string>
 
 namespace jvmm {
@@ -21,20 +22,51 @@ void destroy_unconsumed_capsule(PyObject* capsule) {
   }
 }
 
-// Bytes spanned by the view, from its first to past its last element; throws on bad input.
+[[noreturn]] void throw_too_large(const std::string& what) {
+  throw HostRangeError("view " + what + " overflows int64 (larger than any reservation)", "view",
+                       0);
+}
+
+// Bytes spanned by the view, from its first to past its last element; throws on bad input and
+// HostRangeError where the element count or the span does not fit int64 (even for an empty
+// view: torch recomputes both), so no wrapped size reaches the bounds check or torch.
 int64_t span_bytes(const int64_t* shape, const int64_t* strides, size_t ndim, int64_t itemsize) {
   int64_t last = 0;  // element index of the last element
+  int64_t numel = 1;
   for (size_t i = 0; i < ndim; ++i) {
     if (shape[i] < 0) {
       throw HostArgError("view shape has a negative size " + std::to_string(shape[i]), "view", 0);
     }
-    if (shape[i] == 0) return 0;
     if (strides[i] < 0) {
       throw HostArgError("view stride " + std::to_string(strides[i]) + " is negative", "view", 0);
     }
-    last += (shape[i] - 1) * strides[i];
+    int64_t step = 0;
+    if (__builtin_mul_overflow(numel, shape[i], &numel) ||
+        (shape[i] > 0 && (__builtin_mul_overflow(shape[i] - 1, strides[i], &step) ||
+                          __builtin_add_overflow(last, step, &last)))) {
+      throw_too_large("dim " + std::to_string(i) + " (size " + std::to_string(shape[i]) +
+                      ", stride " + std::to_string(strides[i]) + ")");
+    }
   }
-  return (last + 1) * itemsize;
+  if (numel == 0) return 0;
+  int64_t span = 0;
+  if (__builtin_add_overflow(last, int64_t{1}, &span) ||
+      __builtin_mul_overflow(span, itemsize, &span)) {
+    throw_too_large("of " + std::to_string(last) + "+1 items of " + std::to_string(itemsize) +
+                    " bytes");
+  }
+  return span;
+}
+
+// Contiguous strides of `shape` (elements) into `st`; HostRangeError where one overflows int64.
+void contiguous_strides(const int64_t* shape, int64_t* st, size_t ndim) {
+  int64_t running = 1;
+  bool overflowed = false;
+  for (size_t i = ndim; i-- > 0;) {
+    if (overflowed) throw_too_large("stride of dim " + std::to_string(i));
+    st[i] = running;
+    overflowed = __builtin_mul_overflow(running, shape[i], &running);
+  }
 }
 
 }  // namespace
@@ -54,24 +86,31 @@ pybind11::capsule ViewFactory::capsule(int64_t offset, const std::vector<int64_t
                        "view", 0);
   }
   const int64_t itemsize = (static_cast<int64_t>(bits) * lanes + 7) / 8;
+  if (bits <= 0 || lanes <= 0 || itemsize <= 0) {
+    throw HostArgError("view dtype of " + std::to_string(bits) + " bits x " +
+                           std::to_string(lanes) + " lanes has no positive item size",
+                       "view", 0);
+  }
   auto* ctx = new ViewContext{};
+  ctx->dims.assign(shape.begin(), shape.end());
   ctx->dims.resize(2 * ndim);
   int64_t* st = ctx->dims.data() + ndim;
-  int64_t running = 1;
-  for (size_t i = ndim; i-- > 0;) {
-    ctx->dims[i] = shape[i];
-    st[i] = strides.empty() ? running : strides[i];
-    running *= shape[i];
-  }
   int64_t span = 0;
   try {
+    if (strides.empty()) {
+      contiguous_strides(ctx->dims.data(), st, ndim);
+    } else {
+      std::copy(strides.begin(), strides.end(), st);
+    }
     span = span_bytes(ctx->dims.data(), st, ndim, itemsize);
   } catch (...) {
     delete ctx;
     throw;
   }
   const int64_t size = static_cast<int64_t>(res_->size);
-  if (offset < 0 || offset % itemsize != 0 || offset + span > size) {
+  int64_t end = 0;
+  if (offset < 0 || offset % itemsize != 0 || __builtin_add_overflow(offset, span, &end) ||
+      end > size) {
     delete ctx;
     const std::string what = "view of " + std::to_string(span) + " bytes at offset " +
                              std::to_string(offset) + " (item size " + std::to_string(itemsize) +

@@ -89,6 +89,26 @@ void HostVmm::check_open(const char* op) const {
   if (fd_ < 0) throw HostStateError(std::string(op) + " on a closed host backend", "closed", 0);
 }
 
+uint64_t HostVmm::syscalls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return syscalls_;
+}
+
+int64_t HostVmm::vmas() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return vmas_total_;
+}
+
+int64_t HostVmm::chunks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return num_chunks_;
+}
+
+bool HostVmm::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fd_ < 0;
+}
+
 int64_t HostVmm::physical_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (fd_ < 0) return 0;
@@ -221,8 +241,8 @@ uint64_t HostVmm::reserve(size_t size, bool zero) {
                            std::to_string(gran_),
                        "reserve", 0);
   }
-  if (vmas() + 1 > vma_budget_) {
-    throw HostVmaError("reserve needs 1 VMA, " + std::to_string(vmas()) + " of budget " +
+  if (vmas_total_ + 1 > vma_budget_) {
+    throw HostVmaError("reserve needs 1 VMA, " + std::to_string(vmas_total_) + " of budget " +
                            std::to_string(vma_budget_) + " in use",
                        "reserve", 1);
   }

@@ -111,12 +111,13 @@ class HostVmm {
   void close();
 
   void inject_fault(int64_t k, int err);
-  uint64_t syscalls() const { return syscalls_; }
-  int64_t vmas() const { return vmas_total_; }
-  int64_t vma_budget() const { return vma_budget_; }
-  int64_t chunks() const { return num_chunks_; }
+  // Getters of shared state take the mutex (a worker thread may be mapping).
+  uint64_t syscalls() const;
+  int64_t vmas() const;
+  int64_t vma_budget() const { return vma_budget_; }  // constant
+  int64_t chunks() const;
   int64_t physical_bytes() const;  // memfd st_blocks * 512
-  bool closed() const { return fd_ < 0; }
+  bool closed() const;
 
  private:
   struct Target {  // one slot of a batch, sorted by address

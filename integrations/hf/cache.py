@@ -68,22 +68,28 @@ class RowStore:
 
     With ``image_tokens > 0`` each row is registered with one image of that many
     cross-attention tokens (an `ImageSpan` at position 0 of a placeholder prompt), so the
-    cross-attention group gets its blocks with the row's first allocation."""
+    cross-attention group gets its blocks with the row's first allocation.
+
+    Invariants: ``length == min(row_lengths)`` (0 before the first call), and
+    ``row_lengths[r] == kv.num_tokens(r)``: a failed `ensure` may leave early rows grown
+    (the allocator cannot shrink a request) but records it, so a retry only allocates what
+    each row still lacks."""
 
     def __init__(self, kv: KVCache, image_tokens: int = 0) -> None:
         self.kv = kv
         self.image_tokens = image_tokens
         self.num_rows = 0
         self.length = 0  # tokens allocated in every row
+        self.row_lengths: list[int] = []  # tokens allocated per row
 
     def ensure(self, num_rows: int, length: int) -> None:
-        """Allocate up to `length` tokens in each of `num_rows` rows (all-or-nothing)."""
+        """Allocate up to `length` tokens in each of `num_rows` rows.
+
+        Raises OutOfMemory when a row cannot grow; then `length` is unchanged and rows
+        that did grow keep (and record) their tokens. Registering the rows is all-or-
+        nothing."""
         if self.num_rows == 0:
-            n = self.image_tokens
-            for row in range(num_rows):
-                images = (ImageSpan(0, n, content_hash=row + 1),) if n else ()
-                self.kv.add_request(row, [0] * max(n, 1), images=images, use_cache=False)
-            self.num_rows = num_rows
+            self._add_rows(num_rows)
         if num_rows != self.num_rows:
             raise ValueError(
                 f"batch has {num_rows} rows, this cache was started with {self.num_rows}"
@@ -91,15 +97,36 @@ class RowStore:
         if length <= self.length:
             return
         for row in range(num_rows):
-            if self.kv.allocate(row, length - self.length) is None:
+            missing = length - self.row_lengths[row]
+            if missing <= 0:
+                continue
+            if self.kv.allocate(row, missing) is None:
                 usage = self.kv.allocator.usage()
                 raise vmm.OutOfMemory(
-                    f"KV cache full: row {row} needs {length - self.length} more tokens, "
+                    f"KV cache full: row {row} needs {missing} more tokens, "
                     f"{usage.free_units} of {usage.total_units} chunks free",
+                    needed=missing,
                     free=usage.free_units,
                     total=usage.total_units,
                 )
+            self.row_lengths[row] = length
         self.length = length
+
+    def _add_rows(self, num_rows: int) -> None:
+        """Register one request per row; a failure frees the rows registered before it."""
+        n = self.image_tokens
+        added: list[int] = []
+        try:
+            for row in range(num_rows):
+                images = (ImageSpan(0, n, content_hash=row + 1),) if n else ()
+                self.kv.add_request(row, [0] * max(n, 1), images=images, use_cache=False)
+                added.append(row)
+        except BaseException:
+            for row in added:
+                self.kv.free(row)
+            raise
+        self.num_rows = num_rows
+        self.row_lengths = [0] * num_rows
 
 
 class _VmmLayerMixin:

@@ -112,9 +112,7 @@ class KVCache:
             for i, g in enumerate(model.groups)
         )
         self._check_dtype()
-        self.ranges: tuple[tuple[VirtualRange, ...], ...] = tuple(
-            self._reserve_group(geo) for geo in self.geometries
-        )
+        self.ranges: tuple[tuple[VirtualRange, ...], ...] = self._reserve_all()
         self._layer_to_group = {
             layer: geo.index for geo in self.geometries for layer in geo.layer_ids
         }
@@ -142,23 +140,28 @@ class KVCache:
                     f"dtype {self.dtype} has {self.itemsize}"
                 )
 
-    def _reserve_group(self, geo: GroupGeometry) -> tuple[VirtualRange, ...]:
+    def _reserve_all(self) -> tuple[tuple[VirtualRange, ...], ...]:
+        """Every group's ranges; all or nothing: a failed reserve closes the earlier ones."""
+        reserved: list[VirtualRange] = []
+        try:
+            return tuple(self._reserve_group(geo, reserved) for geo in self.geometries)
+        except BaseException:
+            for rng in reversed(reserved):
+                rng.close()
+            raise
+
+    def _reserve_group(
+        self, geo: GroupGeometry, reserved: list[VirtualRange]
+    ) -> tuple[VirtualRange, ...]:
         names = ("k", "v") if geo.tensors_per_layer == 2 else ("kv",)
         if geo.layers_per_block > 1:
-            return tuple(
-                self.pool.reserve(geo.range_bytes, zero_backed=self.config.zero_backed,
-                                  name=f"{geo.name}.{n}")
-                for n in names
-            )  # fmt: skip
-        return tuple(
-            self.pool.reserve(
-                geo.range_bytes,
-                zero_backed=self.config.zero_backed,
-                name=f"{geo.name}.L{layer}.{n}",
-            )
-            for layer in geo.layer_ids
-            for n in names
-        )
+            labels = [f"{geo.name}.{n}" for n in names]
+        else:
+            labels = [f"{geo.name}.L{layer}.{n}" for layer in geo.layer_ids for n in names]
+        for label in labels:
+            zero = self.config.zero_backed
+            reserved.append(self.pool.reserve(geo.range_bytes, zero_backed=zero, name=label))
+        return tuple(reserved[-len(labels) :])
 
     # ---- allocator front -----------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -246,10 +249,14 @@ class KVCache:
         return got
 
     def launch_ahead(self) -> None:
-        """Hand the collected map-only plans to the overlap worker (returns at once)."""
-        jobs, self._ahead_async = self._ahead_async, []
-        if not jobs:
+        """Hand the collected map-only plans to the overlap worker. Returns at once unless
+        the worker still runs the previous batch: that is waited for first (a stall), so no
+        plan is taken before the worker can accept it."""
+        if not self._ahead_async:
             return
+        if self._worker is not None:
+            self._worker.wait()  # raises the previous batch's error, leaving these queued
+        jobs, self._ahead_async = self._ahead_async, []
         if self._worker is None:
             from vmm.kvcache.overlap import OverlapWorker
 
