@@ -57,7 +57,7 @@ import numpy as np
 from vmm._core import jenga as _core
 
 from jenga.pages import PageTable
-from jenga.plan import MappingPlan, plan_from_arrays
+from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
@@ -407,7 +407,10 @@ class JengaAllocator:
             req.first_live[g] = firsts[g]
             if skips[g]:  # Mamba checkpoints inside the span: never held
                 table.extend(np.full(skips[g], NULL_BLOCK, dtype=np.int32))
-            table.extend(blocks)
+            if len(table):
+                table.extend(blocks)
+            else:  # a fresh array from the core, referenced nowhere else: no copy
+                req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
         return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
 
@@ -504,9 +507,8 @@ class JengaAllocator:
         return self._drain_plan()
 
     def _drain_plan(self) -> MappingPlan:
-        if self._core.num_plan_ops == 0:
-            return _EMPTY_PLAN
-        return plan_from_arrays(*self._core.drain_plan())
+        keys = self._core.drain_plan_keys()  # one call; empty when no op is pending
+        return plan_from_keys(keys) if keys else _EMPTY_PLAN
 
     # -- prefix matching --------------------------------------------------------------
     def match_prefix(

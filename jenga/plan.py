@@ -115,7 +115,12 @@ def plan_from_arrays(
     kinds: list[int], groups: list[int], pages: list[int], reused: list[int]
 ) -> MappingPlan:
     """Build a plan from the C++ core's parallel arrays (``kinds``: OP_MAP / OP_UNMAP)."""
-    get = _op_cache.get
-    return MappingPlan(
-        tuple(get(key) or _make_op(key) for key in zip(kinds, groups, pages, reused, strict=True))
-    )
+    return plan_from_keys(list(zip(kinds, groups, pages, reused, strict=True)))
+
+
+def plan_from_keys(keys: list[tuple[int, int, int, int]]) -> MappingPlan:
+    """Build a plan from ``(kind, group, page, reused)`` tuples (the core's `drain_plan_keys`)."""
+    found: list[PlanOp | None] = list(map(_op_cache.get, keys))  # ops are truthy, misses None
+    if all(found):
+        return MappingPlan(tuple(found))  # type: ignore[arg-type]  # no None left
+    return MappingPlan(tuple(op or _make_op(key) for op, key in zip(found, keys, strict=True)))

@@ -72,9 +72,17 @@ class IntBuffer:
     __slots__ = ("_buf", "size")
 
     def __init__(self, values: Sequence[int] | np.ndarray = (), dtype: type = np.int64) -> None:
-        arr: np.ndarray = np.array(values, dtype=dtype)
+        arr: np.ndarray = np.array(values, dtype=dtype) if len(values) else np.empty(0, dtype)
         self._buf = arr
         self.size = len(arr)
+
+    @classmethod
+    def adopt(cls, arr: np.ndarray) -> IntBuffer:
+        """A buffer over ``arr`` itself, no copy: the caller hands ``arr`` over for good."""
+        buf = cls.__new__(cls)
+        buf._buf = arr
+        buf.size = len(arr)
+        return buf
 
     def __len__(self) -> int:
         return self.size
@@ -88,7 +96,8 @@ class IntBuffer:
         n = len(values)
         if self.size + n > len(self._buf):
             grown = np.empty(max(2 * len(self._buf), self.size + n, 16), dtype=self._buf.dtype)
-            grown[: self.size] = self._buf[: self.size]
+            if self.size:
+                grown[: self.size] = self._buf[: self.size]
             self._buf = grown
         self._buf[self.size : self.size + n] = values
         self.size += n

@@ -33,6 +33,22 @@ py::tuple plan_arrays(Core& core) {
   return py::make_tuple(kinds, groups, pages, reused);
 }
 
+// The pending plan as a list of (kind, group, page, reused_units) tuples, the keys of the
+// Python op cache (one call, no parallel arrays to zip); an empty list when nothing is pending.
+py::list plan_keys(Core& core) {
+  py::list out;
+  if (core.num_plan_ops() == 0) return out;
+  std::vector<jenga::PlanOp> ops;
+  {
+    py::gil_scoped_release nogil;
+    ops = core.drain_plan();
+  }
+  for (const auto& op : ops) {
+    out.append(py::make_tuple(static_cast<int32_t>(op.kind), op.group, op.page, op.reused_units));
+  }
+  return out;
+}
+
 py::dict counters_dict(const Core& core) {
   const jenga::Counters& c = core.counters();
   py::dict d;
@@ -197,6 +213,8 @@ void register_jenga(py::module_ m) {
       .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
            "Block id per hash (int32 array), -1 where absent")
       .def("drain_plan", &plan_arrays)
+      .def("drain_plan_keys", &plan_keys,
+           "drain_plan() as a list of (kind, group, page, reused_units) tuples")
       .def_property_readonly("num_plan_ops", &Core::num_plan_ops)
       .def_property("pinned_order", &Core::pinned_order, &Core::set_pinned_order,
                     "steps 1, 4, 2, then 5 on pages not wholly evictable, 3, 5")
