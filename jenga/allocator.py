@@ -349,7 +349,7 @@ class JengaAllocator:
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
         req.num_committed = [0] * self.num_groups
-        hit, hit_blocks = self._match(req) if use_cache else (0, [])
+        hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
         now = self._tick()
         for g, blocks in enumerate(hit_blocks):
             policy = self.policies[g]
@@ -524,8 +524,30 @@ class JengaAllocator:
         req = _Request(-1, TokenBuffer(prompt), _checked_images(images, len(prompt)), salt)
         return self._match(req)[0]
 
-    def _match(self, req: _Request) -> tuple[int, list[list[int]]]:
-        """The hit length and, per group, the block table a request with that hit starts with.
+    def match_prefix_junction(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        *,
+        images: Sequence[ImageSpan] = (),
+        salt: int = 0,
+    ) -> tuple[int, int]:
+        """(hit, junction): `match_prefix`, and the longest prefix valid in any one group.
+
+        ``junction > hit`` means some group (typically full attention) already caches a
+        longer shared prefix than a sparse group (Mamba state, window) can serve. An
+        engine that ends a chunk exactly there gets that group's entry cached too, so the
+        next request sharing the prefix hits all of it (vLLM's shared-prefix boundary,
+        after Marconi). No state changes.
+        """
+        if len(prompt) == 0:
+            return 0, 0
+        req = _Request(-1, TokenBuffer(prompt), _checked_images(images, len(prompt)), salt)
+        hit, _, junction = self._match(req)
+        return hit, junction
+
+    def _match(self, req: _Request) -> tuple[int, list[list[int]], int]:
+        """The hit length, per group the block table a request with that hit starts with,
+        and the longest prefix valid in any single group (see `match_prefix_junction`).
 
         The hit is the longest p < len(prompt), a multiple of every text group's block size,
         valid in every group (`Policy.valid_prefix_mask`, the vectorized `possible_prefix`).
@@ -533,6 +555,8 @@ class JengaAllocator:
         n = len(req.tokens)
         step = self._prefix_step
         valid = np.ones(n // step, dtype=bool)
+        whole = len(valid) > 0 and len(valid) * step == n  # one token is always computed
+        junction = 0
         lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
             if policy.reads_images:
@@ -543,9 +567,13 @@ class JengaAllocator:
                 hashes = chain.hashes
             found = self._core.lookup(g, hashes)
             lookups.append(found)
-            valid &= policy.valid_prefix_mask(found >= 0, step, n, req.images)
-        if len(valid) and len(valid) * step == n:
-            valid[-1] = False  # one token is always computed
+            mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
+            if whole:
+                mask[-1] = False
+            alone = np.flatnonzero(mask)
+            if len(alone):
+                junction = max(junction, int(alone[-1] + 1) * step)
+            valid &= mask
         hits = np.flatnonzero(valid)
         hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []
@@ -554,7 +582,7 @@ class JengaAllocator:
             take = policy.hit_blocks(hit, req.images) if hit else range(0)
             table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
             tables.append(table)
-        return hit, tables
+        return hit, tables, junction
 
     # -- queries ----------------------------------------------------------------------
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:

@@ -9,17 +9,25 @@ Rationale
 Approach
     - One jenga group per vLLM KV-cache group, in vLLM's order, so group ``i`` of the
       scheduler output is jenga group ``i``. Layer names become integer layer ids.
-    - Each group keeps vLLM's ``block_size`` (the worker's slot mapping uses it) and its
-      *unpadded* page: vLLM pads every group's page to one size so all groups share one
-      block pool; jenga does not need that, each group gets its own large page of
-      ``k`` chunks per layer range (`jenga.pages.vmm_page_table`).
+    - Each group keeps vLLM's ``block_size`` (the worker's slot mapping uses it). Where a
+      block id points depends on `JengaVllmOptions.pages`:
+
+      * "vllm" (with vLLM's own KV tensors): vLLM overlays every group on one buffer, so
+        id ``b`` names the same bytes in every group. One pool unit is one such block
+        slot, every group's large page is one slot (padded, as vLLM pads it), the
+        allocator's per-group page ids are translated to slots by
+        `integrations.vllm.slots.SharedSlots`, and slot 0 is the null block, as in vLLM.
+      * "vmm" (with `integrations.vllm.kv_tensors`): every layer has its own range and
+        each group its *unpadded* page in large pages of ``k`` chunks per layer range
+        (`jenga.pages.vmm_page_table`); group ``g`` holds at most
+        ``(total_units // U_g) * B_g`` blocks (the C++ core recycles page ids LIFO below
+        its peak), so ids ``< capacity`` and the id ``capacity`` is its null block.
+
+      A null block stands for entries a request released (blocks out of a sliding
+      window, old Mamba states).
     - The memory budget is vLLM's: the single backing allocation of the config's
       `KVCacheTensor` s (or ``num_blocks`` × the largest per-block footprint when the
       config lists no tensors, as vLLM's own scheduler tests build it).
-    - Group ``g`` can hold at most ``(total_units // U_g) * B_g`` blocks (the C++ core
-      recycles page ids LIFO below its peak), so ids ``< capacity``; the id
-      ``capacity`` is that group's *null block* (entries a request released: blocks out
-      of a sliding window, old Mamba states).
 
 Limitations
     Supported vLLM specs: `FullAttentionSpec` (plain), `SlidingWindowSpec`,
@@ -68,6 +76,17 @@ class InvalidOptions(JengaVllmError, ValueError):
 class JengaVllmOptions:
     """What the user may set under ``additional_config={"jenga_vmm": {...}}``.
 
+    ``pages``: where a block id points. "vllm" (the default with ``kv_tensors="torch"``):
+    vLLM's own KV tensors, in which every group overlays the same buffer and block id
+    ``b`` is the same bytes in every group, so ids are vLLM's shared block slots (1 ..
+    ``num_blocks - 1``, 0 = null) and a group's large page is one slot; memory moves
+    between groups block by block, as in vLLM, and jenga adds request-aware allocation
+    and the prefix-subset evictor. "vmm" (required by ``kv_tensors="vmm"``): every layer
+    has its own virtual range and a group's large page is ``k`` chunks of each of its
+    ranges, with the group's unpadded page. "auto" picks by ``kv_tensors``.
+    ``junctions``: report the shared-prefix boundary to the scheduler
+    (`JengaKVCacheManager.get_computed_blocks`) so Mamba states get cached where
+    siblings' prompts diverge.
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
     ``epsilon``: the tail a large page may waste (0: exact LCM; the VMM tensor path
     needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned"
@@ -83,10 +102,19 @@ class JengaVllmOptions:
     epsilon: float = 0.01
     order: str = "compact"
     kv_tensors: str = "torch"
+    pages: str = "auto"
+    junctions: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_tensors not in ("torch", "vmm"):
             raise InvalidOptions(f"kv_tensors must be 'torch' or 'vmm', got {self.kv_tensors!r}")
+        if self.pages not in ("auto", "vllm", "vmm"):
+            raise InvalidOptions(f"pages must be 'auto', 'vllm' or 'vmm', got {self.pages!r}")
+        if self.kv_tensors == "vmm" and self.pages == "vllm":
+            raise InvalidOptions(
+                "pages='vllm' places blocks in vLLM's own shared KV tensors; "
+                "kv_tensors='vmm' needs pages='vmm' (or 'auto')"
+            )
         if self.chunk_bytes <= 0:
             raise InvalidOptions(f"chunk_bytes must be > 0, got {self.chunk_bytes}")
         if not 0.0 <= self.epsilon < 1.0:
@@ -95,6 +123,13 @@ class JengaVllmOptions:
             raise InvalidOptions(
                 f"order must be one of {[str(o) for o in AllocationOrder]}, got {self.order!r}"
             )
+
+    @property
+    def page_geometry(self) -> str:
+        """ "vllm" or "vmm": `pages` with "auto" resolved by `kv_tensors`."""
+        if self.pages != "auto":
+            return self.pages
+        return "vmm" if self.kv_tensors == "vmm" else "vllm"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> JengaVllmOptions:
@@ -123,10 +158,8 @@ class GroupLayout:
     page_bytes: int  # unpadded bytes of one block of one layer
     pages: GroupPages
     capacity: int  # block ids of this group are < capacity
-
-    @property
-    def null_block_id(self) -> int:
-        return self.capacity
+    null_block_id: int  # capacity (vmm pages) or 0 (vllm pages, vLLM's null block)
+    block_bytes: int  # what one block of this group costs in the KV-cache budget
 
 
 @dataclass(frozen=True)
@@ -218,6 +251,37 @@ def build_layout(
         kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
     model = ModelSpec("vllm", tuple(kv_groups), max_model_len)
     memory = kv_cache_memory_bytes(kv_cache_config)
+    if options.page_geometry == "vllm":
+        table, total_units = _vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
+    else:
+        table, total_units = _vmm_pages(model, memory, options)
+    # vLLM writes a Mamba state only where a scheduled chunk ends ("align" mode)
+    config = AllocatorConfig.from_page_table(
+        model, table, total_units, AllocationOrder(options.order), mamba_step_end_only=True
+    )
+    shared = options.page_geometry == "vllm"
+    groups = []
+    for i, (vg, kg, row) in enumerate(zip(vgroups, kv_groups, table.groups, strict=True)):
+        capacity = (total_units // row.units_per_large_page) * row.blocks_per_large_page
+        groups.append(
+            GroupLayout(
+                index=i,
+                name=kg.name,
+                kind=kg.spec.kind,
+                layer_names=tuple(vg.layer_names),
+                block_size=int(vg.kv_cache_spec.block_size),
+                page_bytes=kg.spec.page_bytes,
+                pages=row,
+                capacity=capacity + 1 if shared else capacity,
+                null_block_id=0 if shared else capacity,
+                block_bytes=table.unit_bytes if shared else kg.spec.page_bytes * kg.num_layers,
+            )
+        )
+    return JengaLayout(model, table, config, tuple(groups), memory, options)
+
+
+def _vmm_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tuple[PageTable, int]:
+    """Per-layer ranges: large pages of ``k`` chunks per range (`vmm_page_table`)."""
     try:
         table = vmm_page_table(
             model, chunk_bytes=options.chunk_bytes, epsilon=options.epsilon, budget_bytes=memory
@@ -232,21 +296,39 @@ def build_layout(
             f"{options.chunk_bytes} B, but the KV cache holds {total_units}; give the KV "
             "cache more memory or raise jenga_vmm.epsilon for smaller Mamba pages"
         )
-    # vLLM writes a Mamba state only where a scheduled chunk ends ("align" mode)
-    config = AllocatorConfig.from_page_table(
-        model, table, total_units, AllocationOrder(options.order), mamba_step_end_only=True
-    )
-    groups = tuple(
-        GroupLayout(
-            index=i,
-            name=kg.name,
-            kind=kg.spec.kind,
-            layer_names=tuple(vg.layer_names),
-            block_size=int(vg.kv_cache_spec.block_size),
-            page_bytes=kg.spec.page_bytes,
-            pages=row,
-            capacity=(total_units // row.units_per_large_page) * row.blocks_per_large_page,
+    return table, total_units
+
+
+def _vllm_slot_pages(model: ModelSpec, memory: int, num_blocks: int) -> tuple[PageTable, int]:
+    """vLLM's own tensors: one unit = one block slot shared by all groups (slot 0 = null).
+
+    vLLM overlays every group on one buffer, so slot ``b`` is the same bytes in every
+    group and may belong to one group at a time; a group's large page is one slot (its
+    pages padded to the slot, exactly as vLLM pads them).
+    """
+    if num_blocks < 2:
+        raise JengaVllmError(f"the KV cache holds {num_blocks} block(s); at least 2 are needed")
+    slot = memory // num_blocks
+    rows = []
+    for g in model.groups:
+        small = g.spec.page_bytes * g.num_layers
+        if small > slot:
+            raise JengaVllmError(
+                f"group {g.name!r}: one block of its {g.num_layers} layers is {small} B, "
+                f"more than vLLM's block slot of {slot} B"
+            )
+        rows.append(
+            GroupPages(
+                group=g.name,
+                small_page_bytes=small,
+                num_ranges=1,
+                chunks_per_range=1,
+                blocks_per_large_page=1,
+                units_per_large_page=1,
+                tail_bytes=slot - small,
+                kind=str(g.spec.kind),
+                layers_per_small_page=g.num_layers,
+            )
         )
-        for i, (vg, kg, row) in enumerate(zip(vgroups, kv_groups, table.groups, strict=True))
-    )
-    return JengaLayout(model, table, config, groups, memory, options)
+    table = PageTable("max", slot, tuple(rows), model.name, layout="page_layer")
+    return table, num_blocks - 1

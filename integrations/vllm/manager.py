@@ -3,10 +3,11 @@
 Rationale
     vLLM's hybrid manager pads every group's page to one size and shares one block
     pool, so a Mamba state or a small sliding-window page costs as much as the largest
-    page, and a prefix hit is whatever each group's own LRU left behind. Jenga gives each
-    group its own large pages (k chunks per layer range), allocates request-aware, and
-    evicts aligned across groups (prefix-subset eviction), so hybrid models fit more
-    requests and keep longer common prefixes in the same memory.
+    page, and a prefix hit is whatever each group's own LRU left behind. Jenga evicts
+    aligned across groups (prefix-subset eviction), so the same memory keeps longer
+    common prefixes; on VMM tensors it also gives each group its own unpadded large pages
+    (k chunks per layer range) and allocates request-aware, so hybrid models with small
+    Mamba or window pages fit more requests.
 
 Approach
     `JengaKVCacheManager` offers the methods vLLM's `Scheduler` calls on its
@@ -15,7 +16,7 @@ Approach
     ============================  ==============================================
     vLLM call                     jenga
     ============================  ==============================================
-    get_computed_blocks           match_prefix (no state change)
+    get_computed_blocks           match_prefix_junction (no state change)
     allocate_slots (new request)  add_request (claims the hit) + allocate
     allocate_slots (running)      allocate for the tokens past what it holds
     cache_blocks                  append_tokens + cache (hash complete blocks)
@@ -28,9 +29,14 @@ Approach
     them. Every call that changes physical needs yields a `jenga.plan.MappingPlan`;
     they queue in order for the worker's VMM tensors (`take_mapping_plans`).
 
+    Block ids: with vLLM's own KV tensors (``pages="vllm"``, the default) every group
+    overlays one buffer, so each mapped allocator page gets a vLLM block slot of its own
+    (`integrations.vllm.slots.SharedSlots`, driven by the same plans); with VMM tensors
+    (``pages="vmm"``) the allocator's ids are used as they are.
+
     Null blocks: a released entry (out of the window, an old Mamba state) is shown as
-    a `KVCacheBlock` with ``is_null=True`` and id ``capacity`` of its group (see
-    `integrations.vllm.layout`), never a live id.
+    a `KVCacheBlock` with ``is_null=True`` and the group's null id (0 on vLLM's tensors,
+    ``capacity`` on VMM ranges; see `integrations.vllm.layout`), never a live id.
 
 Limitations
     No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
@@ -57,6 +63,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 from integrations.vllm.layout import JengaLayout, JengaVllmError, UnsupportedFeature
+from integrations.vllm.slots import SharedSlots
 
 
 class JengaKVCacheManager:
@@ -90,6 +97,7 @@ class JengaKVCacheManager:
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
         self._plans: list[MappingPlan] = []
+        self._slots = self._new_slots()
         self._events: list[KVCacheEvent] = []
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
 
@@ -99,8 +107,7 @@ class JengaKVCacheManager:
         """Fraction of the KV-cache bytes held by live requests' blocks (0.0 .. 1.0)."""
         use = self.allocator.usage()
         used = sum(
-            n * g.page_bytes * len(g.layer_names)
-            for n, g in zip(use.used_blocks, self.layout.groups, strict=True)
+            n * g.block_bytes for n, g in zip(use.used_blocks, self.layout.groups, strict=True)
         )
         return used / self.layout.memory_bytes
 
@@ -131,11 +138,20 @@ class JengaKVCacheManager:
 
     # -- prefix lookup ----------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
-        """(empty blocks, hit tokens, 0): the hit is claimed by `allocate_slots`."""
+        """(empty blocks, hit tokens, shared-prefix boundary); `allocate_slots` claims the hit.
+
+        The boundary (0 if none) is the longest prefix one group alone has cached when it
+        exceeds the hit — a full-attention prefix whose Mamba state was never written. For
+        Mamba models vLLM's scheduler ends the request's chunk there (block floored), so
+        the state at the junction is written and cached and the next sibling hits it all.
+        """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        hit = self.allocator.match_prefix(request.all_token_ids, salt=_salt(request))
-        return self.empty_kv_cache_blocks, hit, 0
+        hit, junction = self.allocator.match_prefix_junction(
+            request.all_token_ids, salt=_salt(request)
+        )
+        report = self.layout.options.junctions and junction > hit
+        return self.empty_kv_cache_blocks, hit, junction if report else 0
 
     def get_computed_blocks_for_connector(
         self, request: Request
@@ -202,9 +218,22 @@ class JengaKVCacheManager:
         got = self.allocator.allocate(request.request_id, need)
         if got is None:
             return None
-        if got.plan:
-            self._plans.append(got.plan)
+        self._queue_plan(got.plan)
         return [list(blocks) for blocks in got.new_blocks]
+
+    def _new_slots(self) -> SharedSlots | None:
+        """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None."""
+        if self.layout.options.page_geometry != "vllm":
+            return None
+        return SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
+
+    def _queue_plan(self, plan: MappingPlan) -> None:
+        """Hand a plan to the worker queue and, on shared tensors, move slots now."""
+        if not plan:
+            return
+        if self._slots is not None:
+            self._slots.apply(plan)
+        self._plans.append(plan)
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
@@ -222,9 +251,7 @@ class JengaKVCacheManager:
         self.counters["prefix.hit_tokens"] += hit
 
     def _release(self, rid: Hashable) -> None:
-        plan = self.allocator.free(rid)
-        if plan:
-            self._plans.append(plan)
+        self._queue_plan(self.allocator.free(rid))
         del self._tokens_known[rid]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -265,6 +292,7 @@ class JengaKVCacheManager:
         if self._tokens_known:
             return False
         self.allocator = self.layout.new_allocator()
+        self._slots = self._new_slots()
         self._plans.append(MappingPlan())  # marker: the worker unmaps everything
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
@@ -294,6 +322,16 @@ class JengaKVCacheManager:
             for row, g in zip(ids, self.layout.groups, strict=True)
         )
 
+    def is_cached_block(self, group: int, block_id: int) -> bool:
+        """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
+        page = block_id if self._slots is None else self._slots.page(group, block_id)
+        return bool(self.allocator._core.block_info(group, page)[2])
+
+    @property
+    def shares_block_ids(self) -> bool:
+        """True when block ids are vLLM's slots, unique across groups (``pages="vllm"``)."""
+        return self._slots is not None
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * self.num_kv_cache_groups
 
@@ -304,11 +342,14 @@ class JengaKVCacheManager:
         out: list[list[KVCacheBlock]] = []
         for g, ids in enumerate(tables):
             interned = self._block_objects[g]
+            slot_of = self._slots.slot_of[g] if self._slots is not None else None
             row = []
             for b in ids:
                 if b == NULL_BLOCK:
                     row.append(self._null_blocks[g])
                     continue
+                if slot_of is not None:
+                    b = slot_of[b]  # one block per page: the page's vLLM slot
                 blk = interned.get(b)
                 if blk is None:
                     blk = interned[b] = KVCacheBlock(b)
@@ -347,6 +388,9 @@ class JengaKVCacheManager:
     def check_invariants(self, expensive: bool = False) -> None:
         """The allocator's checks plus: every live request is known to the allocator."""
         self.allocator.check_invariants(expensive)
+        if self._slots is not None:
+            self._slots.check_invariants()
+            assert self._slots.num_mapped == self.allocator.usage().used_units
         for rid in self._tokens_known:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
 

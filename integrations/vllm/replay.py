@@ -233,22 +233,27 @@ def check_no_shared_live_blocks(scheduler: Any) -> None:
     blocks not yet committed to the cache must be exclusive.
     """
     manager = scheduler.kv_cache_manager
-    owners: dict[tuple[int, int], str] = {}
+    # vLLM's pool and jenga on vLLM's tensors hand out ids unique across groups
+    across_groups = getattr(manager, "shares_block_ids", True)
+    owners: dict[tuple[int, int], tuple[str, int]] = {}
     for req in scheduler.running:
         blocks = manager.get_blocks(req.request_id).blocks
         for g, row in enumerate(blocks):
             for blk in row:
-                if blk.is_null or _is_shared_prefix_block(manager, g, blk):
+                if blk.is_null:
                     continue
-                key = (g, blk.block_id)
-                assert key not in owners, (
-                    f"group {g} block {blk.block_id} held by {owners[key]} and {req.request_id}"
+                key = (-1 if across_groups else g, blk.block_id)
+                owner = owners.get(key)
+                if owner is not None and owner[1] == g and _is_shared_prefix_block(manager, g, blk):
+                    continue
+                assert owner is None, (
+                    f"block {blk.block_id} held by {owner[0]} (group {owner[1]}) and "
+                    f"{req.request_id} (group {g})"
                 )
-                owners[key] = req.request_id
+                owners[key] = (req.request_id, g)
 
 
 def _is_shared_prefix_block(manager: Any, group: int, blk: Any) -> bool:
-    allocator = getattr(manager, "allocator", None)
-    if allocator is None:  # vLLM's manager: hashed blocks may be shared
+    if not hasattr(manager, "is_cached_block"):  # vLLM's manager: hashed blocks may be shared
         return blk.block_hash is not None
-    return bool(allocator._core.block_info(group, blk.block_id)[2])
+    return bool(manager.is_cached_block(group, blk.block_id))

@@ -5,6 +5,10 @@ Both run under vLLM's real `Scheduler` on the same requests, the same `KVCacheCo
 bytes. Reported per case and manager: steps to finish, the most and the average number of
 running requests per step, preemptions, and prefix-hit tokens.
 
+Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
+vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
+unpadded page in large pages of 2 MiB chunks per layer, ``pages="vmm"``).
+
 Workload (``shared_prefix``): ``--requests`` prompts = a system prompt shared by all,
 then a topic prefix shared by one request in ``--topics``, then a private question;
 ``--output`` tokens each. Requests arrive in two waves (half, then the rest after the
@@ -21,7 +25,7 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,16 +66,26 @@ class Row:
     seconds: float
 
 
+MANAGERS = ("vllm", "jenga", "jenga-vmm")
+"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges."""
+
+
 def run_case(
     model_dir: Path,
     case: str,
     memory_mb: int,
     workload: Workload,
     *,
-    jenga: bool,
+    manager: str,
     setup: replay.SchedulerSetup,
 ) -> Row:
+    if manager not in MANAGERS:
+        raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
     start = time.perf_counter()
+    jenga = manager != "vllm"
+    if jenga:
+        pages = "vmm" if manager == "jenga-vmm" else "vllm"
+        setup = replace(setup, jenga_options={**setup.jenga_options, "pages": pages})
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
@@ -90,7 +104,7 @@ def run_case(
     running = [n for r in reports for n in r.running_per_step]
     return Row(
         case=case,
-        manager="jenga" if jenga else "vllm",
+        manager=manager,
         num_blocks=int(kv_config.num_blocks),
         steps=sum(r.steps for r in reports),
         max_running=max(r.max_running for r in reports),
@@ -107,11 +121,14 @@ def compare(
     memory_mb: int,
     workload: Workload,
     setup: replay.SchedulerSetup,
+    managers: tuple[str, ...] = MANAGERS,
 ) -> list[Row]:
     rows = []
     for case in case_names:
-        for jenga in (False, True):
-            rows.append(run_case(model_dir, case, memory_mb, workload, jenga=jenga, setup=setup))
+        for manager in managers:
+            rows.append(
+                run_case(model_dir, case, memory_mb, workload, manager=manager, setup=setup)
+            )
     return rows
 
 

@@ -126,3 +126,24 @@ def test_salt_isolates_tenants():
     assert alloc.match_prefix(prompt, salt=1) == 8
     assert alloc.match_prefix(prompt, salt=2) == 0
     assert alloc.match_prefix(prompt) == 0
+
+
+def test_junction_is_the_longest_prefix_one_group_alone_caches():
+    groups = (
+        GroupConfig("attn", Kind.FULL, 4, 8, 1),
+        GroupConfig("mamba", Kind.MAMBA, 4, 2, 1),
+    )
+    alloc = JengaAllocator(AllocatorConfig(groups, 16, mamba_step_end_only=True))
+    prompt = list(range(16))
+    _run(alloc, "a", prompt)  # one chunk: the only Mamba state is the one after 16 tokens
+    sibling = [*prompt[:8], 50, 51, 52, 53, 54]
+    assert alloc.match_prefix_junction(sibling) == (0, 8)  # attention has 8, Mamba nothing
+    assert alloc.match_prefix_junction([*prompt, 7]) == (16, 16)
+    assert alloc.match_prefix_junction([99] * 9) == (0, 0)
+    assert alloc.match_prefix_junction([]) == (0, 0)
+    # the sibling's chunk ends at the junction: its state there is cached, the next hits 8
+    alloc.add_request("b", sibling)
+    assert alloc.allocate("b", 8) is not None
+    alloc.cache("b", 8)
+    assert alloc.match_prefix_junction([*prompt[:8], 60, 61, 62]) == (8, 8)
+    alloc.check_invariants(expensive=True)

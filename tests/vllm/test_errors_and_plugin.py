@@ -66,13 +66,17 @@ def test_options_are_checked() -> None:
     with pytest.raises(InvalidOptions, match=r"order must be one of"):
         JengaVllmOptions(order="lifo")
     assert JengaVllmOptions.from_dict({"order": "paper"}).order == "paper"
+    with pytest.raises(InvalidOptions, match=r"kv_tensors='vmm' needs pages='vmm'"):
+        JengaVllmOptions(kv_tensors="vmm", pages="vllm")
+    assert JengaVllmOptions().page_geometry == "vllm"
+    assert JengaVllmOptions(kv_tensors="vmm").page_geometry == "vmm"
 
 
 def test_a_pool_without_room_for_one_page_per_group_is_refused(model_dir: Path) -> None:
     config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=256))
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("jamba"), 64 << 20)
     with pytest.raises(JengaVllmError, match=r"needs a large page in each group: 58 chunks"):
-        build_layout(kv_config, 256)
+        build_layout(kv_config, 256, JengaVllmOptions(pages="vmm"))
 
 
 def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:

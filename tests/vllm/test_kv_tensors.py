@@ -26,7 +26,7 @@ def _setup(model_dir: Path, case: str, memory_mb: int) -> tuple[Any, Any, Any]:
     setup = replay.SchedulerSetup(max_model_len=MAX_LEN)
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
-    layout = build_layout(kv_config, MAX_LEN, JengaVllmOptions())
+    layout = build_layout(kv_config, MAX_LEN, JengaVllmOptions(kv_tensors="vmm"))
     return config, kv_config, layout
 
 
