@@ -65,6 +65,11 @@ class VmmKVCache:
         kv_cache_layout: Any,
         kernel_block_sizes: Sequence[int] | None = None,
     ) -> None:
+        if layout.options.page_geometry != "vmm":
+            raise UnsupportedLayout(
+                f"the layout uses pages={layout.options.page_geometry!r} (vLLM's shared block "
+                "slots); VMM tensors need pages='vmm' (set kv_tensors='vmm')"
+            )
         if pool.granularity != layout.options.chunk_bytes:
             raise UnsupportedLayout(
                 f"pool granularity {pool.granularity} B != jenga chunk_bytes "

@@ -142,4 +142,7 @@ def test_tail_pages_are_refused(model_dir: Path) -> None:
         VmmKVCache(kv_config, layout, pool, KVCacheLayout.LBNHC)
     with pytest.raises(UnsupportedLayout, match=r"layer-compact"):
         VmmKVCache(kv_config, layout, pool, KVCacheLayout.BLNHC)
+    slots = build_layout(kv_config, MAX_LEN, JengaVllmOptions())
+    with pytest.raises(UnsupportedLayout, match=r"pages='vllm'.*need pages='vmm'"):
+        VmmKVCache(kv_config, slots, pool, KVCacheLayout.LBNHC)
     pool.close()
