@@ -16,20 +16,23 @@ Approach
     tail 0). The per-layer tensors come from vLLM's own `create_kv_cache_views` over a
     flat int8 view of the range, so shapes and strides are exactly vLLM's.
 
-    Two ways to drive the mapping:
+    Two ways to drive the mapping (`apply_scheduler_output` picks):
 
-    - `apply_plan` with the scheduler's `jenga.plan.MappingPlan` s (maps *and* unmaps;
-      used when scheduler and worker share a process, and in tests);
+    - `apply_plan` with the scheduler's `jenga.plan.MappingPlan` s (maps *and* unmaps),
+      which `JengaScheduler` attaches to every `SchedulerOutput` it sends, in or out of
+      process;
     - `ensure_mapped` / `map_for_scheduler_output` with the block ids a
-      `SchedulerOutput` carries (what a separate worker process sees): pages are mapped
-      as their block ids first appear.
+      `SchedulerOutput` carries, for outputs without plans: pages are mapped as their
+      block ids first appear and never unmapped.
 
 Limitations
     Only groups whose large page has no tail (exact LCM, ``epsilon`` small enough or
     page sizes dividing the chunk) and layer-compact layouts (``LBHNC``/``LBNHC``) are
-    supported (`UnsupportedLayout` otherwise). A worker in another process learns no
-    unmaps (plans stay in the scheduler), so there memory only grows to the high-water
-    mark. Kernel-block splitting follows vLLM's rules for dense pages.
+    supported (`UnsupportedLayout` otherwise). Unmapping a page while a previous step's
+    kernels may still read it relies on steps running in order on the worker (the plan
+    for step N + 1 is applied after step N was launched; on CUDA, `cuMemUnmap` of memory
+    in use by queued kernels is not synchronised by us — untested on a GPU).
+    Kernel-block splitting follows vLLM's rules for dense pages.
 """
 
 from __future__ import annotations
@@ -170,6 +173,19 @@ class VmmKVCache:
             for g_index, page in added:
                 self.mapped_pages[g_index].add(page)
         return len(added)
+
+    def apply_scheduler_output(self, scheduler_output: Any) -> int:
+        """Before a step: apply the plans the scheduler attached (maps and unmaps), or,
+        from a scheduler that attached none, map the pages of the step's block ids.
+
+        Returns the number of plan ops applied / pages mapped.
+        """
+        plans = getattr(scheduler_output, "jenga_vmm_plans", None)
+        if plans is None:
+            return self.map_for_scheduler_output(scheduler_output)
+        for plan in plans:
+            self.apply_plan(plan)
+        return sum(len(p) for p in plans)
 
     def map_for_scheduler_output(self, scheduler_output: Any) -> int:
         """`ensure_mapped` for every block id a vLLM `SchedulerOutput` hands the worker."""

@@ -27,7 +27,9 @@ Approach
     Like vLLM, blocks are committed to the prefix cache when they are allocated for
     tokens about to be computed, so a request admitted later in the same step can hit
     them. Every call that changes physical needs yields a `jenga.plan.MappingPlan`;
-    they queue in order for the worker's VMM tensors (`take_mapping_plans`).
+    with ``kv_tensors="vmm"`` they queue in order for the worker's VMM tensors
+    (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to each
+    `SchedulerOutput`), otherwise nothing consumes them and they are not kept.
 
     Block ids: with vLLM's own KV tensors (``pages="vllm"``, the default) every group
     overlays one buffer, so each mapped allocator page gets a vLLM block slot of its own
@@ -98,6 +100,8 @@ class JengaKVCacheManager:
         )
         self._plans: list[MappingPlan] = []
         self._slots = self._new_slots()
+        # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
+        self._queue_plans = layout.options.kv_tensors == "vmm"
         self._events: list[KVCacheEvent] = []
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
 
@@ -233,7 +237,8 @@ class JengaKVCacheManager:
             return
         if self._slots is not None:
             self._slots.apply(plan)
-        self._plans.append(plan)
+        if self._queue_plans:
+            self._plans.append(plan)
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
@@ -293,7 +298,8 @@ class JengaKVCacheManager:
             return False
         self.allocator = self.layout.new_allocator()
         self._slots = self._new_slots()
-        self._plans.append(MappingPlan())  # marker: the worker unmaps everything
+        if self._queue_plans:
+            self._plans.append(MappingPlan())  # marker: the worker unmaps everything
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         if self.log_stats:

@@ -12,13 +12,14 @@ Approach
       module-level ``allocate_kv_cache`` is swapped for `vmm_allocate_kv_cache`, so
       vLLM's own cross-layer sharing and ``bind_kv_cache`` run on our views; the
       `VmmKVCache` is kept on the runner.
-    - ``GPUModelRunner.execute_model``: before vLLM's step, the pages holding the block
-      ids of the `SchedulerOutput` are mapped (`VmmKVCache.map_for_scheduler_output`).
+    - ``GPUModelRunner.execute_model``: before vLLM's step, the mapping plans the
+      scheduler attached to the `SchedulerOutput` are applied (maps and unmaps;
+      `VmmKVCache.apply_scheduler_output`).
 
 Limitations
     Not exercised on a GPU in this repository's CI (no device); the host backend runs
-    the same code in tests through `vmm_allocate_kv_cache`. The worker learns no unmaps
-    from a scheduler in another process (see `integrations.vllm.kv_tensors`).
+    the same code in tests through `vmm_allocate_kv_cache`. With vLLM's plain
+    `Scheduler` (no plans attached) the worker only maps, never unmaps.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _wrap_execute(original: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
         cache = getattr(self, "jenga_vmm_kv_cache", None)
         if cache is not None:
-            cache.map_for_scheduler_output(scheduler_output)
+            cache.apply_scheduler_output(scheduler_output)
         return original(self, scheduler_output, *args, **kw)
 
     setattr(execute_model, _MARK, True)

@@ -66,6 +66,25 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
     return manager
 
 
+PLANS_ATTR = "jenga_vmm_plans"
+"""Attribute of a `SchedulerOutput` holding the mapping plans made since the last one."""
+
+
+def attach_mapping_plans(scheduler: Any, output: Any) -> Any:
+    """Hand the worker the plans queued since the last step (VMM tensors only).
+
+    The plans ride on the `SchedulerOutput` (a plain dataclass, pickled to worker
+    processes with its extra attribute), so a worker in another process learns unmaps
+    as well as maps: its committed memory follows the allocator instead of growing to
+    the high-water mark. Frees made while processing step N's output travel with step
+    N + 1, before which the worker applies them.
+    """
+    manager = scheduler.kv_cache_manager
+    if manager.layout.options.kv_tensors == "vmm":
+        setattr(output, PLANS_ATTR, manager.take_mapping_plans())
+    return output
+
+
 class JengaScheduler(Scheduler):
     """vLLM's Scheduler with the jenga KV-cache manager."""
 
@@ -74,6 +93,9 @@ class JengaScheduler(Scheduler):
         check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
         super().__init__(*args, **kwargs)
         install_jenga_manager(self)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        return attach_mapping_plans(self, super().schedule(*args, **kwargs))
 
 
 class JengaAsyncScheduler(AsyncScheduler):
@@ -84,3 +106,6 @@ class JengaAsyncScheduler(AsyncScheduler):
         check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
         super().__init__(*args, **kwargs)
         install_jenga_manager(self)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        return attach_mapping_plans(self, super().schedule(*args, **kwargs))

@@ -146,3 +146,44 @@ def test_tail_pages_are_refused(model_dir: Path) -> None:
     with pytest.raises(UnsupportedLayout, match=r"pages='vllm'.*need pages='vmm'"):
         VmmKVCache(kv_config, slots, pool, KVCacheLayout.LBNHC)
     pool.close()
+
+
+def test_a_worker_in_another_process_follows_maps_and_unmaps(model_dir: Path) -> None:
+    """Plans ride on the pickled `SchedulerOutput`: the worker's committed memory follows
+    the allocator (unmaps included), not the high-water mark."""
+    import pickle
+
+    from integrations.vllm.side_by_side import Workload
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    setup = replay.SchedulerSetup(
+        max_model_len=MAX_LEN, max_num_batched_tokens=1024, jenga_options={"kv_tensors": "vmm"}
+    )
+    config = replay.make_vllm_config(model_dir, setup)
+    kv_config = replay.kv_cache_config_for(config, cases.layer_specs("gemma2"), 48 << 20)
+    scheduler = replay.make_scheduler(config, kv_config, jenga=True)
+    manager = scheduler.kv_cache_manager
+    backend = vmm.HostBackend(CHUNK, capacity=128 << 20)
+    pool = vmm.ChunkPool(backend, budget_bytes=manager.layout.memory_bytes)
+    cache = VmmKVCache(kv_config, manager.layout, pool, KVCacheLayout.LBNHC)
+    seen = {"ops": 0, "unmaps": 0, "peak": 0}
+
+    def worker(_scheduler: Any, out: Any) -> None:
+        shipped = pickle.loads(pickle.dumps(out))  # what a worker process receives
+        seen["unmaps"] += sum(p.num_unmaps for p in shipped.jenga_vmm_plans)
+        seen["ops"] += cache.apply_scheduler_output(shipped)
+        seen["peak"] = max(seen["peak"], cache.mapped_bytes())
+        cache.check_invariants()
+
+    prompts = Workload(requests=24, output_tokens=32).prompts()
+    requests = replay.make_requests(prompts, [32] * len(prompts), setup.block_size)
+    replay.replay(scheduler, requests, after_step=worker)
+    for plan in manager.take_mapping_plans():  # the frees of the last step
+        cache.apply_plan(plan)
+    usage = manager.allocator.usage()
+    assert seen["unmaps"] > 0 and seen["ops"] > seen["unmaps"]
+    assert [len(p) for p in cache.mapped_pages] == list(usage.mapped_pages)
+    assert cache.mapped_bytes() == usage.used_units * CHUNK == backend.physical_bytes()
+    assert seen["peak"] <= manager.layout.memory_bytes
+    cache.close()
+    pool.close()
