@@ -78,6 +78,7 @@ def run_case(
     *,
     manager: str,
     setup: replay.SchedulerSetup,
+    window: int = 64,
 ) -> Row:
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
@@ -87,7 +88,8 @@ def run_case(
         pages = "vmm" if manager == "jenga-vmm" else "vllm"
         setup = replace(setup, jenga_options={**setup.jenga_options, "pages": pages})
     config = replay.make_vllm_config(model_dir, setup)
-    kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
+    specs = cases.layer_specs(case, window=window)
+    kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
     prompts = workload.prompts()
     half = len(prompts) // 2
@@ -122,13 +124,15 @@ def compare(
     workload: Workload,
     setup: replay.SchedulerSetup,
     managers: tuple[str, ...] = MANAGERS,
+    window: int = 64,
 ) -> list[Row]:
     rows = []
     for case in case_names:
         for manager in managers:
-            rows.append(
-                run_case(model_dir, case, memory_mb, workload, manager=manager, setup=setup)
+            row = run_case(
+                model_dir, case, memory_mb, workload, manager=manager, setup=setup, window=window
             )
+            rows.append(row)
     return rows
 
 
@@ -156,24 +160,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--question-tokens", type=int, default=200)
+    parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
     parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    workload = Workload(requests=args.requests, output_tokens=args.output)
+    workload = Workload(
+        requests=args.requests, output_tokens=args.output, question_tokens=args.question_tokens
+    )
+    longest = workload.system_tokens + workload.topic_tokens + args.question_tokens + args.output
     setup = replay.SchedulerSetup(
-        max_model_len=2048,
+        max_model_len=max(2048, -(-longest // 1024) * 1024),
         max_num_seqs=256,
         max_num_batched_tokens=2048,
         jenga_options={"order": args.order},
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
-        rows = compare(model_dir, args.cases, args.memory_mb, workload, setup)
+        rows = compare(model_dir, args.cases, args.memory_mb, workload, setup, window=args.window)
     print(format_table(rows))
     if args.json is not None:
         payload: dict[str, Any] = {
             "memory_mb": args.memory_mb,
             "order": args.order,
+            "window": args.window,
             "workload": asdict(workload),
             "rows": [asdict(r) for r in rows],
         }
