@@ -170,6 +170,7 @@ class ReplayReport:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    resumed_hit_tokens: int = 0  # hits of preempted requests coming back
     output_tokens: dict[str, int] = field(default_factory=dict)
     running_per_step: list[int] = field(default_factory=list)
 
@@ -223,6 +224,7 @@ def _collect_stats(report: ReplayReport, engine_outputs: Mapping[int, Any]) -> N
             continue
         report.prefix_hit_tokens += stats.prefix_cache_stats.hits
         report.prefix_query_tokens += stats.prefix_cache_stats.queries
+        report.resumed_hit_tokens += stats.prefix_cache_stats.preempted_hits
 
 
 def check_no_shared_live_blocks(scheduler: Any) -> None:

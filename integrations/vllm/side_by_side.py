@@ -3,7 +3,9 @@
 Both run under vLLM's real `Scheduler` on the same requests, the same `KVCacheConfig`
 (vLLM's own grouping, padding and block count for the per-layer specs) and so the same
 bytes. Reported per case and manager: steps to finish, the most and the average number of
-running requests per step, preemptions, and prefix-hit tokens.
+running requests per step, preemptions, prefix-hit tokens of first admissions (vLLM's
+``PrefixCacheStats.hits``) and of preempted requests coming back (``preempted_hits``,
+column "resumed").
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
 vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
@@ -63,6 +65,7 @@ class Row:
     avg_running: float
     preemptions: int
     prefix_hit_tokens: int
+    resumed_hit_tokens: int
     seconds: float
 
 
@@ -113,6 +116,7 @@ def run_case(
         avg_running=round(sum(running) / len(running), 2),
         preemptions=sum(r.preemptions for r in reports),
         prefix_hit_tokens=sum(r.prefix_hit_tokens for r in reports),
+        resumed_hit_tokens=sum(r.resumed_hit_tokens for r in reports),
         seconds=round(time.perf_counter() - start, 2),
     )
 
@@ -137,7 +141,17 @@ def compare(
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ("case", "manager", "blocks", "steps", "max run", "avg run", "preempt", "hit tokens")
+    head = (
+        "case",
+        "manager",
+        "blocks",
+        "steps",
+        "max run",
+        "avg run",
+        "preempt",
+        "hit tokens",
+        "resumed",
+    )
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
         cells = (
@@ -149,6 +163,7 @@ def format_table(rows: list[Row]) -> str:
             r.avg_running,
             r.preemptions,
             r.prefix_hit_tokens,
+            r.resumed_hit_tokens,
         )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
