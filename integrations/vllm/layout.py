@@ -31,8 +31,9 @@ Approach
 
 Limitations
     Supported vLLM specs: `FullAttentionSpec` (plain), `SlidingWindowSpec`,
-    `ChunkedLocalAttentionSpec`, `MambaSpec`. Cross attention, encoder-only, MLA, sink,
-    R-SWA, uniform-type and HiSparse specs raise `UnsupportedLayerKind`. A sliding
+    `ChunkedLocalAttentionSpec`, `MambaSpec`, `CrossAttentionSpec` (encoder-decoder
+    models). Encoder-only, MLA, sink, R-SWA, uniform-type and HiSparse specs raise
+    `UnsupportedLayerKind`. A sliding
     window wider than ``max_model_len`` is clamped to it (it then behaves as full).
 """
 
@@ -53,6 +54,7 @@ SUPPORTED_SPECS = (
     "SlidingWindowSpec",
     "ChunkedLocalAttentionSpec",
     "MambaSpec",
+    "CrossAttentionSpec",
 )
 
 
@@ -225,6 +227,8 @@ def layer_spec_from_vllm(spec: Any, max_model_len: int, group_index: int) -> Lay
         )
     if name == "ChunkedLocalAttentionSpec":
         return LayerSpec(Kind.CHUNKED_LOCAL, chunk=int(spec.attention_chunk_size), **common)
+    if name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
+        return LayerSpec(Kind.CROSS_ATTENTION, **common)
     if spec.sliding_window is not None or spec.attention_chunk_size is not None:
         raise UnsupportedLayerKind(
             f"{where}: a FullAttentionSpec carrying sliding_window/attention_chunk_size "

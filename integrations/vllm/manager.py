@@ -56,8 +56,9 @@ import hashlib
 from collections.abc import Hashable
 from typing import Any
 
-from jenga.allocator import NULL_BLOCK, JengaAllocator
+from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator
 from jenga.plan import MappingPlan
+from jenga.specs import Kind
 from vllm.distributed.kv_events import AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -100,6 +101,8 @@ class JengaKVCacheManager:
         )
         self._plans: list[MappingPlan] = []
         self._slots = self._new_slots()
+        # encoder-decoder: the encoder input is not in the decoder prompt (cross groups)
+        self._encoder_side = any(g.kind is Kind.CROSS_ATTENTION for g in layout.groups)
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.kv_tensors == "vmm"
         self._events: list[KVCacheEvent] = []
@@ -152,7 +155,7 @@ class JengaKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         hit, junction = self.allocator.match_prefix_junction(
-            request.all_token_ids, salt=_salt(request)
+            request.all_token_ids, images=self._images(request), salt=_salt(request)
         )
         report = self.layout.options.junctions and junction > hit
         return self.empty_kv_cache_blocks, hit, junction if report else 0
@@ -188,8 +191,6 @@ class JengaKVCacheManager:
         """
         if num_external_computed_tokens or delay_cache_blocks:
             raise UnsupportedFeature("external (connector) KV tokens are not supported")
-        if num_encoder_tokens:
-            raise UnsupportedFeature("encoder (cross-attention) tokens are not supported")
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
         rid = request.request_id
@@ -244,7 +245,9 @@ class JengaKVCacheManager:
         rid = request.request_id
         tokens = request.all_token_ids
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
-        hit = self.allocator.add_request(rid, tokens, salt=_salt(request), use_cache=use_cache)
+        hit = self.allocator.add_request(
+            rid, tokens, images=self._images(request), salt=_salt(request), use_cache=use_cache
+        )
         if hit != num_new_computed_tokens:
             self.allocator.free(rid)
             raise JengaVllmError(
@@ -254,6 +257,26 @@ class JengaKVCacheManager:
         self._tokens_known[rid] = len(tokens)
         self.counters["requests.admitted"] += 1
         self.counters["prefix.hit_tokens"] += hit
+
+    def _images(self, request: Request) -> tuple[ImageSpan, ...]:
+        """The request's multimodal inputs as jenga images, keyed by vLLM's identifiers.
+
+        Decoder-only models (LLaVA-style) have the placeholder tokens in the prompt, so
+        their positions hash by the image's identity (a different image never hits).
+        Encoder-decoder models hold the encoder input only in cross-attention groups,
+        allocated with the step that computes the first decoder token, cached and hit
+        by identity (vLLM itself never caches cross-attention blocks).
+        """
+        features = getattr(request, "mm_features", None) or ()
+        return tuple(
+            ImageSpan(
+                int(f.mm_position.offset),
+                int(f.mm_position.length),
+                _stable_int(f.identifier),
+                in_text=not self._encoder_side,
+            )
+            for f in features
+        )
 
     def _release(self, rid: Hashable) -> None:
         self._queue_plan(self.allocator.free(rid))
@@ -404,7 +427,10 @@ class JengaKVCacheManager:
 def _salt(request: Request) -> int:
     """A stable 63-bit integer for the request's cache salt (0 without one)."""
     salt = getattr(request, "cache_salt", None)
-    if not salt:
-        return 0
-    digest = hashlib.blake2b(str(salt).encode(), digest_size=8).digest()
+    return _stable_int(salt) if salt else 0
+
+
+def _stable_int(value: object) -> int:
+    """A 63-bit integer derived from ``str(value)``, the same in every process."""
+    digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1

@@ -9,7 +9,8 @@ Rationale
     side-by-side comparison run vLLM's real scheduling code against either manager.
 
 Approach
-    - `make_vllm_config`: a `VllmConfig` for a tiny Llama folder written on the fly;
+    - `make_vllm_config`: a `VllmConfig` for a tiny Llama folder written on the fly
+      (or a tiny Whisper folder from `integrations.vllm.encdec` for cross attention);
       the hybrid KV-cache manager is re-enabled after validation (vLLM turns it off on
       CPU platforms, where it would run on a GPU).
     - `kv_cache_config_for`: vLLM's own `get_kv_cache_configs` on per-layer specs and a
@@ -29,6 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from integrations.vllm.encdec import is_encoder_decoder_folder
 
 _TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -76,20 +79,23 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
         VllmConfig,
     )
 
+    encdec = is_encoder_decoder_folder(model_dir)  # needs its tokenizer (see encdec.py)
+    extra: dict[str, Any] = {"mm_hasher_algorithm": "sha256"} if encdec else {}
+    model_config = ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=not encdec,
+        dtype="float16",
+        seed=0,
+        max_model_len=setup.max_model_len,
+        **extra,
+    )
     scheduler_config = SchedulerConfig(
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_model_len,
         enable_chunked_prefill=True,
-        is_encoder_decoder=False,
+        is_encoder_decoder=model_config.is_encoder_decoder,
         async_scheduling=setup.async_scheduling,
-    )
-    model_config = ModelConfig(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="float16",
-        seed=0,
-        max_model_len=setup.max_model_len,
     )
     cache_config = CacheConfig(
         block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching

@@ -36,16 +36,15 @@ def check_supported_config(vllm_config: Any) -> None:
         problems.append("KV connectors (kv_transfer_config)")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (speculative_config)")
-    if vllm_config.model_config.is_encoder_decoder:
-        problems.append("encoder-decoder models (cross attention)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
     if problems:
         raise UnsupportedFeature(
             "the jenga KV-cache manager does not support "
             + ", ".join(problems)
-            + "; supported: decoder-only models with full, sliding-window, chunked-local "
-            "attention and Mamba layers, prefix caching, chunked prefill, preemption"
+            + "; supported: models with full, sliding-window, chunked-local attention, "
+            "Mamba and (encoder-decoder) cross-attention layers, prefix caching, chunked "
+            "prefill, preemption"
         )
 
 

@@ -32,19 +32,24 @@ def test_version_check_names_the_supported_version() -> None:
         check_vllm_version("0.31.2")
 
 
-def test_cross_attention_is_refused_with_the_supported_list(model_dir: Path) -> None:
+def test_an_unsupported_spec_is_refused_with_the_supported_list(model_dir: Path) -> None:
     import torch
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SinkFullAttentionSpec
 
-    spec = CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    spec = SinkFullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4
+    )
     config = KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["x"], spec)]
     )
     with pytest.raises(UnsupportedLayerKind) as info:
         build_layout(config, 1024)
     message = str(info.value)
-    assert "CrossAttentionSpec is not supported" in message
-    assert "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec" in message
+    assert "SinkFullAttentionSpec is not supported" in message
+    assert (
+        "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec, "
+        "CrossAttentionSpec" in message
+    )
 
 
 def test_unsupported_features_are_named() -> None:
