@@ -87,9 +87,13 @@ def make_encoder_requests(
     block_size: int,
     *,
     encoder_tokens: int = ENCODER_POSITIONS,
+    offset: int = 0,
     prefix: str = "r",
 ) -> list[Any]:
-    """Decoder prompts, each with one encoder input (``clips[i]`` names its audio)."""
+    """Decoder prompts, each with one encoder input (``clips[i]`` names its audio).
+
+    ``offset`` > 0 places the input inside the prompt instead (a decoder-only model's
+    image placeholders at ``[offset, offset + encoder_tokens)``)."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -104,7 +108,7 @@ def make_encoder_requests(
             data=None,
             modality="audio",
             identifier=clip,
-            mm_position=PlaceholderRange(offset=0, length=encoder_tokens),
+            mm_position=PlaceholderRange(offset=offset, length=encoder_tokens),
         )
         out.append(
             Request(

@@ -95,3 +95,24 @@ def test_block_tables_use_the_group_null_block_out_of_window(model_dir: Path) ->
     assert len(sliding) == len(full) == 13 and not any(b.is_null for b in full)
     manager.free(request)
     assert manager.usage == 0.0
+
+
+def test_prompt_images_hit_only_the_same_image(model_dir: Path) -> None:
+    """LLaVA-style placeholders in the prompt hash by the image's identifier."""
+    from integrations.vllm import encdec
+
+    manager = _scheduler(model_dir, "llama", 64).kv_cache_manager
+    prompt = [[3] * 100]
+
+    def request(clip: str, rid: str) -> Any:
+        (req,) = encdec.make_encoder_requests(
+            prompt, [clip], [4], BLOCK, encoder_tokens=40, offset=20, prefix=rid
+        )  # placeholders at 20..59
+        return req
+
+    first = request("cat.png", "a")
+    assert manager.allocate_slots(first, 100) is not None
+    manager.cache_blocks(first, 100)
+    manager.free(first)
+    assert manager.get_computed_blocks(request("cat.png", "b"))[1] == 96
+    assert manager.get_computed_blocks(request("dog.png", "c"))[1] == 16  # text before it
