@@ -27,6 +27,12 @@ Approach
     4. a free block in a large page of another request,
     5. evict one evictable block of g (LRU; ties: the longest prefix first).
 
+    Window-release demotion (``AllocatorConfig.demote_window_releases``, on by default):
+    in sliding-window and chunked-local groups, blocks a running request releases because
+    they left its window or chunk are cached in a lower tier, evicted (steps 3 and 5)
+    before any block released by `free`. Such a block serves only prefix hits ending
+    within one window after it; the tail of a finished prompt serves the whole prompt.
+
     ``AllocationOrder.COMPACT`` tries 4 before 2 (commits fewer units, frees less cleanly).
     `allocate` is all-or-nothing across groups: on "no room" it returns None and the
     core rolls back every step it took (evictions included). A call that fails because
@@ -63,6 +69,9 @@ from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
 _EMPTY_PLAN = MappingPlan()
+# Kinds whose blocks released mid-request serve only hits ending within one window/chunk
+# after them (the window-release demotion of `AllocatorConfig.demote_window_releases`).
+_WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL})
 _FREED_IDS_KEPT = 1 << 16
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
@@ -158,6 +167,10 @@ class AllocatorConfig:
     # Mamba: True when the engine writes a state only where each step ends (vLLM's
     # "align" mode), so one step holds 2 states, not one per checkpoint it spans.
     mamba_step_end_only: bool = False
+    # Sliding-window and chunked-local groups: blocks a running request releases (they
+    # left its window / chunk) are evicted before every block of a finished request
+    # (LRU within each tier). See "Window-release demotion" in docs/jenga.md.
+    demote_window_releases: bool = True
 
     @classmethod
     def from_page_table(
@@ -168,6 +181,7 @@ class AllocatorConfig:
         order: AllocationOrder = AllocationOrder.PAPER,
         *,
         mamba_step_end_only: bool = False,
+        demote_window_releases: bool = True,
     ) -> AllocatorConfig:
         """One `GroupConfig` per model group from a `jenga.pages` page table row.
 
@@ -191,7 +205,14 @@ class AllocatorConfig:
                     token_fraction=spec.token_fraction,
                 )
             )
-        return cls(tuple(groups), total_units, order, model.max_model_len, mamba_step_end_only)
+        return cls(
+            tuple(groups),
+            total_units,
+            order,
+            model.max_model_len,
+            mamba_step_end_only,
+            demote_window_releases,
+        )
 
 
 @dataclass(frozen=True)
@@ -286,6 +307,9 @@ class JengaAllocator:
             config.order is AllocationOrder.COMPACT,
         )
         self._core.pinned_order = config.order is AllocationOrder.PINNED
+        self._core.demoted_release_groups = [
+            config.demote_window_releases and g.kind in _WINDOW_KINDS for g in config.groups
+        ]
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
         text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
         # a hit must end on a block boundary of every text group

@@ -14,6 +14,12 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 constexpr size_t kPrefetchAhead = 8;  // hash-table slots requested ahead in batched loops
 
+void check_clock(int64_t now) {
+  if (now <= -kClockLimit || now >= kClockLimit) {
+    throw std::invalid_argument("clock value " + str(now) + " outside (-2^61, 2^61)");
+  }
+}
+
 }  // namespace
 
 Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
@@ -36,6 +42,15 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
     groups_[g].blocks_per_page = blocks_per_page[g];
     groups_[g].units_per_page = units_per_page[g];
   }
+  demote_release_.assign(groups_.size(), false);
+}
+
+void Core::set_demoted_release_groups(const std::vector<bool>& flags) {
+  if (flags.size() != groups_.size()) {
+    throw std::invalid_argument("need one demotion flag per group: got " + str(flags.size()) +
+                                " for " + str(groups_.size()) + " groups");
+  }
+  demote_release_ = flags;
 }
 
 const Group& Core::group(int32_t g) const {
@@ -71,6 +86,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     throw std::invalid_argument("need one release list per group (or none): got " +
                                 str(releases.size()) + " for " + str(groups_.size()) + " groups");
   }
+  check_clock(now);
   for (size_t g = 0; g < releases.size(); ++g)
     validate_release(static_cast<int32_t>(g), releases[g]);
   Counters c;
@@ -81,8 +97,9 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   logging_ = true;
   for (size_t g = 0; g < releases.size(); ++g) {
     const auto& rel = releases[g];
+    const bool demote = demote_release_[g];
     for (auto it = rel.rbegin(); it != rel.rend(); ++it)
-      prim_release(static_cast<int32_t>(g), *it, now);
+      prim_release(static_cast<int32_t>(g), *it, now, demote);
   }
   const size_t released_undo = undo_.size();
   const size_t plan_released = plan_.size();
@@ -285,13 +302,15 @@ void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
 }
 
 void Core::release(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  check_clock(now);
   validate_release(g, blocks);
   // Tail first: a request's later blocks carry longer prefixes, so with one release time
   // they come out evicted-first; pushing them last-to-first keeps each heap push O(1).
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) prim_release(g, *it, now);
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) prim_release(g, *it, now, false);
 }
 
 void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  check_clock(now);
   Group& G = grp((group(g), g));
   const int64_t limit = static_cast<int64_t>(G.blocks.size());
   for (const int32_t b : blocks) {

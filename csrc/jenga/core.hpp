@@ -15,14 +15,22 @@
 //        page p of group g:  | slot0 | slot1 | ... | slot B-1 |   owner = first request
 //        free chain:  page.free_head -> slot -> block.next_free -> ... -> -1
 //
-//   * Exact, deterministic LRU orders:
-//       lru[g] (binary min-heap, lazy deletion): (last_access, -prefix_len, block)  step 5
-//       evictable_pages (std::set): (newest access, -longest prefix, group, page)  step 3
+//   * Exact, deterministic LRU orders over the blocks' eviction times (below):
+//       lru[g] (binary min-heap, lazy deletion): (evict time, -prefix_len, block)   step 5
+//       evictable_pages (std::set): (newest evict time, -longest prefix, group, page) step 3
 //       pages_with_free[g] (std::set): (owner, page)                                steps 1, 4
 //     The block heap is lazy: an entry is live iff its stamp equals its block's stamp and
 //     the block is CACHED; removal is a stamp bump (O(1)); releases arrive with a
 //     non-decreasing clock, so a push is O(1) in the common case. Stale entries are
 //     dropped when they reach the top or when they outnumber live ones (rebuild).
+//   * Early-release demotion (per group, set_demoted_release_groups): a block released by
+//     allocate()'s release lists (a running request dropping blocks that left its sliding
+//     window or local chunk) is cached in a lower tier: its eviction time is
+//     last_access - kDemotedOffset, so it goes before every block released by release()
+//     (a finished or preempted request), LRU among its tier. Such a block can only serve
+//     a prefix hit ending within one window after it, while a finished prompt's blocks
+//     serve its whole prefix. A page's key takes its newest block, so a page is demoted
+//     only while all its cached blocks are. Clock values must lie in (-2^61, 2^61).
 //   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
@@ -88,10 +96,21 @@ struct Block {
   int64_t last_access = 0;
   int64_t prefix_len = 0;
   uint64_t lru_stamp = 0;  // stamp of its live heap entry while CACHED
+  bool demoted = false;    // last released early in a demoting group (lower cache tier)
 };
 
+// Demoted blocks rank this much older than their last access: below every normal block
+// for clocks in (-kClockLimit, kClockLimit).
+constexpr int64_t kDemotedOffset = int64_t{1} << 62;
+constexpr int64_t kClockLimit = int64_t{1} << 61;
+
+// The time eviction orders read: last access, or far older for a demoted block.
+inline int64_t evict_time(const Block& k) {
+  return k.demoted ? k.last_access - kDemotedOffset : k.last_access;
+}
+
 struct LruEntry {
-  int64_t last_access;
+  int64_t last_access;  // evict_time() of the block when pushed
   int64_t neg_prefix_len;
   int32_t block;
   uint64_t stamp;
@@ -193,6 +212,12 @@ class Core {
   void set_pinned_order(bool on) { pinned_order_ = on; }
   bool pinned_order() const { return pinned_order_; }
 
+  // Early-release demotion, one flag per group (default all false): blocks that
+  // allocate()'s release list of a flagged group caches rank below every block cached by
+  // release(). Throws std::invalid_argument unless there is one flag per group.
+  void set_demoted_release_groups(const std::vector<bool>& flags);
+  std::vector<bool> demoted_release_groups() const { return demote_release_; }
+
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
   int64_t free_units() const { return free_units_; }
@@ -221,7 +246,7 @@ class Core {
     int32_t group;
     int32_t id;  // block or page
     int64_t a;   // saved value (owner, last_access, extended flag)
-    int64_t b;   // saved prefix_len
+    int64_t b;   // saved prefix_len (uncache) or demoted flag (decref)
     uint64_t hash;
   };
 
@@ -253,7 +278,7 @@ class Core {
   void prim_uncache(int32_t g, int32_t block);
   void prim_push_free(int32_t g, int32_t block);
   void prim_use_limbo(int32_t g, int32_t block, int64_t now);
-  void prim_release(int32_t g, int32_t block, int64_t now);
+  void prim_release(int32_t g, int32_t block, int64_t now, bool demote);
   void validate_release(int32_t g, const std::vector<int32_t>& blocks);
   void rollback(size_t undo_mark, size_t plan_mark);
   void undo_one(const Undo& u);
@@ -287,7 +312,8 @@ class Core {
   bool defer_refresh_ = false;
   bool frugal_ = false;
   bool pinned_order_ = false;
-  std::vector<LruEntry> lru_aside_;  // frugal step 5: entries on evictable pages, set aside
+  std::vector<bool> demote_release_;  // per group: early releases go to the lower tier
+  std::vector<LruEntry> lru_aside_;   // frugal step 5: entries on evictable pages, set aside
   Counters counters_;
 };
 

@@ -72,7 +72,7 @@ void Core::check_group(int32_t g, bool expensive) const {
   });
 }
 
-// Live heap entries: one per CACHED block, keyed by its current (last_access, prefix).
+// Live heap entries: one per CACHED block, keyed by its current (evict_time, prefix).
 std::vector<char> Core::check_lru(const Group& G, const std::string& where) const {
   require(std::is_heap(G.lru.begin(), G.lru.end()), where + "LRU heap order broken");
   std::vector<char> in_lru(G.blocks.size(), 0);
@@ -80,7 +80,7 @@ std::vector<char> Core::check_lru(const Group& G, const std::string& where) cons
   for (const LruEntry& e : G.lru) {
     if (!lru_live(G, e)) continue;
     const Block& k = G.blocks[static_cast<size_t>(e.block)];
-    require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == k.last_access &&
+    require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == evict_time(k) &&
                 e.neg_prefix_len == -k.prefix_len,
             where + "LRU entry of block " + str(e.block) + " duplicated or with a stale key");
     in_lru[static_cast<size_t>(e.block)] = 1;
@@ -115,7 +115,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
     n_free += k.state == State::kFree ? 1 : 0;
     if (k.state == State::kCached) {
       ++n_cached;
-      age.add(k.last_access, k.prefix_len);
+      age.add(evict_time(k), k.prefix_len);
       require(k.hashed && in_lru[static_cast<size_t>(b)],
               pw + "cached block " + str(b) + " missing from the LRU heap");
     }

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 FREE, USED, CACHED = 0, 1, 2
 MAP, UNMAP = 0, 1
+DEMOTED_OFFSET = 1 << 62  # a demoted block ranks this much older than its last access
 
 
 @dataclass
@@ -22,6 +23,11 @@ class MBlock:
     hash: int = 0
     last: int = 0
     prefix: int = 0
+    demoted: bool = False  # cached by an early release of a demoting group
+
+    @property
+    def evict_time(self) -> int:
+        return self.last - DEMOTED_OFFSET if self.demoted else self.last
 
 
 @dataclass
@@ -48,6 +54,7 @@ class CoreModel:
         self.free_units = total
         self.order = [1, 4, 2, 3, 5] if compact else [1, 2, 3, 4, 5]
         self.plan: list[tuple[int, int, int, int]] = []
+        self.demote = [False] * len(self.groups)  # per group: early releases demoted
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -69,14 +76,14 @@ class CoreModel:
                         for s in range(G.B)
                         if G.blocks[p * G.B + s].state == CACHED
                     ]
-                    newest = max(k.last for k in cached)
-                    longest = max(k.prefix for k in cached if k.last == newest)
+                    newest = max(k.evict_time for k in cached)
+                    longest = max(k.prefix for k in cached if k.evict_time == newest)
                     out.append((newest, -longest, g, p))
         return sorted(out)
 
     def eviction_order(self, g: int) -> list[int]:
         G = self.groups[g]
-        keys = [(k.last, -k.prefix, b) for b, k in enumerate(G.blocks) if k.state == CACHED]
+        keys = [(k.evict_time, -k.prefix, b) for b, k in enumerate(G.blocks) if k.state == CACHED]
         return [b for _, _, b in sorted(keys)]
 
     def page_eviction_order(self) -> list[tuple[int, int]]:
@@ -127,13 +134,14 @@ class CoreModel:
         k.hashed = False
         k.state = -1  # limbo
 
-    def release_one(self, g: int, b: int, now: int) -> None:
+    def release_one(self, g: int, b: int, now: int, demote: bool = False) -> None:
         G = self.groups[g]
         k = G.blocks[b]
         k.refcount -= 1
         if k.refcount > 0:
             return
         k.last = now
+        k.demoted = demote
         if k.hashed:
             k.state = CACHED
             return
@@ -165,7 +173,7 @@ class CoreModel:
         snapshot = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         for g, rel in enumerate(releases):
             for b in reversed(rel):
-                self.release_one(g, b, now)
+                self.release_one(g, b, now, self.demote[g])
         released = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         out = self.allocate_groups(owner, counts, now, self.order, frugal=False)
         if out is None:
