@@ -109,6 +109,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     rollback(released_undo, plan_released);
     logging_ = true;
     if (may_fit_frugally(counts)) {
+      set_frugal_reserve(counts);
       c = Counters{};
       c.frugal_retries = 1;
       frugal_ = true;
@@ -153,14 +154,15 @@ bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Coun
                           std::vector<int32_t>& out) {
   static constexpr int kPaper[] = {kOwnFree, kNewPage, kEvictPage, kAnyFree, kEvictBlock};
   static constexpr int kCompact[] = {kOwnFree, kAnyFree, kNewPage, kEvictPage, kEvictBlock};
-  static constexpr int kFrugal[] = {kOwnFree, kAnyFree, kEvictBlock, kNewPage, kEvictPage};
+  static constexpr int kFrugal[] = {kOwnFree,    kNewPageSpare, kEvictPageSpare, kAnyFree,
+                                    kEvictBlock, kNewPage,      kEvictPage};
   static constexpr int kPinned[] = {kOwnFree,     kAnyFree,   kNewPage,
                                     kEvictPinned, kEvictPage, kEvictBlock};
   const int* order = frugal_          ? kFrugal
                      : pinned_order_  ? kPinned
                      : compact_order_ ? kCompact
                                       : kPaper;
-  const int num_steps = (!frugal_ && pinned_order_) ? 6 : 5;
+  const int num_steps = frugal_ ? 7 : pinned_order_ ? 6 : 5;
   bool ok = true;
   while (ok && n > 0) {
     bool progressed = false;
@@ -190,12 +192,16 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       page = it->second;
       break;
     }
+    case kNewPageSpare:
     case kNewPage:
+      if (step == kNewPageSpare && !spare_units_for(g, n)) return false;
       if (free_units_ < G.units_per_page) return false;
       page = prim_map(g, owner, 0);
       c.pages_mapped += 1;
       break;
+    case kEvictPageSpare:
     case kEvictPage:
+      if (step == kEvictPageSpare && !spare_units_for(g, n)) return false;
       if (!evict_pages_for(g, c, reused)) return false;
       page = prim_map(g, owner, reused);
       c.pages_mapped += 1;
@@ -224,7 +230,10 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
   }
   const int32_t taken = take_from_page(g, page, n, now, out);
   n -= taken;
-  c.step_blocks[static_cast<size_t>(step)] += taken;
+  const int counted = step == kNewPageSpare     ? kNewPage
+                      : step == kEvictPageSpare ? kEvictPage
+                                                : step;
+  c.step_blocks[static_cast<size_t>(counted)] += taken;
   return true;
 }
 

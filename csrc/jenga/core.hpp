@@ -153,12 +153,17 @@ struct Group {
   int64_t num_mapped_pages = 0;
   int64_t num_cached_blocks = 0;
   int64_t num_free_blocks = 0;  // FREE blocks in mapped pages
+  int64_t num_evictable_pages = 0;
 };
 
 // Steps of the paper's allocation (1-based indices into step counters).
 enum Step : int { kOwnFree = 1, kNewPage = 2, kEvictPage = 3, kAnyFree = 4, kEvictBlock = 5 };
 // Step 5 restricted to pages that are not wholly evictable (counted as step 5).
 constexpr int kEvictPinned = 6;
+// Frugal mode: steps 2 and 3 while the units they spend are spare, i.e. the pool keeps
+// what the later groups and the rest of this group need at least (counted as 2 and 3).
+constexpr int kNewPageSpare = 7;
+constexpr int kEvictPageSpare = 8;
 
 struct Counters {
   std::array<int64_t, 6> step_blocks{};  // blocks served by each step (index 1..5)
@@ -260,6 +265,12 @@ class Core {
                       std::vector<int32_t>& out);
   // Frugal mode (core_frugal.cpp): pages wholly evictable are kept for step 3.
   bool may_fit_frugally(const std::vector<int32_t>& counts) const;
+  // Free or cached blocks of g on pages that are not wholly evictable (cost no units).
+  int64_t costless_blocks(const Group& G) const;
+  // Units group g must take at least for n more blocks: pages beyond its costless blocks.
+  int64_t min_units(const Group& G, int64_t n) const;
+  void set_frugal_reserve(const std::vector<int32_t>& counts);
+  bool spare_units_for(int32_t g, int32_t n) const;
   int32_t frugal_own_free_page(const Group& G, int64_t owner) const;
   int32_t frugal_any_free_page(const Group& G) const;
   int32_t frugal_lru_top(Group& G);
@@ -293,7 +304,7 @@ class Core {
   void add_to_free_set(Group& G, int32_t page);
 
   struct PageTally {
-    int64_t mapped = 0, cached = 0, free_blocks = 0;
+    int64_t mapped = 0, cached = 0, free_blocks = 0, evictable = 0;
   };
   void check_group(int32_t g, bool expensive) const;
   std::vector<char> check_lru(const Group& G, const std::string& where) const;
@@ -312,8 +323,9 @@ class Core {
   bool defer_refresh_ = false;
   bool frugal_ = false;
   bool pinned_order_ = false;
-  std::vector<bool> demote_release_;  // per group: early releases go to the lower tier
-  std::vector<LruEntry> lru_aside_;   // frugal step 5: entries on evictable pages, set aside
+  std::vector<bool> demote_release_;     // per group: early releases go to the lower tier
+  std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
+  std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;
 };
 

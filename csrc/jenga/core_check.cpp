@@ -60,6 +60,7 @@ void Core::check_group(int32_t g, bool expensive) const {
     check_page(g, p, in_lru, tally);
   }
   require(tally.mapped == G.num_mapped_pages, where + "mapped page count wrong");
+  require(tally.evictable == G.num_evictable_pages, where + "evictable page count wrong");
   require(tally.cached == G.num_cached_blocks, where + "cached block count wrong");
   require(tally.free_blocks == G.num_free_blocks, where + "free block count wrong");
   require(G.pages_with_free.size() <= static_cast<size_t>(tally.mapped),
@@ -136,6 +137,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
                          evictable_pages_.count({age.newest, age.neg_longest, g, p}) == 1),
           pw + "evictable page key wrong");
   tally.mapped += P.mapped ? 1 : 0;
+  tally.evictable += evictable ? 1 : 0;
   tally.free_blocks += P.mapped ? n_free : 0;
   tally.cached += n_cached;
 }

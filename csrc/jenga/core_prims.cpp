@@ -315,6 +315,7 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
     if (P.in_evictable) {
       evictable_pages_.erase({P.evict_key, P.evict_tie, g, page});
       evictable_page_units_ -= G.units_per_page;
+      G.num_evictable_pages -= 1;
       P.in_evictable = false;
     }
     return;
@@ -332,6 +333,7 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
   P.in_evictable = true;
   evictable_pages_.insert({age.newest, age.neg_longest, g, page});
   evictable_page_units_ += G.units_per_page;
+  G.num_evictable_pages += 1;
 }
 
 void Core::remove_from_free_set(Group& G, int32_t page) {

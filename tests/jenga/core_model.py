@@ -180,7 +180,9 @@ class CoreModel:
             self.groups, self.free_units, plan_len = released
             del self.plan[plan_len:]
             if self.may_fit_frugally(counts):
-                out = self.allocate_groups(owner, counts, now, [1, 4, 5, 2, 3], frugal=True)
+                self.set_frugal_reserve(counts)
+                order = [1, 7, 8, 4, 5, 2, 3]  # 7, 8: steps 2, 3 with spare units only
+                out = self.allocate_groups(owner, counts, now, order, frugal=True)
         if out is None:
             self.groups, self.free_units, plan_len = snapshot
             del self.plan[plan_len:]
@@ -218,6 +220,31 @@ class CoreModel:
                 need += -(-short // G.B) * G.U
         return need <= pool
 
+    def costless(self, g: int) -> int:
+        """Free or cached blocks of g on mapped pages that are not wholly evictable."""
+        G = self.groups[g]
+        evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
+        return sum(
+            (k.state == CACHED or (G.pages[b // G.B].mapped and k.state == FREE))
+            and b // G.B not in evictable
+            for b, k in enumerate(G.blocks)
+        )
+
+    def min_units(self, g: int, n: int) -> int:
+        G = self.groups[g]
+        return -(-max(0, n - self.costless(g)) // G.B) * G.U
+
+    def set_frugal_reserve(self, counts: list[int]) -> None:
+        self.reserve = [
+            sum(self.min_units(h, counts[h]) for h in range(g + 1, len(counts)))
+            for g in range(len(counts))
+        ]
+
+    def spare(self, g: int, n: int) -> bool:
+        G = self.groups[g]
+        pool = self.free_units + sum(self.groups[h].U for _, _, h, _ in self.evictable_pages())
+        return pool - G.U >= self.reserve[g] + self.min_units(g, max(0, n - G.B))
+
     def try_step(
         self, step: int, g: int, owner: int, n: int, now: int, got: list[int], frugal: bool
     ) -> int | None:
@@ -226,6 +253,10 @@ class CoreModel:
         if frugal:  # wholly evictable pages are kept for step 3
             evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
             pwf = [(o, p) for o, p in pwf if p not in evictable]
+        if step in (7, 8):
+            if not self.spare(g, n):
+                return None
+            step -= 5
         if step == 1:
             own = [p for o, p in pwf if o == owner]
             if not own:
