@@ -42,15 +42,15 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
     groups_[g].blocks_per_page = blocks_per_page[g];
     groups_[g].units_per_page = units_per_page[g];
   }
-  demote_release_.assign(groups_.size(), false);
+  early_release_.assign(groups_.size(), false);
 }
 
-void Core::set_demoted_release_groups(const std::vector<bool>& flags) {
+void Core::set_early_release_groups(const std::vector<bool>& flags) {
   if (flags.size() != groups_.size()) {
-    throw std::invalid_argument("need one demotion flag per group: got " + str(flags.size()) +
+    throw std::invalid_argument("need one early-release flag per group: got " + str(flags.size()) +
                                 " for " + str(groups_.size()) + " groups");
   }
-  demote_release_ = flags;
+  early_release_ = flags;
 }
 
 const Group& Core::group(int32_t g) const {
@@ -97,9 +97,9 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   logging_ = true;
   for (size_t g = 0; g < releases.size(); ++g) {
     const auto& rel = releases[g];
-    const bool demote = demote_release_[g];
+    const bool early = early_release_[g];
     for (auto it = rel.rbegin(); it != rel.rend(); ++it)
-      prim_release(static_cast<int32_t>(g), *it, now, demote);
+      prim_release(static_cast<int32_t>(g), *it, now, early);
   }
   const size_t released_undo = undo_.size();
   const size_t plan_released = plan_.size();

@@ -23,14 +23,16 @@
 //     the block is CACHED; removal is a stamp bump (O(1)); releases arrive with a
 //     non-decreasing clock, so a push is O(1) in the common case. Stale entries are
 //     dropped when they reach the top or when they outnumber live ones (rebuild).
-//   * Early-release demotion (per group, set_demoted_release_groups): a block released by
-//     allocate()'s release lists (a running request dropping blocks that left its sliding
-//     window or local chunk) is cached in a lower tier: its eviction time is
-//     last_access - kDemotedOffset, so it goes before every block released by release()
-//     (a finished or preempted request), LRU among its tier. Such a block can only serve
-//     a prefix hit ending within one window after it, while a finished prompt's blocks
-//     serve its whole prefix. A page's key takes its newest block, so a page is demoted
-//     only while all its cached blocks are. Clock values must lie in (-2^61, 2^61).
+//   * Early releases (per group, set_early_release_groups): a block released by allocate()'s
+//     release lists of a flagged group (a running request dropping blocks that left its
+//     sliding window or local chunk) is *early*. Among blocks of equal eviction time, early
+//     ones go head first (shortest prefix first), all others tail first: the last blocks
+//     of an early batch still serve hits at the request's prompt end, together with the
+//     request's later blocks. With set_demote_early_releases(true) early blocks are also
+//     cached in a lower tier: eviction time last_access - kDemotedOffset, before every
+//     block released by release() (a finished or preempted request). A page's key takes
+//     its newest block, so a page is demoted only while all its cached blocks are. Clock
+//     values must lie in (-2^61, 2^61).
 //   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
@@ -96,7 +98,8 @@ struct Block {
   int64_t last_access = 0;
   int64_t prefix_len = 0;
   uint64_t lru_stamp = 0;  // stamp of its live heap entry while CACHED
-  bool demoted = false;    // last released early in a demoting group (lower cache tier)
+  bool early = false;      // last released early (left a window/chunk mid-request)
+  bool demoted = false;    // early, and early releases are demoted (lower cache tier)
 };
 
 // Demoted blocks rank this much older than their last access: below every normal block
@@ -109,34 +112,42 @@ inline int64_t evict_time(const Block& k) {
   return k.demoted ? k.last_access - kDemotedOffset : k.last_access;
 }
 
+// Tie-break among equal evict times, smaller first: the longest prefix first (-prefix_len:
+// a finished prefix loses its tail before its head, aligned across groups), but the
+// shortest first among early blocks (+prefix_len): of the blocks that left a window
+// together, the head serves only the shortest prefixes, the last ones still serve hits
+// at the request's prompt end with the blocks the request released after them.
+inline int64_t evict_tie(const Block& k) { return k.early ? k.prefix_len : -k.prefix_len; }
+
 struct LruEntry {
   int64_t last_access;  // evict_time() of the block when pushed
-  int64_t neg_prefix_len;
+  int64_t tie;          // evict_tie() of the block when pushed
   int32_t block;
   uint64_t stamp;
   // min-heap through std::push_heap's max-heap: "a < b" means a is evicted later
   bool operator<(const LruEntry& o) const {
     if (last_access != o.last_access) return last_access > o.last_access;
-    if (neg_prefix_len != o.neg_prefix_len) return neg_prefix_len > o.neg_prefix_len;
+    if (tie != o.tie) return tie > o.tie;
     return block > o.block;
   }
 };
 
-// Step 3 order: newest access (LRU), then the longest prefix first (aligned eviction: among
-// pages last touched together, the tail of a prefix goes before its head, in every group),
-// then group and page. Key: (newest access, -longest prefix_len, group, page).
+// Step 3 order: newest evict time (LRU), then the smallest evict_tie among the blocks of that
+// time (normal blocks: the longest prefix first, aligned eviction: among pages last touched
+// together, the tail of a prefix goes before its head, in every group), then group and
+// page. Key: (newest evict time, tie, group, page).
 using PageKey = std::tuple<int64_t, int64_t, int32_t, int32_t>;
 
 // The page's step-3 key parts from its cached blocks, folded one block at a time.
 struct PageAge {
   int64_t newest = std::numeric_limits<int64_t>::min();
-  int64_t neg_longest = 0;
-  void add(int64_t last_access, int64_t prefix_len) {
-    if (last_access > newest) {
-      newest = last_access;
-      neg_longest = -prefix_len;
-    } else if (last_access == newest) {
-      neg_longest = std::min(neg_longest, -prefix_len);
+  int64_t tie = 0;
+  void add(int64_t time, int64_t block_tie) {
+    if (time > newest) {
+      newest = time;
+      tie = block_tie;
+    } else if (time == newest) {
+      tie = std::min(tie, block_tie);
     }
   }
 };
@@ -217,11 +228,13 @@ class Core {
   void set_pinned_order(bool on) { pinned_order_ = on; }
   bool pinned_order() const { return pinned_order_; }
 
-  // Early-release demotion, one flag per group (default all false): blocks that
-  // allocate()'s release list of a flagged group caches rank below every block cached by
-  // release(). Throws std::invalid_argument unless there is one flag per group.
-  void set_demoted_release_groups(const std::vector<bool>& flags);
-  std::vector<bool> demoted_release_groups() const { return demote_release_; }
+  // Early releases, one flag per group (default all false): blocks that allocate()'s
+  // release list of a flagged group caches are early (head-first ties; demoted when
+  // demote_early_releases). Throws std::invalid_argument unless one flag per group.
+  void set_early_release_groups(const std::vector<bool>& flags);
+  std::vector<bool> early_release_groups() const { return early_release_; }
+  void set_demote_early_releases(bool on) { demote_early_ = on; }
+  bool demote_early_releases() const { return demote_early_; }
 
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
@@ -251,7 +264,7 @@ class Core {
     int32_t group;
     int32_t id;  // block or page
     int64_t a;   // saved value (owner, last_access, extended flag)
-    int64_t b;   // saved prefix_len (uncache) or demoted flag (decref)
+    int64_t b;   // saved prefix_len (uncache) or early | demoted << 1 (decref)
     uint64_t hash;
   };
 
@@ -289,7 +302,7 @@ class Core {
   void prim_uncache(int32_t g, int32_t block);
   void prim_push_free(int32_t g, int32_t block);
   void prim_use_limbo(int32_t g, int32_t block, int64_t now);
-  void prim_release(int32_t g, int32_t block, int64_t now, bool demote);
+  void prim_release(int32_t g, int32_t block, int64_t now, bool early);
   void validate_release(int32_t g, const std::vector<int32_t>& blocks);
   void rollback(size_t undo_mark, size_t plan_mark);
   void undo_one(const Undo& u);
@@ -323,7 +336,8 @@ class Core {
   bool defer_refresh_ = false;
   bool frugal_ = false;
   bool pinned_order_ = false;
-  std::vector<bool> demote_release_;     // per group: early releases go to the lower tier
+  std::vector<bool> early_release_;      // per group: allocate()'s releases are early
+  bool demote_early_ = false;            // early blocks go to the lower cache tier
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;

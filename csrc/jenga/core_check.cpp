@@ -82,7 +82,7 @@ std::vector<char> Core::check_lru(const Group& G, const std::string& where) cons
     if (!lru_live(G, e)) continue;
     const Block& k = G.blocks[static_cast<size_t>(e.block)];
     require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == evict_time(k) &&
-                e.neg_prefix_len == -k.prefix_len,
+                e.tie == evict_tie(k),
             where + "LRU entry of block " + str(e.block) + " duplicated or with a stale key");
     in_lru[static_cast<size_t>(e.block)] = 1;
     ++live;
@@ -116,7 +116,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
     n_free += k.state == State::kFree ? 1 : 0;
     if (k.state == State::kCached) {
       ++n_cached;
-      age.add(evict_time(k), k.prefix_len);
+      age.add(evict_time(k), evict_tie(k));
       require(k.hashed && in_lru[static_cast<size_t>(b)],
               pw + "cached block " + str(b) + " missing from the LRU heap");
     }
@@ -133,8 +133,8 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
   require(!P.mapped || n_free < B, pw + "mapped page with every block free");
   const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
   require(evictable == P.in_evictable, pw + "evictable flag wrong");
-  require(!evictable || (P.evict_key == age.newest && P.evict_tie == age.neg_longest &&
-                         evictable_pages_.count({age.newest, age.neg_longest, g, p}) == 1),
+  require(!evictable || (P.evict_key == age.newest && P.evict_tie == age.tie &&
+                         evictable_pages_.count({age.newest, age.tie, g, p}) == 1),
           pw + "evictable page key wrong");
   tally.mapped += P.mapped ? 1 : 0;
   tally.evictable += evictable ? 1 : 0;

@@ -121,17 +121,21 @@ void Core::prim_use_limbo(int32_t g, int32_t block, int64_t now) {
 
 // Drop one reference; at zero the block becomes CACHED (hashed) or FREE, and a page left
 // with only FREE blocks is unmapped.
-// `demote`: an early release in a demoting group; the last reference decides the tier.
-void Core::prim_release(int32_t g, int32_t block, int64_t now, bool demote) {
+// `early`: released by allocate() in an early-release group; the last reference decides.
+void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Group& G = grp(g);
   Block& k = G.blocks[static_cast<size_t>(block)];
-  if (logging_) undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, k.demoted, 0});
+  if (logging_) {
+    const int64_t flags = (k.early ? 1 : 0) | (k.demoted ? 2 : 0);
+    undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, flags, 0});
+  }
   k.refcount -= 1;
   if (k.refcount > 0) return;
   const int32_t page = page_of(G, block);
   Page& P = G.pages[static_cast<size_t>(page)];
   k.last_access = now;
-  k.demoted = demote;
+  k.early = early;
+  k.demoted = early && demote_early_;
   counters_.blocks_released += 1;
   if (k.hashed) {
     if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
@@ -240,7 +244,8 @@ void Core::undo_one(const Undo& u) {
       k.refcount += 1;
       k.state = State::kUsed;
       k.last_access = u.a;
-      k.demoted = u.b != 0;
+      k.early = (u.b & 1) != 0;
+      k.demoted = (u.b & 2) != 0;
       break;
     }
     case UndoKind::kToCached: {
@@ -274,7 +279,7 @@ bool Core::lru_live(const Group& G, const LruEntry& e) const {
 void Core::lru_insert(Group& G, int32_t block) {
   Block& k = G.blocks[static_cast<size_t>(block)];
   k.lru_stamp = ++next_stamp_;
-  G.lru.push_back({evict_time(k), -k.prefix_len, block, k.lru_stamp});
+  G.lru.push_back({evict_time(k), evict_tie(k), block, k.lru_stamp});
   std::push_heap(G.lru.begin(), G.lru.end());
 }
 
@@ -324,14 +329,14 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
   const int32_t B = G.blocks_per_page;
   for (int32_t s = 0; s < B; ++s) {
     const Block& k = G.blocks[static_cast<size_t>(page * B + s)];
-    if (k.state == State::kCached) age.add(evict_time(k), k.prefix_len);
+    if (k.state == State::kCached) age.add(evict_time(k), evict_tie(k));
   }
-  if (P.in_evictable && P.evict_key == age.newest && P.evict_tie == age.neg_longest) return;
+  if (P.in_evictable && P.evict_key == age.newest && P.evict_tie == age.tie) return;
   set_page_evictable(g, page, false);
   P.evict_key = age.newest;
-  P.evict_tie = age.neg_longest;
+  P.evict_tie = age.tie;
   P.in_evictable = true;
-  evictable_pages_.insert({age.newest, age.neg_longest, g, page});
+  evictable_pages_.insert({age.newest, age.tie, g, page});
   evictable_page_units_ += G.units_per_page;
   G.num_evictable_pages += 1;
 }

@@ -15,8 +15,8 @@ Approach
         jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
-    ``jenga_static_lru`` / ``jenga_vmm_lru`` are the same two with window-release
-    demotion off (plain LRU), for side-by-side runs; they are not in the default set.
+    ``jenga_static_demote`` / ``jenga_vmm_demote`` are the same two with window-release
+    demotion on, for side-by-side runs; they are not in the default set.
 
     A third configuration is the MAX baseline of the paper's §4.4 (``max_page``): the
     same core with a static page table whose unit is the largest group block, every
@@ -66,7 +66,7 @@ class JengaCoreAllocator:
         table: PageTable,
         order: AllocationOrder = AllocationOrder.PAPER,
         *,
-        demote_window_releases: bool = True,
+        demote_window_releases: bool = False,
     ) -> None:
         self.name = name
         self.table = table
@@ -192,25 +192,25 @@ def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     )
 
 
-def jenga_static_lru(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """`jenga_static` without window-release demotion (plain LRU), for comparison."""
+def jenga_static_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """`jenga_static` with window-release demotion, for comparison."""
     return JengaCoreAllocator(
-        "jenga_static_lru",
+        "jenga_static_demote",
         model,
         kv_bytes,
         static_page_table(model, strategy="lcm"),
-        demote_window_releases=False,
+        demote_window_releases=True,
     )
 
 
-def jenga_vmm_lru(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """`jenga_vmm` without window-release demotion (plain LRU), for comparison."""
+def jenga_vmm_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """`jenga_vmm` with window-release demotion, for comparison."""
     return JengaCoreAllocator(
-        "jenga_vmm_lru",
+        "jenga_vmm_demote",
         model,
         kv_bytes,
         vmm_page_table(model, epsilon=0.01),
-        demote_window_releases=False,
+        demote_window_releases=True,
     )
 
 
@@ -219,6 +219,6 @@ FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
     "jenga_static": jenga_static,
     "jenga_vmm": jenga_vmm,
     "jenga_vmm_compact": jenga_vmm_compact,
-    "jenga_static_lru": jenga_static_lru,
-    "jenga_vmm_lru": jenga_vmm_lru,
+    "jenga_static_demote": jenga_static_demote,
+    "jenga_vmm_demote": jenga_vmm_demote,
 }

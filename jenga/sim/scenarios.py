@@ -162,8 +162,8 @@ def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]
         "jenga_static",
         "jenga_vmm",
         "jenga_vmm_compact",
-        "jenga_static_lru",
-        "jenga_vmm_lru",
+        "jenga_static_demote",
+        "jenga_vmm_demote",
     }
     unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
     if unknown:

@@ -23,11 +23,17 @@ class MBlock:
     hash: int = 0
     last: int = 0
     prefix: int = 0
-    demoted: bool = False  # cached by an early release of a demoting group
+    early: bool = False  # cached by allocate()'s release list of an early-release group
+    demoted: bool = False  # early, and early releases are demoted
 
     @property
     def evict_time(self) -> int:
         return self.last - DEMOTED_OFFSET if self.demoted else self.last
+
+    @property
+    def tie(self) -> int:
+        """Smaller first: the longest prefix first, the shortest first for early blocks."""
+        return self.prefix if self.early else -self.prefix
 
 
 @dataclass
@@ -54,7 +60,8 @@ class CoreModel:
         self.free_units = total
         self.order = [1, 4, 2, 3, 5] if compact else [1, 2, 3, 4, 5]
         self.plan: list[tuple[int, int, int, int]] = []
-        self.demote = [False] * len(self.groups)  # per group: early releases demoted
+        self.early = [False] * len(self.groups)  # per group: allocate()'s releases early
+        self.demote_early = False
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -77,13 +84,13 @@ class CoreModel:
                         if G.blocks[p * G.B + s].state == CACHED
                     ]
                     newest = max(k.evict_time for k in cached)
-                    longest = max(k.prefix for k in cached if k.evict_time == newest)
-                    out.append((newest, -longest, g, p))
+                    tie = min(k.tie for k in cached if k.evict_time == newest)
+                    out.append((newest, tie, g, p))
         return sorted(out)
 
     def eviction_order(self, g: int) -> list[int]:
         G = self.groups[g]
-        keys = [(k.evict_time, -k.prefix, b) for b, k in enumerate(G.blocks) if k.state == CACHED]
+        keys = [(k.evict_time, k.tie, b) for b, k in enumerate(G.blocks) if k.state == CACHED]
         return [b for _, _, b in sorted(keys)]
 
     def page_eviction_order(self) -> list[tuple[int, int]]:
@@ -134,14 +141,15 @@ class CoreModel:
         k.hashed = False
         k.state = -1  # limbo
 
-    def release_one(self, g: int, b: int, now: int, demote: bool = False) -> None:
+    def release_one(self, g: int, b: int, now: int, early: bool = False) -> None:
         G = self.groups[g]
         k = G.blocks[b]
         k.refcount -= 1
         if k.refcount > 0:
             return
         k.last = now
-        k.demoted = demote
+        k.early = early
+        k.demoted = early and self.demote_early
         if k.hashed:
             k.state = CACHED
             return
@@ -173,7 +181,7 @@ class CoreModel:
         snapshot = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         for g, rel in enumerate(releases):
             for b in reversed(rel):
-                self.release_one(g, b, now, self.demote[g])
+                self.release_one(g, b, now, self.early[g])
         released = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         out = self.allocate_groups(owner, counts, now, self.order, frugal=False)
         if out is None:

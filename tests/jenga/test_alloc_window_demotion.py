@@ -1,11 +1,16 @@
-"""Window-release demotion: blocks that left a running request's window are evicted first.
+"""Early releases of window groups: head-first ties, and the optional demotion tier.
 
 Setup of every test: a full-attention group and a sliding-window group (window 8), 4 tokens
 per block, one block per large page (so step 3 evicts single blocks' pages). Request "a"
 (32 tokens) is prefilled; request "b" (8 other tokens) runs and finishes; only then "a"
 decodes one token, which releases a's sliding blocks 0-5 (they left the window) at a time
-*newer* than b's blocks. Plain LRU would evict b's whole prompt before a's out-of-window
-blocks, which can only serve hits ending within one window after them.
+*newer* than b's blocks.
+
+- Always: blocks released together mid-request go head first among themselves (block 5
+  still serves hits ending up to 32 together with a's later blocks; block 0 only up to 12).
+  Tail first would cut every long prefix of "a" first.
+- ``demote_window_releases=True``: they also go before every block released by `free`
+  (b's prompt survives); plain LRU evicts b's whole prompt first.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from vmm._core import jenga as J
 
 A_PROMPT = list(range(100, 132))
 B_PROMPT = list(range(500, 508))
+A_EARLY = [(1, p) for p in range(6)]  # a's released sliding pages, head first
 
 
-def _alloc(total: int, demote: bool = True, kind: Kind = Kind.SLIDING_WINDOW) -> JengaAllocator:
+def _alloc(total: int, demote: bool = False, kind: Kind = Kind.SLIDING_WINDOW) -> JengaAllocator:
     extra = {"window": 8} if kind is Kind.SLIDING_WINDOW else {"chunk": 8}
     groups = (
         GroupConfig("full", Kind.FULL, 4, 1, 1),
@@ -50,61 +56,61 @@ def _run_a_then_b_then_a_decodes(alloc: JengaAllocator) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("kind", [Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL])
-def test_out_of_window_blocks_are_evicted_before_a_finished_prompt(kind: Kind):
+def test_early_releases_go_head_first_after_older_blocks(kind: Kind):
     alloc = _alloc(total=64, kind=kind)
     released = _run_a_then_b_then_a_decodes(alloc)
     assert released == tuple(range(6 if kind is Kind.SLIDING_WINDOW else 8))
-    order = alloc.eviction_order("swa")
-    assert order[: len(released)] == sorted(released, reverse=True)  # demoted, tail first
-    assert order[len(released) :][:2] == [9, 8]  # then b's prompt, tail first
+    # plain LRU between b (older) and a's batch; inside a's batch head first
+    # (was [9, 8, 5, 4, 3, 2, 1, 0] with tail-first ties everywhere)
+    assert alloc.eviction_order("swa") == [9, 8, *released]
+    assert alloc.page_eviction_order() == [(0, 9), (1, 9), (0, 8), (1, 8)] + [
+        (1, b) for b in released
+    ]
     alloc.check_invariants(expensive=True)
 
 
-def test_plain_lru_when_the_knob_is_off_keeps_the_old_order():
-    alloc = _alloc(total=64, demote=False)
-    _run_a_then_b_then_a_decodes(alloc)
-    assert alloc.eviction_order("swa") == [9, 8, 5, 4, 3, 2, 1, 0]
-    # page order (one block per page): b's pages (time 5) before a's released ones (6)
-    a_released = [(1, p) for p in (5, 4, 3, 2, 1, 0)]
-    assert alloc.page_eviction_order() == [(0, 9), (1, 9), (0, 8), (1, 8), *a_released]
+@pytest.mark.parametrize("kind", [Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL])
+def test_demoted_early_releases_go_before_a_finished_prompt(kind: Kind):
+    alloc = _alloc(total=64, demote=True, kind=kind)
+    released = _run_a_then_b_then_a_decodes(alloc)
+    assert alloc.eviction_order("swa") == [*released, 9, 8]
+    assert alloc.page_eviction_order() == [(1, b) for b in released] + [
+        (0, 9),
+        (1, 9),
+        (0, 8),
+        (1, 8),
+    ]
+    alloc.check_invariants(expensive=True)
 
 
-def test_step3_evicts_demoted_pages_first_and_keeps_the_finished_prompt_hittable():
+def test_step3_with_demotion_evicts_early_pages_and_keeps_the_finished_prompt():
     # 23 units: a holds 8 + 8, b 2 + 2, a's decode 1 + 1 -> 22 mapped, 1 free
-    alloc = _alloc(total=23)
+    alloc = _alloc(total=23, demote=True)
     _run_a_then_b_then_a_decodes(alloc)
-    demoted = [(1, p) for p in (5, 4, 3, 2, 1, 0)]
-    assert alloc.page_eviction_order() == [*demoted, (0, 9), (1, 9), (0, 8), (1, 8)]
     assert alloc.usage().free_units == 1
-    # c needs 2 full + 2 swa pages: 1 free unit, then step 3 evicts a's pages (1, 5), (1, 4), (1, 3)
+    # c needs 2 full + 2 swa pages: 1 free unit, then step 3 evicts a's pages 0, 1, 2
     alloc.add_request("c", list(range(900, 908)))
     got = alloc.allocate("c", 8)
     assert got is not None
-    assert [op for op in got.plan.ops if isinstance(op, UnmapPage)] == [
-        UnmapPage(1, 5),
-        UnmapPage(1, 4),
-        UnmapPage(1, 3),
-    ]
+    unmapped = [op for op in got.plan.ops if isinstance(op, UnmapPage)]
+    assert unmapped == [UnmapPage(1, 0), UnmapPage(1, 1), UnmapPage(1, 2)]
     assert alloc.match_prefix([*B_PROMPT, 1]) == 8  # b's prompt is still whole
     alloc.check_invariants(expensive=True)
 
 
-def test_step3_under_plain_lru_evicts_the_finished_prompt():
-    alloc = _alloc(total=23, demote=False)
+def test_step3_without_demotion_evicts_the_older_finished_prompt():
+    alloc = _alloc(total=23)
     _run_a_then_b_then_a_decodes(alloc)
     alloc.add_request("c", list(range(900, 908)))
     got = alloc.allocate("c", 8)
     assert got is not None
-    assert [op for op in got.plan.ops if isinstance(op, UnmapPage)] == [
-        UnmapPage(0, 9),
-        UnmapPage(1, 9),
-        UnmapPage(0, 8),
-    ]
+    unmapped = [op for op in got.plan.ops if isinstance(op, UnmapPage)]
+    assert unmapped == [UnmapPage(0, 9), UnmapPage(1, 9), UnmapPage(0, 8)]
     assert alloc.match_prefix([*B_PROMPT, 1]) == 0
 
 
-def test_failed_allocate_rolls_back_the_demotion():
-    alloc = _alloc(total=24)
+def test_failed_allocate_rolls_back_early_releases():
+    alloc = _alloc(total=24, demote=True)
     alloc.add_request("b", B_PROMPT)  # b: full 0-1, swa 0-1, cached
     assert alloc.allocate("b", 8) is not None
     alloc.cache("b", 8)
@@ -118,15 +124,16 @@ def test_failed_allocate_rolls_back_the_demotion():
     assert alloc.eviction_order("swa") == [1, 0]  # a's releases undone, b intact
     assert alloc.usage().free_units == 4
     alloc.check_invariants(expensive=True)
-    got = alloc.allocate("a", 1)  # token 33 fits: releases swa 2-7 into the demoted tier
+    got = alloc.allocate("a", 1)  # token 33 fits: releases swa 2-7, demoted, head first
     assert got is not None and got.released == ((), (2, 3, 4, 5, 6, 7))
-    assert alloc.eviction_order("swa") == [7, 6, 5, 4, 3, 2, 1, 0]
+    assert alloc.eviction_order("swa") == [2, 3, 4, 5, 6, 7, 1, 0]
     alloc.check_invariants(expensive=True)
 
 
-def test_shared_block_takes_the_tier_of_its_last_release():
+def test_shared_block_takes_the_kind_of_its_last_release():
     core = J.Core([1], [1], 4)
-    core.demoted_release_groups = [True]
+    core.early_release_groups = [True]
+    core.demote_early_releases = True
     assert core.allocate(1, [2], 1) == [[0, 1]]
     core.commit(0, [0, 1], [10, 11], [4, 8])
     core.acquire(0, [0], 2)  # owner 2 shares block 0
@@ -137,23 +144,25 @@ def test_shared_block_takes_the_tier_of_its_last_release():
     core.check_invariants(True)
 
 
-def test_demotion_flags_need_one_per_group():
+def test_early_release_flags_need_one_per_group():
     core = J.Core([1, 1], [1, 1], 4)
-    assert core.demoted_release_groups == [False, False]
-    with pytest.raises(ValueError, match="one demotion flag per group: got 1 for 2 groups"):
-        core.demoted_release_groups = [True]
+    assert core.early_release_groups == [False, False]
+    assert core.demote_early_releases is False
+    with pytest.raises(ValueError, match="one early-release flag per group: got 1 for 2 groups"):
+        core.early_release_groups = [True]
     with pytest.raises(ValueError, match=r"clock value 4611686018427387904 outside"):
         core.allocate(1, [1, 1], 1 << 62)
 
 
-def test_only_window_and_chunk_groups_demote():
+def test_only_window_and_chunk_groups_release_early():
     groups = (
         GroupConfig("full", Kind.FULL, 4, 1, 1),
         GroupConfig("swa", Kind.SLIDING_WINDOW, 4, 1, 1, window=8),
         GroupConfig("chunk", Kind.CHUNKED_LOCAL, 4, 1, 1, chunk=8),
         GroupConfig("mamba", Kind.MAMBA, 4, 1, 1),
     )
-    on = JengaAllocator(AllocatorConfig(groups, 16))
-    assert on._core.demoted_release_groups == [False, True, True, False]
-    off = JengaAllocator(AllocatorConfig(groups, 16, demote_window_releases=False))
-    assert off._core.demoted_release_groups == [False] * 4
+    plain = JengaAllocator(AllocatorConfig(groups, 16))
+    assert plain._core.early_release_groups == [False, True, True, False]
+    assert plain._core.demote_early_releases is False
+    demoting = JengaAllocator(AllocatorConfig(groups, 16, demote_window_releases=True))
+    assert demoting._core.demote_early_releases is True
