@@ -79,7 +79,7 @@ class Core:
         """
     def counters(self) -> dict: ...
     def drain_plan(self) -> tuple: ...
-    def drain_plan_keys(self) -> list:
+    def drain_plan_keys(self) -> list[tuple[int, int, int, int]]:
         """
         drain_plan() as a list of (kind, group, page, reused_units) tuples
         """
