@@ -341,6 +341,7 @@ void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
     }
     k.refcount += 1;
     k.last_access = now;
+    k.shared = true;
     counters_.blocks_acquired += 1;
     refresh_page(g, page);
   }

@@ -30,7 +30,8 @@
 //     of an early batch still serve hits at the request's prompt end, together with the
 //     request's later blocks. With set_demote_early_releases(true) early blocks are also
 //     cached in a lower tier: eviction time last_access - kDemotedOffset, before every
-//     block released by release() (a finished or preempted request). A page's key takes
+//     block released by release() (a finished or preempted request), unless the block
+//     served a prefix hit since it was taken (its prefix is known to be shared). A page's key takes
 //     its newest block, so a page is demoted only while all its cached blocks are. Clock
 //     values must lie in (-2^61, 2^61).
 //   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
@@ -100,6 +101,7 @@ struct Block {
   uint64_t lru_stamp = 0;  // stamp of its live heap entry while CACHED
   bool early = false;      // last released early (left a window/chunk mid-request)
   bool demoted = false;    // early, and early releases are demoted (lower cache tier)
+  bool shared = false;     // served a prefix hit (acquire) since it was last taken
 };
 
 // Demoted blocks rank this much older than their last access: below every normal block
@@ -264,7 +266,7 @@ class Core {
     int32_t group;
     int32_t id;  // block or page
     int64_t a;   // saved value (owner, last_access, extended flag)
-    int64_t b;   // saved prefix_len (uncache) or early | demoted << 1 (decref)
+    int64_t b;   // saved prefix_len (uncache), early | demoted << 1 (decref), shared (take)
     uint64_t hash;
   };
 

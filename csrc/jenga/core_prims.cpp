@@ -27,10 +27,11 @@ int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
   P.num_free -= 1;
   G.num_free_blocks -= 1;
   if (P.num_free == 0) remove_from_free_set(G, page);
-  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, k.shared, 0});
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
+  k.shared = false;
   refresh_page(g, page);
   return b;
 }
@@ -113,10 +114,11 @@ void Core::prim_push_free(int32_t g, int32_t block) {
 
 void Core::prim_use_limbo(int32_t g, int32_t block, int64_t now) {
   Block& k = grp(g).blocks[static_cast<size_t>(block)];
-  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, k.shared, 0});
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
+  k.shared = false;
 }
 
 // Drop one reference; at zero the block becomes CACHED (hashed) or FREE, and a page left
@@ -135,7 +137,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Page& P = G.pages[static_cast<size_t>(page)];
   k.last_access = now;
   k.early = early;
-  k.demoted = early && demote_early_;
+  k.demoted = early && demote_early_ && !k.shared;
   counters_.blocks_released += 1;
   if (k.hashed) {
     if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
@@ -184,6 +186,7 @@ void Core::undo_one(const Undo& u) {
       k.state = State::kLimbo;
       k.refcount = 0;
       k.last_access = u.a;
+      k.shared = u.b != 0;
       prim_push_free(u.group, u.id);
       break;
     }
@@ -261,6 +264,7 @@ void Core::undo_one(const Undo& u) {
       k.state = State::kLimbo;
       k.refcount = 0;
       k.last_access = u.a;
+      k.shared = u.b != 0;
       break;
     }
   }

@@ -25,6 +25,7 @@ class MBlock:
     prefix: int = 0
     early: bool = False  # cached by allocate()'s release list of an early-release group
     demoted: bool = False  # early, and early releases are demoted
+    shared: bool = False  # served a prefix hit since it was taken
 
     @property
     def evict_time(self) -> int:
@@ -149,7 +150,7 @@ class CoreModel:
             return
         k.last = now
         k.early = early
-        k.demoted = early and self.demote_early
+        k.demoted = early and self.demote_early and not k.shared
         if k.hashed:
             k.state = CACHED
             return
@@ -327,6 +328,7 @@ class CoreModel:
             k.state = USED
             k.refcount += 1
             k.last = now
+            k.shared = True
 
     def commit(self, g: int, blocks: list[int], hashes: list[int], prefixes: list[int]) -> int:
         G = self.groups[g]

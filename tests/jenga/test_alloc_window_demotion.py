@@ -166,3 +166,21 @@ def test_only_window_and_chunk_groups_release_early():
     assert plain._core.demote_early_releases is False
     demoting = JengaAllocator(AllocatorConfig(groups, 16, demote_window_releases=True))
     assert demoting._core.demote_early_releases is True
+
+
+def test_a_block_that_served_a_hit_is_not_demoted():
+    core = J.Core([1], [1], 8)
+    core.early_release_groups = [True]
+    core.demote_early_releases = True
+    assert core.allocate(1, [3], 1) == [[0, 1, 2]]
+    core.commit(0, [0, 1, 2], [10, 11, 12], [4, 8, 12])
+    assert core.allocate(3, [1], 2) == [[3]]
+    core.commit(0, [3], [20], [4])
+    core.release(0, [3], 3)  # a finished request's block, normal tier, time 3
+    core.acquire(0, [1], 4)  # owner 2 hits block 1 ...
+    core.release(0, [1], 5)  # ... and finishes; owner 1 still holds it
+    assert core.allocate(1, [0], 6, [[0, 1]]) == [[]]  # owner 1 drops 0 and 1 early
+    # block 0: demoted; block 1 served a hit, so it keeps its time 6 in the normal tier
+    # (without that rule: [0, 1, 3])
+    assert core.eviction_order(0) == [0, 3, 1]
+    core.check_invariants(True)
