@@ -27,6 +27,15 @@ Approach
     4. a free block in a large page of another request,
     5. evict one evictable block of g (LRU; ties: the longest prefix first).
 
+    Early releases: in sliding-window and chunked-local groups, blocks a running request
+    releases because they left its window or chunk are evicted, among blocks of equal
+    last access, head first (shortest prefix first); every other tie goes tail first. The
+    last blocks of such a batch still serve hits at the prompt's end together with the
+    blocks the request releases later, so tail first would break every long prefix.
+    Window-release demotion (``AllocatorConfig.demote_window_releases``, off by default)
+    also caches those blocks in a lower tier, evicted (steps 3 and 5) before any block
+    released by `free`: they serve only hits ending within one window after them.
+
     ``AllocationOrder.COMPACT`` tries 4 before 2 (commits fewer units, frees less cleanly).
     `allocate` is all-or-nothing across groups: on "no room" it returns None and the
     core rolls back every step it took (evictions included). A call that fails because
@@ -63,6 +72,9 @@ from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
 _EMPTY_PLAN = MappingPlan()
+# Kinds whose blocks released mid-request serve only hits ending within one window/chunk
+# after them (the window-release demotion of `AllocatorConfig.demote_window_releases`).
+_WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL})
 _FREED_IDS_KEPT = 1 << 16
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
@@ -158,6 +170,11 @@ class AllocatorConfig:
     # Mamba: True when the engine writes a state only where each step ends (vLLM's
     # "align" mode), so one step holds 2 states, not one per checkpoint it spans.
     mamba_step_end_only: bool = False
+    # Sliding-window and chunked-local groups: blocks a running request releases (they
+    # left its window / chunk) are evicted before every block of a finished request
+    # (LRU within each tier). Off by default: it lost hit rate in the measured runs
+    # ("Window-release demotion" in docs/jenga.md).
+    demote_window_releases: bool = False
 
     @classmethod
     def from_page_table(
@@ -168,6 +185,7 @@ class AllocatorConfig:
         order: AllocationOrder = AllocationOrder.PAPER,
         *,
         mamba_step_end_only: bool = False,
+        demote_window_releases: bool = False,
     ) -> AllocatorConfig:
         """One `GroupConfig` per model group from a `jenga.pages` page table row.
 
@@ -191,7 +209,14 @@ class AllocatorConfig:
                     token_fraction=spec.token_fraction,
                 )
             )
-        return cls(tuple(groups), total_units, order, model.max_model_len, mamba_step_end_only)
+        return cls(
+            tuple(groups),
+            total_units,
+            order,
+            model.max_model_len,
+            mamba_step_end_only,
+            demote_window_releases,
+        )
 
 
 @dataclass(frozen=True)
@@ -286,6 +311,8 @@ class JengaAllocator:
             config.order is AllocationOrder.COMPACT,
         )
         self._core.pinned_order = config.order is AllocationOrder.PINNED
+        self._core.early_release_groups = [g.kind in _WINDOW_KINDS for g in config.groups]
+        self._core.demote_early_releases = config.demote_window_releases
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
         text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
         # a hit must end on a block boundary of every text group

@@ -218,6 +218,13 @@ void register_jenga(py::module_ m) {
       .def_property_readonly("num_plan_ops", &Core::num_plan_ops)
       .def_property("pinned_order", &Core::pinned_order, &Core::set_pinned_order,
                     "steps 1, 4, 2, then 5 on pages not wholly evictable, 3, 5")
+      .def_property("early_release_groups", &Core::early_release_groups,
+                    &Core::set_early_release_groups,
+                    "one flag per group: blocks cached by allocate()'s release lists of a "
+                    "flagged group are early (ties: shortest prefix first)")
+      .def_property("demote_early_releases", &Core::demote_early_releases,
+                    &Core::set_demote_early_releases,
+                    "early blocks are evicted before every block cached by release()")
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
       .def("page_eviction_order", &Core::page_eviction_order)

@@ -14,6 +14,12 @@ std::string str(int64_t v) { return std::to_string(v); }
 
 constexpr size_t kPrefetchAhead = 8;  // hash-table slots requested ahead in batched loops
 
+void check_clock(int64_t now) {
+  if (now <= -kClockLimit || now >= kClockLimit) {
+    throw std::invalid_argument("clock value " + str(now) + " outside (-2^61, 2^61)");
+  }
+}
+
 }  // namespace
 
 Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
@@ -36,6 +42,15 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
     groups_[g].blocks_per_page = blocks_per_page[g];
     groups_[g].units_per_page = units_per_page[g];
   }
+  early_release_.assign(groups_.size(), false);
+}
+
+void Core::set_early_release_groups(const std::vector<bool>& flags) {
+  if (flags.size() != groups_.size()) {
+    throw std::invalid_argument("need one early-release flag per group: got " + str(flags.size()) +
+                                " for " + str(groups_.size()) + " groups");
+  }
+  early_release_ = flags;
 }
 
 const Group& Core::group(int32_t g) const {
@@ -71,6 +86,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     throw std::invalid_argument("need one release list per group (or none): got " +
                                 str(releases.size()) + " for " + str(groups_.size()) + " groups");
   }
+  check_clock(now);
   for (size_t g = 0; g < releases.size(); ++g)
     validate_release(static_cast<int32_t>(g), releases[g]);
   Counters c;
@@ -81,8 +97,9 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   logging_ = true;
   for (size_t g = 0; g < releases.size(); ++g) {
     const auto& rel = releases[g];
+    const bool early = early_release_[g];
     for (auto it = rel.rbegin(); it != rel.rend(); ++it)
-      prim_release(static_cast<int32_t>(g), *it, now);
+      prim_release(static_cast<int32_t>(g), *it, now, early);
   }
   const size_t released_undo = undo_.size();
   const size_t plan_released = plan_.size();
@@ -92,6 +109,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     rollback(released_undo, plan_released);
     logging_ = true;
     if (may_fit_frugally(counts)) {
+      set_frugal_reserve(counts);
       c = Counters{};
       c.frugal_retries = 1;
       frugal_ = true;
@@ -136,14 +154,15 @@ bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Coun
                           std::vector<int32_t>& out) {
   static constexpr int kPaper[] = {kOwnFree, kNewPage, kEvictPage, kAnyFree, kEvictBlock};
   static constexpr int kCompact[] = {kOwnFree, kAnyFree, kNewPage, kEvictPage, kEvictBlock};
-  static constexpr int kFrugal[] = {kOwnFree, kAnyFree, kEvictBlock, kNewPage, kEvictPage};
+  static constexpr int kFrugal[] = {kOwnFree,    kNewPageSpare, kEvictPageSpare, kAnyFree,
+                                    kEvictBlock, kNewPage,      kEvictPage};
   static constexpr int kPinned[] = {kOwnFree,     kAnyFree,   kNewPage,
                                     kEvictPinned, kEvictPage, kEvictBlock};
   const int* order = frugal_          ? kFrugal
                      : pinned_order_  ? kPinned
                      : compact_order_ ? kCompact
                                       : kPaper;
-  const int num_steps = (!frugal_ && pinned_order_) ? 6 : 5;
+  const int num_steps = frugal_ ? 7 : pinned_order_ ? 6 : 5;
   bool ok = true;
   while (ok && n > 0) {
     bool progressed = false;
@@ -173,12 +192,16 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       page = it->second;
       break;
     }
+    case kNewPageSpare:
     case kNewPage:
+      if (step == kNewPageSpare && !spare_units_for(g, n)) return false;
       if (free_units_ < G.units_per_page) return false;
       page = prim_map(g, owner, 0);
       c.pages_mapped += 1;
       break;
+    case kEvictPageSpare:
     case kEvictPage:
+      if (step == kEvictPageSpare && !spare_units_for(g, n)) return false;
       if (!evict_pages_for(g, c, reused)) return false;
       page = prim_map(g, owner, reused);
       c.pages_mapped += 1;
@@ -207,7 +230,10 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
   }
   const int32_t taken = take_from_page(g, page, n, now, out);
   n -= taken;
-  c.step_blocks[static_cast<size_t>(step)] += taken;
+  const int counted = step == kNewPageSpare     ? kNewPage
+                      : step == kEvictPageSpare ? kEvictPage
+                                                : step;
+  c.step_blocks[static_cast<size_t>(counted)] += taken;
   return true;
 }
 
@@ -285,13 +311,15 @@ void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
 }
 
 void Core::release(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  check_clock(now);
   validate_release(g, blocks);
   // Tail first: a request's later blocks carry longer prefixes, so with one release time
   // they come out evicted-first; pushing them last-to-first keeps each heap push O(1).
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) prim_release(g, *it, now);
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) prim_release(g, *it, now, false);
 }
 
 void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  check_clock(now);
   Group& G = grp((group(g), g));
   const int64_t limit = static_cast<int64_t>(G.blocks.size());
   for (const int32_t b : blocks) {
@@ -313,6 +341,7 @@ void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
     }
     k.refcount += 1;
     k.last_access = now;
+    k.shared = true;
     counters_.blocks_acquired += 1;
     refresh_page(g, page);
   }

@@ -15,14 +15,25 @@
 //        page p of group g:  | slot0 | slot1 | ... | slot B-1 |   owner = first request
 //        free chain:  page.free_head -> slot -> block.next_free -> ... -> -1
 //
-//   * Exact, deterministic LRU orders:
-//       lru[g] (binary min-heap, lazy deletion): (last_access, -prefix_len, block)  step 5
-//       evictable_pages (std::set): (newest access, -longest prefix, group, page)  step 3
+//   * Exact, deterministic LRU orders over the blocks' eviction times (below):
+//       lru[g] (binary min-heap, lazy deletion): (evict time, -prefix_len, block)   step 5
+//       evictable_pages (std::set): (newest evict time, -longest prefix, group, page) step 3
 //       pages_with_free[g] (std::set): (owner, page)                                steps 1, 4
 //     The block heap is lazy: an entry is live iff its stamp equals its block's stamp and
 //     the block is CACHED; removal is a stamp bump (O(1)); releases arrive with a
 //     non-decreasing clock, so a push is O(1) in the common case. Stale entries are
 //     dropped when they reach the top or when they outnumber live ones (rebuild).
+//   * Early releases (per group, set_early_release_groups): a block released by allocate()'s
+//     release lists of a flagged group (a running request dropping blocks that left its
+//     sliding window or local chunk) is *early*. Among blocks of equal eviction time, early
+//     ones go head first (shortest prefix first), all others tail first: the last blocks
+//     of an early batch still serve hits at the request's prompt end, together with the
+//     request's later blocks. With set_demote_early_releases(true) early blocks are also
+//     cached in a lower tier: eviction time last_access - kDemotedOffset, before every
+//     block released by release() (a finished or preempted request), unless the block
+//     served a prefix hit since it was taken (its prefix is known to be shared). A page's key takes
+//     its newest block, so a page is demoted only while all its cached blocks are. Clock
+//     values must lie in (-2^61, 2^61).
 //   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
@@ -88,36 +99,57 @@ struct Block {
   int64_t last_access = 0;
   int64_t prefix_len = 0;
   uint64_t lru_stamp = 0;  // stamp of its live heap entry while CACHED
+  bool early = false;      // last released early (left a window/chunk mid-request)
+  bool demoted = false;    // early, and early releases are demoted (lower cache tier)
+  bool shared = false;     // served a prefix hit (acquire) since it was last taken
 };
 
+// Demoted blocks rank this much older than their last access: below every normal block
+// for clocks in (-kClockLimit, kClockLimit).
+constexpr int64_t kDemotedOffset = int64_t{1} << 62;
+constexpr int64_t kClockLimit = int64_t{1} << 61;
+
+// The time eviction orders read: last access, or far older for a demoted block.
+inline int64_t evict_time(const Block& k) {
+  return k.demoted ? k.last_access - kDemotedOffset : k.last_access;
+}
+
+// Tie-break among equal evict times, smaller first: the longest prefix first (-prefix_len:
+// a finished prefix loses its tail before its head, aligned across groups), but the
+// shortest first among early blocks (+prefix_len): of the blocks that left a window
+// together, the head serves only the shortest prefixes, the last ones still serve hits
+// at the request's prompt end with the blocks the request released after them.
+inline int64_t evict_tie(const Block& k) { return k.early ? k.prefix_len : -k.prefix_len; }
+
 struct LruEntry {
-  int64_t last_access;
-  int64_t neg_prefix_len;
+  int64_t last_access;  // evict_time() of the block when pushed
+  int64_t tie;          // evict_tie() of the block when pushed
   int32_t block;
   uint64_t stamp;
   // min-heap through std::push_heap's max-heap: "a < b" means a is evicted later
   bool operator<(const LruEntry& o) const {
     if (last_access != o.last_access) return last_access > o.last_access;
-    if (neg_prefix_len != o.neg_prefix_len) return neg_prefix_len > o.neg_prefix_len;
+    if (tie != o.tie) return tie > o.tie;
     return block > o.block;
   }
 };
 
-// Step 3 order: newest access (LRU), then the longest prefix first (aligned eviction: among
-// pages last touched together, the tail of a prefix goes before its head, in every group),
-// then group and page. Key: (newest access, -longest prefix_len, group, page).
+// Step 3 order: newest evict time (LRU), then the smallest evict_tie among the blocks of that
+// time (normal blocks: the longest prefix first, aligned eviction: among pages last touched
+// together, the tail of a prefix goes before its head, in every group), then group and
+// page. Key: (newest evict time, tie, group, page).
 using PageKey = std::tuple<int64_t, int64_t, int32_t, int32_t>;
 
 // The page's step-3 key parts from its cached blocks, folded one block at a time.
 struct PageAge {
   int64_t newest = std::numeric_limits<int64_t>::min();
-  int64_t neg_longest = 0;
-  void add(int64_t last_access, int64_t prefix_len) {
-    if (last_access > newest) {
-      newest = last_access;
-      neg_longest = -prefix_len;
-    } else if (last_access == newest) {
-      neg_longest = std::min(neg_longest, -prefix_len);
+  int64_t tie = 0;
+  void add(int64_t time, int64_t block_tie) {
+    if (time > newest) {
+      newest = time;
+      tie = block_tie;
+    } else if (time == newest) {
+      tie = std::min(tie, block_tie);
     }
   }
 };
@@ -134,12 +166,17 @@ struct Group {
   int64_t num_mapped_pages = 0;
   int64_t num_cached_blocks = 0;
   int64_t num_free_blocks = 0;  // FREE blocks in mapped pages
+  int64_t num_evictable_pages = 0;
 };
 
 // Steps of the paper's allocation (1-based indices into step counters).
 enum Step : int { kOwnFree = 1, kNewPage = 2, kEvictPage = 3, kAnyFree = 4, kEvictBlock = 5 };
 // Step 5 restricted to pages that are not wholly evictable (counted as step 5).
 constexpr int kEvictPinned = 6;
+// Frugal mode: steps 2 and 3 while the units they spend are spare, i.e. the pool keeps
+// what the later groups and the rest of this group need at least (counted as 2 and 3).
+constexpr int kNewPageSpare = 7;
+constexpr int kEvictPageSpare = 8;
 
 struct Counters {
   std::array<int64_t, 6> step_blocks{};  // blocks served by each step (index 1..5)
@@ -193,6 +230,14 @@ class Core {
   void set_pinned_order(bool on) { pinned_order_ = on; }
   bool pinned_order() const { return pinned_order_; }
 
+  // Early releases, one flag per group (default all false): blocks that allocate()'s
+  // release list of a flagged group caches are early (head-first ties; demoted when
+  // demote_early_releases). Throws std::invalid_argument unless one flag per group.
+  void set_early_release_groups(const std::vector<bool>& flags);
+  std::vector<bool> early_release_groups() const { return early_release_; }
+  void set_demote_early_releases(bool on) { demote_early_ = on; }
+  bool demote_early_releases() const { return demote_early_; }
+
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
   int64_t free_units() const { return free_units_; }
@@ -221,7 +266,7 @@ class Core {
     int32_t group;
     int32_t id;  // block or page
     int64_t a;   // saved value (owner, last_access, extended flag)
-    int64_t b;   // saved prefix_len
+    int64_t b;   // saved prefix_len (uncache), early | demoted << 1 (decref), shared (take)
     uint64_t hash;
   };
 
@@ -235,6 +280,12 @@ class Core {
                       std::vector<int32_t>& out);
   // Frugal mode (core_frugal.cpp): pages wholly evictable are kept for step 3.
   bool may_fit_frugally(const std::vector<int32_t>& counts) const;
+  // Free or cached blocks of g on pages that are not wholly evictable (cost no units).
+  int64_t costless_blocks(const Group& G) const;
+  // Units group g must take at least for n more blocks: pages beyond its costless blocks.
+  int64_t min_units(const Group& G, int64_t n) const;
+  void set_frugal_reserve(const std::vector<int32_t>& counts);
+  bool spare_units_for(int32_t g, int32_t n) const;
   int32_t frugal_own_free_page(const Group& G, int64_t owner) const;
   int32_t frugal_any_free_page(const Group& G) const;
   int32_t frugal_lru_top(Group& G);
@@ -253,7 +304,7 @@ class Core {
   void prim_uncache(int32_t g, int32_t block);
   void prim_push_free(int32_t g, int32_t block);
   void prim_use_limbo(int32_t g, int32_t block, int64_t now);
-  void prim_release(int32_t g, int32_t block, int64_t now);
+  void prim_release(int32_t g, int32_t block, int64_t now, bool early);
   void validate_release(int32_t g, const std::vector<int32_t>& blocks);
   void rollback(size_t undo_mark, size_t plan_mark);
   void undo_one(const Undo& u);
@@ -268,7 +319,7 @@ class Core {
   void add_to_free_set(Group& G, int32_t page);
 
   struct PageTally {
-    int64_t mapped = 0, cached = 0, free_blocks = 0;
+    int64_t mapped = 0, cached = 0, free_blocks = 0, evictable = 0;
   };
   void check_group(int32_t g, bool expensive) const;
   std::vector<char> check_lru(const Group& G, const std::string& where) const;
@@ -287,7 +338,10 @@ class Core {
   bool defer_refresh_ = false;
   bool frugal_ = false;
   bool pinned_order_ = false;
-  std::vector<LruEntry> lru_aside_;  // frugal step 5: entries on evictable pages, set aside
+  std::vector<bool> early_release_;      // per group: allocate()'s releases are early
+  bool demote_early_ = false;            // early blocks go to the lower cache tier
+  std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
+  std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;
 };
 

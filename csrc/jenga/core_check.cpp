@@ -60,6 +60,7 @@ void Core::check_group(int32_t g, bool expensive) const {
     check_page(g, p, in_lru, tally);
   }
   require(tally.mapped == G.num_mapped_pages, where + "mapped page count wrong");
+  require(tally.evictable == G.num_evictable_pages, where + "evictable page count wrong");
   require(tally.cached == G.num_cached_blocks, where + "cached block count wrong");
   require(tally.free_blocks == G.num_free_blocks, where + "free block count wrong");
   require(G.pages_with_free.size() <= static_cast<size_t>(tally.mapped),
@@ -72,7 +73,7 @@ void Core::check_group(int32_t g, bool expensive) const {
   });
 }
 
-// Live heap entries: one per CACHED block, keyed by its current (last_access, prefix).
+// Live heap entries: one per CACHED block, keyed by its current (evict_time, prefix).
 std::vector<char> Core::check_lru(const Group& G, const std::string& where) const {
   require(std::is_heap(G.lru.begin(), G.lru.end()), where + "LRU heap order broken");
   std::vector<char> in_lru(G.blocks.size(), 0);
@@ -80,8 +81,8 @@ std::vector<char> Core::check_lru(const Group& G, const std::string& where) cons
   for (const LruEntry& e : G.lru) {
     if (!lru_live(G, e)) continue;
     const Block& k = G.blocks[static_cast<size_t>(e.block)];
-    require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == k.last_access &&
-                e.neg_prefix_len == -k.prefix_len,
+    require(!in_lru[static_cast<size_t>(e.block)] && e.last_access == evict_time(k) &&
+                e.tie == evict_tie(k),
             where + "LRU entry of block " + str(e.block) + " duplicated or with a stale key");
     in_lru[static_cast<size_t>(e.block)] = 1;
     ++live;
@@ -115,7 +116,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
     n_free += k.state == State::kFree ? 1 : 0;
     if (k.state == State::kCached) {
       ++n_cached;
-      age.add(k.last_access, k.prefix_len);
+      age.add(evict_time(k), evict_tie(k));
       require(k.hashed && in_lru[static_cast<size_t>(b)],
               pw + "cached block " + str(b) + " missing from the LRU heap");
     }
@@ -132,10 +133,11 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
   require(!P.mapped || n_free < B, pw + "mapped page with every block free");
   const bool evictable = P.mapped && n_cached > 0 && n_free + n_cached == B;
   require(evictable == P.in_evictable, pw + "evictable flag wrong");
-  require(!evictable || (P.evict_key == age.newest && P.evict_tie == age.neg_longest &&
-                         evictable_pages_.count({age.newest, age.neg_longest, g, p}) == 1),
+  require(!evictable || (P.evict_key == age.newest && P.evict_tie == age.tie &&
+                         evictable_pages_.count({age.newest, age.tie, g, p}) == 1),
           pw + "evictable page key wrong");
   tally.mapped += P.mapped ? 1 : 0;
+  tally.evictable += evictable ? 1 : 0;
   tally.free_blocks += P.mapped ? n_free : 0;
   tally.cached += n_cached;
 }

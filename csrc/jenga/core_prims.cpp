@@ -27,10 +27,11 @@ int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
   P.num_free -= 1;
   G.num_free_blocks -= 1;
   if (P.num_free == 0) remove_from_free_set(G, page);
-  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, k.shared, 0});
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
+  k.shared = false;
   refresh_page(g, page);
   return b;
 }
@@ -113,23 +114,30 @@ void Core::prim_push_free(int32_t g, int32_t block) {
 
 void Core::prim_use_limbo(int32_t g, int32_t block, int64_t now) {
   Block& k = grp(g).blocks[static_cast<size_t>(block)];
-  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, k.shared, 0});
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
+  k.shared = false;
 }
 
 // Drop one reference; at zero the block becomes CACHED (hashed) or FREE, and a page left
 // with only FREE blocks is unmapped.
-void Core::prim_release(int32_t g, int32_t block, int64_t now) {
+// `early`: released by allocate() in an early-release group; the last reference decides.
+void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Group& G = grp(g);
   Block& k = G.blocks[static_cast<size_t>(block)];
-  if (logging_) undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, 0, 0});
+  if (logging_) {
+    const int64_t flags = (k.early ? 1 : 0) | (k.demoted ? 2 : 0);
+    undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, flags, 0});
+  }
   k.refcount -= 1;
   if (k.refcount > 0) return;
   const int32_t page = page_of(G, block);
   Page& P = G.pages[static_cast<size_t>(page)];
   k.last_access = now;
+  k.early = early;
+  k.demoted = early && demote_early_ && !k.shared;
   counters_.blocks_released += 1;
   if (k.hashed) {
     if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
@@ -178,6 +186,7 @@ void Core::undo_one(const Undo& u) {
       k.state = State::kLimbo;
       k.refcount = 0;
       k.last_access = u.a;
+      k.shared = u.b != 0;
       prim_push_free(u.group, u.id);
       break;
     }
@@ -238,6 +247,8 @@ void Core::undo_one(const Undo& u) {
       k.refcount += 1;
       k.state = State::kUsed;
       k.last_access = u.a;
+      k.early = (u.b & 1) != 0;
+      k.demoted = (u.b & 2) != 0;
       break;
     }
     case UndoKind::kToCached: {
@@ -253,6 +264,7 @@ void Core::undo_one(const Undo& u) {
       k.state = State::kLimbo;
       k.refcount = 0;
       k.last_access = u.a;
+      k.shared = u.b != 0;
       break;
     }
   }
@@ -271,7 +283,7 @@ bool Core::lru_live(const Group& G, const LruEntry& e) const {
 void Core::lru_insert(Group& G, int32_t block) {
   Block& k = G.blocks[static_cast<size_t>(block)];
   k.lru_stamp = ++next_stamp_;
-  G.lru.push_back({k.last_access, -k.prefix_len, block, k.lru_stamp});
+  G.lru.push_back({evict_time(k), evict_tie(k), block, k.lru_stamp});
   std::push_heap(G.lru.begin(), G.lru.end());
 }
 
@@ -312,6 +324,7 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
     if (P.in_evictable) {
       evictable_pages_.erase({P.evict_key, P.evict_tie, g, page});
       evictable_page_units_ -= G.units_per_page;
+      G.num_evictable_pages -= 1;
       P.in_evictable = false;
     }
     return;
@@ -320,15 +333,16 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
   const int32_t B = G.blocks_per_page;
   for (int32_t s = 0; s < B; ++s) {
     const Block& k = G.blocks[static_cast<size_t>(page * B + s)];
-    if (k.state == State::kCached) age.add(k.last_access, k.prefix_len);
+    if (k.state == State::kCached) age.add(evict_time(k), evict_tie(k));
   }
-  if (P.in_evictable && P.evict_key == age.newest && P.evict_tie == age.neg_longest) return;
+  if (P.in_evictable && P.evict_key == age.newest && P.evict_tie == age.tie) return;
   set_page_evictable(g, page, false);
   P.evict_key = age.newest;
-  P.evict_tie = age.neg_longest;
+  P.evict_tie = age.tie;
   P.in_evictable = true;
-  evictable_pages_.insert({age.newest, age.neg_longest, g, page});
+  evictable_pages_.insert({age.newest, age.tie, g, page});
   evictable_page_units_ += G.units_per_page;
+  G.num_evictable_pages += 1;
 }
 
 void Core::remove_from_free_set(Group& G, int32_t page) {

@@ -15,6 +15,9 @@ Approach
         jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
+    ``jenga_static_demote`` / ``jenga_vmm_demote`` are the same two with window-release
+    demotion on, for side-by-side runs; they are not in the default set.
+
     A third configuration is the MAX baseline of the paper's §4.4 (``max_page``): the
     same core with a static page table whose unit is the largest group block, every
     other group's block padded to it.
@@ -62,13 +65,21 @@ class JengaCoreAllocator:
         kv_bytes: int,
         table: PageTable,
         order: AllocationOrder = AllocationOrder.PAPER,
+        *,
+        demote_window_releases: bool = False,
     ) -> None:
         self.name = name
         self.table = table
         self._unit_bytes = table.unit_bytes
         self._total_units = kv_bytes // table.unit_bytes
         self.core = JengaAllocator(
-            AllocatorConfig.from_page_table(model, table, self._total_units, order)
+            AllocatorConfig.from_page_table(
+                model,
+                table,
+                self._total_units,
+                order,
+                demote_window_releases=demote_window_releases,
+            )
         )
         # bytes a block is charged: its share of a large page (padding and tails included)
         self._page_bytes = [table.group(g.name).large_page_total_bytes for g in model.groups]
@@ -181,9 +192,33 @@ def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     )
 
 
+def jenga_static_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """`jenga_static` with window-release demotion, for comparison."""
+    return JengaCoreAllocator(
+        "jenga_static_demote",
+        model,
+        kv_bytes,
+        static_page_table(model, strategy="lcm"),
+        demote_window_releases=True,
+    )
+
+
+def jenga_vmm_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """`jenga_vmm` with window-release demotion, for comparison."""
+    return JengaCoreAllocator(
+        "jenga_vmm_demote",
+        model,
+        kv_bytes,
+        vmm_page_table(model, epsilon=0.01),
+        demote_window_releases=True,
+    )
+
+
 FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
     "max_page": max_page,
     "jenga_static": jenga_static,
     "jenga_vmm": jenga_vmm,
     "jenga_vmm_compact": jenga_vmm_compact,
+    "jenga_static_demote": jenga_static_demote,
+    "jenga_vmm_demote": jenga_vmm_demote,
 }

@@ -157,7 +157,14 @@ def get_scenario(name: str) -> Scenario:
 
 def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Split ``names`` into (known here, missing); raise for names nobody knows."""
-    jenga_names = {"max_page", "jenga_static", "jenga_vmm", "jenga_vmm_compact"}
+    jenga_names = {
+        "max_page",
+        "jenga_static",
+        "jenga_vmm",
+        "jenga_vmm_compact",
+        "jenga_static_demote",
+        "jenga_vmm_demote",
+    }
     unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
     if unknown:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")

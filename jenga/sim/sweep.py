@@ -48,7 +48,7 @@ def sweep_table(scenario: Scenario, sweep: Sweep) -> Table:
         title=f"{scenario.name}: prefix hit rate % / avg decode batch by KV size",
         box=box.SIMPLE_HEAD,
     )
-    t.add_column("KV GiB", justify="right")
+    t.add_column("KV GiB", justify="right", no_wrap=True, min_width=6)
     for name in names:
         t.add_column(name, justify="right", no_wrap=True)
     for kv, summaries in sweep.items():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 FREE, USED, CACHED = 0, 1, 2
 MAP, UNMAP = 0, 1
+DEMOTED_OFFSET = 1 << 62  # a demoted block ranks this much older than its last access
 
 
 @dataclass
@@ -22,6 +23,18 @@ class MBlock:
     hash: int = 0
     last: int = 0
     prefix: int = 0
+    early: bool = False  # cached by allocate()'s release list of an early-release group
+    demoted: bool = False  # early, and early releases are demoted
+    shared: bool = False  # served a prefix hit since it was taken
+
+    @property
+    def evict_time(self) -> int:
+        return self.last - DEMOTED_OFFSET if self.demoted else self.last
+
+    @property
+    def tie(self) -> int:
+        """Smaller first: the longest prefix first, the shortest first for early blocks."""
+        return self.prefix if self.early else -self.prefix
 
 
 @dataclass
@@ -48,6 +61,8 @@ class CoreModel:
         self.free_units = total
         self.order = [1, 4, 2, 3, 5] if compact else [1, 2, 3, 4, 5]
         self.plan: list[tuple[int, int, int, int]] = []
+        self.early = [False] * len(self.groups)  # per group: allocate()'s releases early
+        self.demote_early = False
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -69,14 +84,14 @@ class CoreModel:
                         for s in range(G.B)
                         if G.blocks[p * G.B + s].state == CACHED
                     ]
-                    newest = max(k.last for k in cached)
-                    longest = max(k.prefix for k in cached if k.last == newest)
-                    out.append((newest, -longest, g, p))
+                    newest = max(k.evict_time for k in cached)
+                    tie = min(k.tie for k in cached if k.evict_time == newest)
+                    out.append((newest, tie, g, p))
         return sorted(out)
 
     def eviction_order(self, g: int) -> list[int]:
         G = self.groups[g]
-        keys = [(k.last, -k.prefix, b) for b, k in enumerate(G.blocks) if k.state == CACHED]
+        keys = [(k.evict_time, k.tie, b) for b, k in enumerate(G.blocks) if k.state == CACHED]
         return [b for _, _, b in sorted(keys)]
 
     def page_eviction_order(self) -> list[tuple[int, int]]:
@@ -127,13 +142,15 @@ class CoreModel:
         k.hashed = False
         k.state = -1  # limbo
 
-    def release_one(self, g: int, b: int, now: int) -> None:
+    def release_one(self, g: int, b: int, now: int, early: bool = False) -> None:
         G = self.groups[g]
         k = G.blocks[b]
         k.refcount -= 1
         if k.refcount > 0:
             return
         k.last = now
+        k.early = early
+        k.demoted = early and self.demote_early and not k.shared
         if k.hashed:
             k.state = CACHED
             return
@@ -165,14 +182,16 @@ class CoreModel:
         snapshot = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         for g, rel in enumerate(releases):
             for b in reversed(rel):
-                self.release_one(g, b, now)
+                self.release_one(g, b, now, self.early[g])
         released = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
         out = self.allocate_groups(owner, counts, now, self.order, frugal=False)
         if out is None:
             self.groups, self.free_units, plan_len = released
             del self.plan[plan_len:]
             if self.may_fit_frugally(counts):
-                out = self.allocate_groups(owner, counts, now, [1, 4, 5, 2, 3], frugal=True)
+                self.set_frugal_reserve(counts)
+                order = [1, 7, 8, 4, 5, 2, 3]  # 7, 8: steps 2, 3 with spare units only
+                out = self.allocate_groups(owner, counts, now, order, frugal=True)
         if out is None:
             self.groups, self.free_units, plan_len = snapshot
             del self.plan[plan_len:]
@@ -210,6 +229,31 @@ class CoreModel:
                 need += -(-short // G.B) * G.U
         return need <= pool
 
+    def costless(self, g: int) -> int:
+        """Free or cached blocks of g on mapped pages that are not wholly evictable."""
+        G = self.groups[g]
+        evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
+        return sum(
+            (k.state == CACHED or (G.pages[b // G.B].mapped and k.state == FREE))
+            and b // G.B not in evictable
+            for b, k in enumerate(G.blocks)
+        )
+
+    def min_units(self, g: int, n: int) -> int:
+        G = self.groups[g]
+        return -(-max(0, n - self.costless(g)) // G.B) * G.U
+
+    def set_frugal_reserve(self, counts: list[int]) -> None:
+        self.reserve = [
+            sum(self.min_units(h, counts[h]) for h in range(g + 1, len(counts)))
+            for g in range(len(counts))
+        ]
+
+    def spare(self, g: int, n: int) -> bool:
+        G = self.groups[g]
+        pool = self.free_units + sum(self.groups[h].U for _, _, h, _ in self.evictable_pages())
+        return pool - G.U >= self.reserve[g] + self.min_units(g, max(0, n - G.B))
+
     def try_step(
         self, step: int, g: int, owner: int, n: int, now: int, got: list[int], frugal: bool
     ) -> int | None:
@@ -218,6 +262,10 @@ class CoreModel:
         if frugal:  # wholly evictable pages are kept for step 3
             evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
             pwf = [(o, p) for o, p in pwf if p not in evictable]
+        if step in (7, 8):
+            if not self.spare(g, n):
+                return None
+            step -= 5
         if step == 1:
             own = [p for o, p in pwf if o == owner]
             if not own:
@@ -280,6 +328,7 @@ class CoreModel:
             k.state = USED
             k.refcount += 1
             k.last = now
+            k.shared = True
 
     def commit(self, g: int, blocks: list[int], hashes: list[int], prefixes: list[int]) -> int:
         G = self.groups[g]

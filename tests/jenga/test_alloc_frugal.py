@@ -38,6 +38,24 @@ def test_step2_of_an_earlier_group_no_longer_starves_a_later_group():
     core.check_invariants(True)
 
 
+def test_frugal_retry_spends_spare_units_before_evicting_cached_blocks():
+    # group 0: 4 blocks per 1-unit page; group 1: 1 block per 1-unit page; 3 units in all
+    core = J.Core([4, 1], [1, 1], 3)
+    assert core.allocate(1, [4, 0], 1) == [[0, 1, 2, 3], []]
+    core.commit(0, [2, 3], [12, 13], [12, 16])
+    core.release(0, [2, 3], 2)  # two cached blocks on page 0, which owner 1 pins
+    plan(core)
+    # paper order: group 0 maps 2 pages (both free units), group 1 finds none -> retry.
+    # Frugal: 1 unit is spare (group 1 needs 1 of the 2), so group 0 maps a page for 4
+    # blocks and evicts only one cached block (block 3: same time, longer prefix first).
+    # Without the spare step it evicted both cached blocks before mapping.
+    assert core.allocate(2, [5, 1], 3) == [[4, 5, 6, 7, 3], [0]]
+    assert plan(core) == [(0, 0, 1, 0), (0, 1, 0, 0)]
+    assert core.lookup(0, [12, 13]).tolist() == [2, -1]
+    assert core.counters()["alloc.frugal_retries"] == 1
+    core.check_invariants(True)
+
+
 def test_step3_of_an_earlier_group_no_longer_evicts_a_later_groups_only_page():
     # group 0: 2 blocks per 1-unit page; group 1: 1 block per 1-unit page; 2 units in all
     core = J.Core([2, 1], [1, 1], 2)

@@ -7,7 +7,9 @@ after every rule the invariants are checked on both sides:
 - cached blocks hashable: every cached block is found by lookup of its hash,
 - plan ops consistent with ownership: Map only of unmapped pages, Unmap only of mapped
   pages whose blocks are all free (checked by replaying the plan on a page map),
-- eviction orders (blocks per group, pages) equal between core and model.
+- eviction orders (blocks per group, pages) equal between core and model, with early
+  releases drawn per group (allocate's releases: head-first ties) and demotion on or off
+  (early blocks rank below every block cached by release).
 
 Budget: 600 examples of up to 250 steps; Hypothesis ends some early, measured ~175 steps
 per example, so ~105k rule steps (about a minute on one core).
@@ -30,12 +32,25 @@ class CoreVsModel(RuleBasedStateMachine):
         shape=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 3)), min_size=1, max_size=3),
         total=st.integers(3, 12),
         compact=st.booleans(),
+        early=st.lists(st.booleans(), min_size=3, max_size=3),
+        demote=st.booleans(),
     )
-    def setup(self, shape: list[tuple[int, int]], total: int, compact: bool) -> None:
+    def setup(
+        self,
+        shape: list[tuple[int, int]],
+        total: int,
+        compact: bool,
+        early: list[bool],
+        demote: bool,
+    ) -> None:
         bpp = [b for b, _ in shape]
         upp = [min(u, total) for _, u in shape]
         self.core = J.Core(bpp, upp, total, compact)
         self.model = CoreModel(bpp, upp, total, compact)
+        self.core.early_release_groups = early[: len(shape)]
+        self.core.demote_early_releases = demote
+        self.model.early = early[: len(shape)]
+        self.model.demote_early = demote
         self.G = len(shape)
         self.upp = upp
         self.total = total

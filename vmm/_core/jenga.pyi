@@ -79,7 +79,10 @@ class Core:
         """
     def counters(self) -> dict: ...
     def drain_plan(self) -> tuple: ...
-    def drain_plan_keys(self) -> list[tuple[int, int, int, int]]: ...
+    def drain_plan_keys(self) -> list[tuple[int, int, int, int]]:
+        """
+        drain_plan() as a list of (kind, group, page, reused_units) tuples
+        """
     def eviction_order(self, group: typing.SupportsInt | typing.SupportsIndex) -> list[int]: ...
     def group_counts(self, group: typing.SupportsInt | typing.SupportsIndex) -> tuple:
         """
@@ -108,6 +111,20 @@ class Core:
         blocks: typing.Annotated[numpy.typing.ArrayLike, numpy.int32],
         now: typing.SupportsInt | typing.SupportsIndex,
     ) -> None: ...
+    @property
+    def demote_early_releases(self) -> bool:
+        """
+        early blocks are evicted before every block cached by release()
+        """
+    @demote_early_releases.setter
+    def demote_early_releases(self, arg1: bool) -> None: ...
+    @property
+    def early_release_groups(self) -> list[bool]:
+        """
+        one flag per group: blocks cached by allocate()'s release lists of a flagged group are early (ties: shortest prefix first)
+        """
+    @early_release_groups.setter
+    def early_release_groups(self, arg1: collections.abc.Sequence[bool]) -> None: ...
     @property
     def free_units(self) -> int: ...
     @property
