@@ -72,3 +72,19 @@ def test_the_shared_prefix_junction_makes_mamba_siblings_hit(model_dir: Path) ->
     no_junctions = replace(SETUP, jenga_options={"junctions": False})
     plain = _rows(model_dir, "jamba", setup=no_junctions, managers=("jenga",))["jenga"]
     assert with_junction.prefix_hit_tokens > plain.prefix_hit_tokens
+
+
+def test_lockstep_finds_no_divergence_on_full_attention_and_one_on_gemma2(
+    model_dir: Path,
+) -> None:
+    from argparse import Namespace
+
+    from integrations.vllm.lockstep import first_divergence
+
+    args = Namespace(
+        case="llama", window=64, question_tokens=200, memory_mb=256, requests=16, max_steps=2000
+    )
+    assert first_divergence(args, model_dir)[0].startswith("no divergence")
+    args.case, args.window, args.question_tokens, args.memory_mb = "gemma2", 1024, 3000, 1024
+    lines = first_divergence(args, model_dir)
+    assert lines[0].startswith("step ") and "vllm scheduled" in lines[0]
