@@ -45,10 +45,11 @@ def _step(scheduler: Any, by_id: dict[str, Any], step: int) -> dict[str, int]:
 
 def _blocks(scheduler: Any) -> dict[str, list[int]]:
     manager = scheduler.kv_cache_manager
-    return {
-        r.request_id: [sum(not b.is_null for b in row) for row in manager.get_blocks(r.request_id).blocks]
-        for r in scheduler.running
-    }
+    out = {}
+    for r in scheduler.running:
+        rows = manager.get_blocks(r.request_id).blocks
+        out[r.request_id] = [sum(not b.is_null for b in row) for row in rows]
+    return out
 
 
 def first_divergence(args: argparse.Namespace, model_dir: Path) -> list[str]:
