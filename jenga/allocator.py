@@ -441,6 +441,35 @@ class JengaAllocator:
         req.num_tokens = new
         return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
 
+    def release_skipped(self, request_id: Hashable) -> MappingPlan:
+        """Release the blocks no policy needs at the request's current length, allocating
+        nothing: what `allocate` would release first, for an engine that frees them even
+        when the allocation is refused (vLLM frees skipped blocks before its check).
+
+        Returns the plan (pages that became empty are unmapped). Raises `UnknownRequest`.
+        """
+        req = self._request(request_id)
+        releases, firsts = [], []
+        for g, policy in enumerate(self.policies):
+            table = req.tables[g]
+            first = min(policy.first_live_block(req.num_tokens, req.images), len(table))
+            live = table.view(req.first_live[g], first)
+            releases.append(live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live)
+            firsts.append(max(first, req.first_live[g]))
+        if not any(len(r) for r in releases):
+            return _EMPTY_PLAN
+        got = self._core.allocate_arrays(
+            req.internal_id, [0] * self.num_groups, self._tick(), releases
+        )
+        plan = self._drain_plan()
+        if got is None:  # nothing was asked for, so the core cannot refuse
+            raise RuntimeError(f"request {request_id!r}: releasing skipped blocks was refused")
+        for g, first in enumerate(firsts):
+            if first > req.first_live[g]:
+                req.tables[g].view(req.first_live[g], first)[:] = NULL_BLOCK
+            req.first_live[g] = first
+        return plan
+
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
         req = self._request(request_id)

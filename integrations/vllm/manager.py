@@ -186,8 +186,10 @@ class JengaKVCacheManager:
     ) -> KVCacheBlocks | None:
         """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room.
 
-        All-or-nothing: on None, a request admitted by this call is released again and
-        a running request keeps exactly what it had.
+        All-or-nothing for the new slots: on None, a request admitted by this call is
+        released again, and a running request keeps what it had except the blocks it no
+        longer reads (out of its window, old Mamba states), which are released as vLLM's
+        manager releases them before its own check.
         """
         if num_external_computed_tokens or delay_cache_blocks:
             raise UnsupportedFeature("external (connector) KV tokens are not supported")
@@ -205,6 +207,8 @@ class JengaKVCacheManager:
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
+            else:  # as vLLM: skipped blocks go even when the request cannot grow
+                self._queue_plan(self.allocator.release_skipped(rid))
             self.counters["requests.rejected"] += 1
             return None
         if self.enable_caching:

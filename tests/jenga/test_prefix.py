@@ -147,3 +147,20 @@ def test_junction_is_the_longest_prefix_one_group_alone_caches():
     alloc.cache("b", 8)
     assert alloc.match_prefix_junction([*prompt[:8], 60, 61, 62]) == (8, 8)
     alloc.check_invariants(expensive=True)
+
+
+def test_release_skipped_frees_out_of_window_blocks_without_allocating():
+    groups = (
+        GroupConfig("full", Kind.FULL, 4, 4, 1),
+        GroupConfig("swa", Kind.SLIDING_WINDOW, 4, 4, 1, window=8),
+    )
+    alloc = JengaAllocator(AllocatorConfig(groups, 16))
+    alloc.add_request("a", list(range(20)))
+    assert alloc.allocate("a", 20) is not None  # window at 20 reads 13..20: blocks 3, 4
+    before = alloc.usage().used_blocks
+    plan = alloc.release_skipped("a")
+    assert alloc.block_table("a", "swa")[:3] == [-1, -1, -1]
+    assert alloc.usage().used_blocks == (before[0], before[1] - 3)
+    assert alloc.num_tokens("a") == 20 and not plan  # pages still hold live blocks
+    assert not alloc.release_skipped("a")  # nothing left to release
+    alloc.check_invariants(expensive=True)
