@@ -225,6 +225,8 @@ void register_jenga(py::module_ m) {
       .def_property("demote_early_releases", &Core::demote_early_releases,
                     &Core::set_demote_early_releases,
                     "early blocks are evicted before every block cached by release()")
+      .def_property("frugal_retry", &Core::frugal_retry, &Core::set_frugal_retry,
+                    "retry a refused allocate() in frugal order (default true)")
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
       .def("page_eviction_order", &Core::page_eviction_order)

@@ -108,7 +108,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     // Undo the groups (not the releases), then retry frugally if the bound allows it.
     rollback(released_undo, plan_released);
     logging_ = true;
-    if (may_fit_frugally(counts)) {
+    if (frugal_retry_ && may_fit_frugally(counts)) {
       set_frugal_reserve(counts);
       c = Counters{};
       c.frugal_retries = 1;

@@ -237,6 +237,9 @@ class Core {
   std::vector<bool> early_release_groups() const { return early_release_; }
   void set_demote_early_releases(bool on) { demote_early_ = on; }
   bool demote_early_releases() const { return demote_early_; }
+  // false: a refused allocate() is final (no frugal retry; the paper's allocator).
+  void set_frugal_retry(bool on) { frugal_retry_ = on; }
+  bool frugal_retry() const { return frugal_retry_; }
 
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
@@ -340,6 +343,7 @@ class Core {
   bool pinned_order_ = false;
   std::vector<bool> early_release_;      // per group: allocate()'s releases are early
   bool demote_early_ = false;            // early blocks go to the lower cache tier
+  bool frugal_retry_ = true;             // retry a refused allocate() in frugal order
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;

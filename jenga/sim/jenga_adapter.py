@@ -67,6 +67,7 @@ class JengaCoreAllocator:
         order: AllocationOrder = AllocationOrder.PAPER,
         *,
         demote_window_releases: bool = False,
+        frugal_retry: bool = True,
     ) -> None:
         self.name = name
         self.table = table
@@ -79,6 +80,7 @@ class JengaCoreAllocator:
                 self._total_units,
                 order,
                 demote_window_releases=demote_window_releases,
+                frugal_retry=frugal_retry,
             )
         )
         # bytes a block is charged: its share of a large page (padding and tails included)
@@ -214,6 +216,18 @@ def jenga_vmm_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     )
 
 
+def jenga_vmm_single_pass(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """`jenga_vmm` without the frugal retry: a refused allocation is final (the paper's
+    single pass), so the engine waits instead of evicting scattered cached blocks."""
+    return JengaCoreAllocator(
+        "jenga_vmm_single_pass",
+        model,
+        kv_bytes,
+        vmm_page_table(model, epsilon=0.01),
+        frugal_retry=False,
+    )
+
+
 FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
     "max_page": max_page,
     "jenga_static": jenga_static,
@@ -221,4 +235,5 @@ FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
     "jenga_vmm_compact": jenga_vmm_compact,
     "jenga_static_demote": jenga_static_demote,
     "jenga_vmm_demote": jenga_vmm_demote,
+    "jenga_vmm_single_pass": jenga_vmm_single_pass,
 }

@@ -164,6 +164,7 @@ def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]
         "jenga_vmm_compact",
         "jenga_static_demote",
         "jenga_vmm_demote",
+        "jenga_vmm_single_pass",
     }
     unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
     if unknown:

@@ -172,3 +172,29 @@ def test_pinned_order_reuses_cached_blocks_on_pinned_pages_before_evicting_pages
         assert core.counters()["pages.evicted"] == evicted_pages
         assert core.lookup(0, [11, 12, 13]).tolist() == ([-1, 2, 3] if pinned else [1, -1, -1])
         core.check_invariants(True)
+
+
+def test_without_the_frugal_retry_a_refused_call_stays_refused():
+    """The first test's case with the retry switched off: the paper's single pass."""
+    core = J.Core([2, 1], [1, 1], 2)
+    assert core.frugal_retry
+    core.frugal_retry = False
+    assert core.allocate(1, [2, 0], 1) == [[0, 1], []]
+    core.commit(0, [1], [11], [32])
+    core.release(0, [1], 2)
+    plan(core)
+    assert core.allocate(2, [1, 1], 3) is None
+    assert plan(core) == []
+    counters = core.counters()
+    assert (counters["alloc.frugal_retries"], counters["alloc.failures"]) == (0, 1)
+    assert core.lookup(0, [11]).tolist() == [1]  # the cached block survived
+    core.check_invariants(True)
+
+
+def test_the_allocator_config_switches_the_retry():
+    from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
+    from jenga.specs import Kind
+
+    groups = (GroupConfig("f", Kind.FULL, 4, 2, 1),)
+    assert JengaAllocator(AllocatorConfig(groups, 4))._core.frugal_retry
+    assert not JengaAllocator(AllocatorConfig(groups, 4, frugal_retry=False))._core.frugal_retry

@@ -79,7 +79,7 @@ class Core:
         """
     def counters(self) -> dict: ...
     def drain_plan(self) -> tuple: ...
-    def drain_plan_keys(self) -> list[tuple[int, int, int, int]]:
+    def drain_plan_keys(self) -> list:
         """
         drain_plan() as a list of (kind, group, page, reused_units) tuples
         """
@@ -127,6 +127,13 @@ class Core:
     def early_release_groups(self, arg1: collections.abc.Sequence[bool]) -> None: ...
     @property
     def free_units(self) -> int: ...
+    @property
+    def frugal_retry(self) -> bool:
+        """
+        retry a refused allocate() in frugal order (default true)
+        """
+    @frugal_retry.setter
+    def frugal_retry(self, arg1: bool) -> None: ...
     @property
     def num_groups(self) -> int: ...
     @property
