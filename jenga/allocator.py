@@ -331,6 +331,7 @@ class JengaAllocator:
         self._next_internal = 0
         self._clock = 0
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
+        self._no_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in config.groups)
 
     @property
     def num_groups(self) -> int:
@@ -430,6 +431,10 @@ class JengaAllocator:
             count = max(0, policy.num_blocks(new, req.images) - len(table))
             skips.append(min(count, policy.num_superseded(old, new, req.images)))
             counts.append(count - skips[g])
+        if not any(counts) and not any(skips) and not any(len(r) for r in releases):
+            # the slots are already held and nothing leaves: no core call, empty plan
+            req.num_tokens = new
+            return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
         if got is None:

@@ -26,6 +26,7 @@ Limitations
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,7 @@ class ReplayReport:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     resumed_hit_tokens: int = 0  # hits of preempted requests coming back
+    scheduler_seconds: float = 0.0  # wall time in schedule() + update_from_output()
     output_tokens: dict[str, int] = field(default_factory=dict)
     running_per_step: list[int] = field(default_factory=list)
 
@@ -187,8 +189,14 @@ def replay(
     *,
     max_steps: int = 10_000,
     after_step: Callable[[Any, Any], None] | None = None,
+    check_blocks: bool = True,
 ) -> ReplayReport:
-    """Add ``requests`` and step the scheduler with fake outputs until all finish."""
+    """Add ``requests`` and step the scheduler with fake outputs until all finish.
+
+    ``scheduler_seconds`` of the report sums the wall time of ``schedule`` and
+    ``update_from_output`` alone (the manager's cost rides in both); ``check_blocks``
+    runs `check_no_shared_live_blocks` after every step (outside that time).
+    """
     from vllm.v1.outputs import ModelRunnerOutput
 
     report = ReplayReport()
@@ -198,12 +206,15 @@ def replay(
     while scheduler.get_num_unfinished_requests():
         if report.steps >= max_steps:
             raise RuntimeError(f"replay did not finish in {max_steps} steps")
+        start = time.perf_counter()
         out = scheduler.schedule()
+        report.scheduler_seconds += time.perf_counter() - start
         report.steps += 1
         report.preemptions += len(out.preempted_req_ids or ())
         report.max_running = max(report.max_running, len(scheduler.running))
         report.running_per_step.append(len(scheduler.running))
-        check_no_shared_live_blocks(scheduler)
+        if check_blocks:
+            check_no_shared_live_blocks(scheduler)
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -215,7 +226,9 @@ def replay(
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled,
         )
+        start = time.perf_counter()
         engine_outputs = scheduler.update_from_output(out, runner_output)
+        report.scheduler_seconds += time.perf_counter() - start
         _collect_stats(report, engine_outputs)
         if after_step is not None:
             after_step(scheduler, out)

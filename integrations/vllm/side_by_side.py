@@ -5,7 +5,9 @@ Both run under vLLM's real `Scheduler` on the same requests, the same `KVCacheCo
 bytes. Reported per case and manager: steps to finish, the most and the average number of
 running requests per step, preemptions, prefix-hit tokens of first admissions (vLLM's
 ``PrefixCacheStats.hits``) and of preempted requests coming back (``preempted_hits``,
-column "resumed").
+column "resumed"), and the mean wall time per step of vLLM's ``schedule`` +
+``update_from_output`` (column "sched ms": the manager's cost rides in both; the
+harness's own checks run outside it).
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
 vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
@@ -67,6 +69,7 @@ class Row:
     prefix_hit_tokens: int
     resumed_hit_tokens: int
     seconds: float
+    scheduler_ms_per_step: float  # schedule() + update_from_output(), mean over steps
 
 
 MANAGERS = ("vllm", "jenga", "jenga-vmm")
@@ -118,6 +121,9 @@ def run_case(
         prefix_hit_tokens=sum(r.prefix_hit_tokens for r in reports),
         resumed_hit_tokens=sum(r.resumed_hit_tokens for r in reports),
         seconds=round(time.perf_counter() - start, 2),
+        scheduler_ms_per_step=round(
+            1000 * sum(r.scheduler_seconds for r in reports) / sum(r.steps for r in reports), 3
+        ),
     )
 
 
@@ -151,6 +157,7 @@ def format_table(rows: list[Row]) -> str:
         "preempt",
         "hit tokens",
         "resumed",
+        "sched ms",
     )
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
@@ -164,6 +171,7 @@ def format_table(rows: list[Row]) -> str:
             r.preemptions,
             r.prefix_hit_tokens,
             r.resumed_hit_tokens,
+            r.scheduler_ms_per_step,
         )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
