@@ -56,9 +56,10 @@ Limitations
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -265,6 +266,11 @@ class _Request:
     images: tuple[ImageSpan, ...]
     salt: int
     num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
+    # `allocate` fast path: while num_tokens <= quiet_until and the new length <=
+    # held_until, no group releases or grows (both only grow; -1: unknown)
+    quiet_until: int = -1
+    held_until: int = -1
+    next_commit: int = 0  # `cache` below this many computed tokens commits nothing
     num_hit: int = 0
     tables: list[IntBuffer] = field(default_factory=list)  # int32 block ids per group
     first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
@@ -332,6 +338,7 @@ class JengaAllocator:
         self._clock = 0
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
         self._no_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in config.groups)
+        self._text_only = not any(p.reads_images for p in self.policies)
 
     @property
     def num_groups(self) -> int:
@@ -418,6 +425,9 @@ class JengaAllocator:
             )
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(request_id, "after allocate", new)
+        if old <= req.quiet_until and new <= req.held_until:
+            req.num_tokens = new  # every slot is held and nothing leaves any window
+            return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
         releases: list[np.ndarray] = []
         counts: list[int] = []
         firsts: list[int] = []
@@ -434,6 +444,7 @@ class JengaAllocator:
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
+            self._update_quiet_span(req)
             return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
@@ -452,7 +463,30 @@ class JengaAllocator:
             else:  # a fresh array from the core, referenced nowhere else: no copy
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
+        self._update_quiet_span(req)
         return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
+
+    _QUIET_HORIZON = 4096  # tokens past the current length the fast-path limits look
+
+    def _update_quiet_span(self, req: _Request) -> None:
+        """Set the request's fast-path limits from the monotone policy functions.
+
+        ``quiet_until``: the largest length L (within the horizon) at which no group's
+        `first_live_block` passes what it already released; ``held_until``: the largest
+        length its tables already cover (`num_blocks` within the table). Both functions
+        are nondecreasing in the length, so a galloping search finds the limits.
+        """
+        cur = req.num_tokens
+        quiet = held = cur + self._QUIET_HORIZON
+        images = req.images
+        for g, policy in enumerate(self.policies):
+            n, first = len(req.tables[g]), req.first_live[g]
+            if first < n:
+                released = functools.partial(_first_live_within, policy, images, first)
+                quiet = min(quiet, _last_true(released, cur, quiet))
+            covered = functools.partial(_blocks_within, policy, images, n)
+            held = min(held, _last_true(covered, cur, held))
+        req.quiet_until, req.held_until = quiet, held
 
     def release_skipped(self, request_id: Hashable) -> MappingPlan:
         """Release the blocks no policy needs at the request's current length, allocating
@@ -504,9 +538,16 @@ class JengaAllocator:
                 f"request {request_id!r}: {num_computed_tokens} computed tokens, but only "
                 f"{req.num_tokens} allocated and {len(req.tokens)} known"
             )
+        if num_computed_tokens < req.next_commit:  # no group has a new complete block
+            return 0
         added = 0
         for g, policy in enumerate(self.policies):
             added += self._commit_group(req, g, policy, num_computed_tokens)
+        if self._text_only:
+            req.next_commit = min(
+                (c + 1) * p.tokens_per_block
+                for c, p in zip(req.num_committed, self.policies, strict=True)
+            )
         return added
 
     def _commit_group(self, req: _Request, g: int, policy: Policy, computed: int) -> int:
@@ -754,3 +795,33 @@ def _checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[Image
             )
         prev_end = im.end
     return spans
+
+
+def _last_true(pred: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest L in [lo, hi] with ``pred(L)`` for a predicate true then false;
+    ``lo - 1`` when ``pred(lo)`` is already false."""
+    if not pred(lo):
+        return lo - 1
+    step = 1
+    good = lo
+    while good < hi:  # gallop, then bisect the last step
+        probe = min(good + step, hi)
+        if not pred(probe):
+            bad = probe
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                if pred(mid):
+                    good = mid
+                else:
+                    bad = mid
+            return good
+        good, step = probe, step * 2
+    return good
+
+
+def _first_live_within(policy: Policy, images: Sequence[ImageSpan], first: int, L: int) -> bool:
+    return policy.first_live_block(L, images) <= first
+
+
+def _blocks_within(policy: Policy, images: Sequence[ImageSpan], n: int, L: int) -> bool:
+    return policy.num_blocks(L, images) <= n
