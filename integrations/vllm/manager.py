@@ -193,6 +193,11 @@ class JengaKVCacheManager:
         """
         if num_external_computed_tokens or delay_cache_blocks:
             raise UnsupportedFeature("external (connector) KV tokens are not supported")
+        if num_encoder_tokens and not self._encoder_side:
+            raise JengaVllmError(
+                f"request {request.request_id!r}: {num_encoder_tokens} encoder tokens, but the "
+                "KV-cache config has no cross-attention group to hold them"
+            )
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
         rid = request.request_id

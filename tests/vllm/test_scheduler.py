@@ -116,3 +116,13 @@ def test_prompt_images_hit_only_the_same_image(model_dir: Path) -> None:
     manager.free(first)
     assert manager.get_computed_blocks(request("cat.png", "b"))[1] == 96
     assert manager.get_computed_blocks(request("dog.png", "c"))[1] == 16  # text before it
+
+
+def test_encoder_tokens_without_a_cross_attention_group_are_refused(model_dir: Path) -> None:
+    from integrations.vllm.layout import JengaVllmError
+
+    manager = _scheduler(model_dir, "llama", 64).kv_cache_manager
+    (request,) = replay.make_requests([[5] * 40], [1], BLOCK)
+    with pytest.raises(JengaVllmError, match=r"r0.*: 30 encoder tokens, but .*no cross-attention"):
+        manager.allocate_slots(request, 40, num_encoder_tokens=30)
+    assert manager.usage == 0.0
