@@ -434,10 +434,9 @@ class JengaAllocator:
         skips: list[int] = []
         for g, policy in enumerate(self.policies):
             table = req.tables[g]
-            first = min(policy.first_live_block(old, req.images), len(table))
-            live = table.view(req.first_live[g], first)
-            releases.append(live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live)
-            firsts.append(max(first, req.first_live[g]))
+            release, first = self._skipped(req, g, policy, old)
+            releases.append(release)
+            firsts.append(first)
             count = max(0, policy.num_blocks(new, req.images) - len(table))
             skips.append(min(count, policy.num_superseded(old, new, req.images)))
             counts.append(count - skips[g])
@@ -453,9 +452,7 @@ class JengaAllocator:
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         for g, blocks in enumerate(got):
             table = req.tables[g]
-            if firsts[g] > req.first_live[g]:
-                table.view(req.first_live[g], firsts[g])[:] = NULL_BLOCK
-            req.first_live[g] = firsts[g]
+            self._drop_released(req, g, firsts[g])
             if skips[g]:  # Mamba checkpoints inside the span: never held
                 table.extend(np.full(skips[g], NULL_BLOCK, dtype=np.int32))
             if len(table):
@@ -496,13 +493,8 @@ class JengaAllocator:
         Returns the plan (pages that became empty are unmapped). Raises `UnknownRequest`.
         """
         req = self._request(request_id)
-        releases, firsts = [], []
-        for g, policy in enumerate(self.policies):
-            table = req.tables[g]
-            first = min(policy.first_live_block(req.num_tokens, req.images), len(table))
-            live = table.view(req.first_live[g], first)
-            releases.append(live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live)
-            firsts.append(max(first, req.first_live[g]))
+        skipped = [self._skipped(req, g, p, req.num_tokens) for g, p in enumerate(self.policies)]
+        releases = [release for release, _ in skipped]
         if not any(len(r) for r in releases):
             return _EMPTY_PLAN
         got = self._core.allocate_arrays(
@@ -511,11 +503,26 @@ class JengaAllocator:
         plan = self._drain_plan()
         if got is None:  # nothing was asked for, so the core cannot refuse
             raise RuntimeError(f"request {request_id!r}: releasing skipped blocks was refused")
-        for g, first in enumerate(firsts):
-            if first > req.first_live[g]:
-                req.tables[g].view(req.first_live[g], first)[:] = NULL_BLOCK
-            req.first_live[g] = first
+        for g, (_, first) in enumerate(skipped):
+            self._drop_released(req, g, first)
         return plan
+
+    @staticmethod
+    def _skipped(req: _Request, g: int, policy: Policy, length: int) -> tuple[np.ndarray, int]:
+        """Group g's blocks the request no longer reads at ``length`` (Mamba: non-NULL
+        only) and its first live index once they are released."""
+        table = req.tables[g]
+        first = min(policy.first_live_block(length, req.images), len(table))
+        live = table.view(req.first_live[g], first)
+        release = live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live
+        return release, max(first, req.first_live[g])
+
+    @staticmethod
+    def _drop_released(req: _Request, g: int, first: int) -> None:
+        """NULL group g's table entries below ``first`` (released) and record it."""
+        if first > req.first_live[g]:
+            req.tables[g].view(req.first_live[g], first)[:] = NULL_BLOCK
+        req.first_live[g] = first
 
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
