@@ -84,27 +84,22 @@ def attach_mapping_plans(scheduler: Any, output: Any) -> Any:
     return output
 
 
-class JengaScheduler(Scheduler):
+class _JengaManagerMixin:
+    """Checks, vLLM's own construction, then the manager swap; plans on every output."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
+        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
+        super().__init__(*args, **kwargs)
+        install_jenga_manager(self)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        return attach_mapping_plans(self, super().schedule(*args, **kwargs))
+
+
+class JengaScheduler(_JengaManagerMixin, Scheduler):
     """vLLM's Scheduler with the jenga KV-cache manager."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_vllm_version()
-        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
-        super().__init__(*args, **kwargs)
-        install_jenga_manager(self)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        return attach_mapping_plans(self, super().schedule(*args, **kwargs))
-
-
-class JengaAsyncScheduler(AsyncScheduler):
+class JengaAsyncScheduler(_JengaManagerMixin, AsyncScheduler):
     """vLLM's AsyncScheduler with the jenga KV-cache manager."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_vllm_version()
-        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
-        super().__init__(*args, **kwargs)
-        install_jenga_manager(self)
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        return attach_mapping_plans(self, super().schedule(*args, **kwargs))
