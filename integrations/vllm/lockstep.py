@@ -27,19 +27,8 @@ from integrations.vllm.side_by_side import Workload
 
 
 def _step(scheduler: Any, by_id: dict[str, Any], step: int) -> dict[str, int]:
-    from vllm.v1.outputs import ModelRunnerOutput
-
     out = scheduler.schedule()
-    ids = list(out.num_scheduled_tokens)
-    sampled = []
-    for rid in ids:
-        req = by_id[rid]
-        done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
-        sampled.append([1000 + (hash(rid) + step) % 20000] if done else [])
-    runner = ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-    )
-    scheduler.update_from_output(out, runner)
+    scheduler.update_from_output(out, replay.fake_model_output(out, by_id, step))
     return dict(out.num_scheduled_tokens)
 
 

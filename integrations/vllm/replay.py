@@ -197,8 +197,6 @@ def replay(
     ``update_from_output`` alone (the manager's cost rides in both); ``check_blocks``
     runs `check_no_shared_live_blocks` after every step (outside that time).
     """
-    from vllm.v1.outputs import ModelRunnerOutput
-
     report = ReplayReport()
     for req in requests:
         scheduler.add_request(req)
@@ -215,17 +213,7 @@ def replay(
         report.running_per_step.append(len(scheduler.running))
         if check_blocks:
             check_no_shared_live_blocks(scheduler)
-        ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for rid in ids:
-            req = by_id[rid]
-            done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
-            sampled.append([1000 + (hash(rid) + report.steps) % 20000] if done else [])
-        runner_output = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-        )
+        runner_output = fake_model_output(out, by_id, report.steps)
         start = time.perf_counter()
         engine_outputs = scheduler.update_from_output(out, runner_output)
         report.scheduler_seconds += time.perf_counter() - start
@@ -234,6 +222,22 @@ def replay(
             after_step(scheduler, out)
     report.output_tokens = {r.request_id: r.num_output_tokens for r in requests}
     return report
+
+
+def fake_model_output(out: Any, by_id: Mapping[str, Any], step: int) -> Any:
+    """The `ModelRunnerOutput` of a step: one token for every request whose prompt (and
+    any recomputation) this step completes, a deterministic id of (request, step)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        req = by_id[rid]
+        done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
+        sampled.append([1000 + (hash(rid) + step) % 20000] if done else [])
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
 
 
 def _collect_stats(report: ReplayReport, engine_outputs: Mapping[int, Any]) -> None:
