@@ -25,6 +25,7 @@ Limitations
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -136,43 +137,58 @@ def layer_specs(*, block_size: int = 16, decoder_layers: int = 2) -> dict[str, A
     return specs
 
 
-def side_by_side(memory_mb: int = 32, requests: int = 16, clips: int = 4) -> list[dict[str, Any]]:
-    """vLLM's manager (prefix caching off: its cross-attention manager refuses it) and
-    ours on the same encoder-decoder requests and memory, two waves sharing prompts
-    and audio clips; one row per manager."""
-    import tempfile
+WHISPER_SETUP_LIMITS = {"max_model_len": 448, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+"""Scheduler limits of the tiny Whisper runs (448: Whisper's decoder positions; the
+batch holds one whole 1,500-position encoder input)."""
+
+
+def make_scheduler(folder: Path, memory_mb: int, *, jenga: bool) -> Any:
+    """vLLM's scheduler or ours on the tiny Whisper folder. vLLM's runs with prefix
+    caching off: its `CrossAttentionManager` raises when caching is on; ours caches."""
     from dataclasses import replace
 
     from integrations.vllm import replay
 
-    setup = replay.SchedulerSetup(max_model_len=448, max_num_seqs=64, max_num_batched_tokens=2048)
+    setup = replay.SchedulerSetup(**WHISPER_SETUP_LIMITS)
+    if not jenga:
+        setup = replace(setup, enable_prefix_caching=False)
+    config = replay.make_vllm_config(folder, setup)
+    kv_config = replay.kv_cache_config_for(config, layer_specs(), memory_mb << 20)
+    return replay.make_scheduler(config, kv_config, jenga=jenga)
+
+
+def make_wave(n: int, prefix: str, *, suffix: int = 0, clips: int = 4) -> list[Any]:
+    """``n`` requests: Whisper's task tokens, a private 61-token decoder prompt, ``suffix``
+    shared tokens, 32 output tokens, and one of ``clips`` audio clips each."""
+    head = [50258, 50259, 50359]  # <|startoftranscript|><|en|><|transcribe|>
+    prompts = [head + [100 + i] * 61 + [7] * suffix for i in range(n)]
+    names = [f"clip-{i % clips}" for i in range(n)]
+    return make_encoder_requests(prompts, names, [32] * n, 16, prefix=prefix)
+
+
+def side_by_side(memory_mb: int = 32, requests: int = 16, clips: int = 4) -> list[Any]:
+    """vLLM's manager and ours on the same encoder-decoder requests and memory, two waves
+    sharing prompts and audio clips; one `side_by_side.Row` per manager."""
+    import tempfile
+    import time
+
+    from integrations.vllm import replay
+    from integrations.vllm.side_by_side import summarize
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_tiny_whisper(Path(tmp) / "whisper")
         for jenga in (False, True):
-            run = setup if jenga else replace(setup, enable_prefix_caching=False)
-            config = replay.make_vllm_config(folder, run)
-            kv_config = replay.kv_cache_config_for(config, layer_specs(), memory_mb << 20)
-            scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
-            reports = []
-            for wave, suffix in (("a", 0), ("b", 20)):
-                head = [50258, 50259, 50359]  # <|startoftranscript|><|en|><|transcribe|>
-                prompts = [head + [100 + i] * 61 + [7] * suffix for i in range(requests)]
-                names = [f"clip-{i % clips}" for i in range(requests)]
-                batch = make_encoder_requests(prompts, names, [32] * requests, 16, prefix=wave)
-                reports.append(replay.replay(scheduler, batch))
-            running = [n for r in reports for n in r.running_per_step]
-            rows.append(
-                {
-                    "manager": "jenga" if jenga else "vllm",
-                    "blocks": int(kv_config.num_blocks),
-                    "steps": sum(r.steps for r in reports),
-                    "max_running": max(r.max_running for r in reports),
-                    "avg_running": round(sum(running) / len(running), 2),
-                    "preemptions": sum(r.preemptions for r in reports),
-                    "prefix_hit_tokens": sum(r.prefix_hit_tokens for r in reports),
-                }
-            )
+            start = time.perf_counter()
+            scheduler = make_scheduler(folder, memory_mb, jenga=jenga)
+            waves = [
+                make_wave(requests, "a", clips=clips),
+                make_wave(requests, "b", suffix=20, clips=clips),
+            ]
+            reports = [replay.replay(scheduler, wave) for wave in waves]
+            manager = "jenga" if jenga else "vllm"
+            blocks = int(scheduler.kv_cache_config.num_blocks)
+            rows.append(summarize("whisper", manager, blocks, reports, start))
     return rows
 
 
@@ -185,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clips", type=int, default=4)
     args = parser.parse_args(argv)
     for row in side_by_side(args.memory_mb, args.requests, args.clips):
-        print("  ".join(f"{k}={v}" for k, v in row.items()))
+        print("  ".join(f"{k}={v}" for k, v in asdict(row).items()))
     return 0
 
 

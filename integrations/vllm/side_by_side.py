@@ -109,11 +109,18 @@ def run_case(
         wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
+    return summarize(case, manager, int(kv_config.num_blocks), reports, start)
+
+
+def summarize(
+    case: str, manager: str, num_blocks: int, reports: list[replay.ReplayReport], start: float
+) -> Row:
+    """One row from the replays of a run (waves in order) that began at ``start``."""
     running = [n for r in reports for n in r.running_per_step]
     return Row(
         case=case,
         manager=manager,
-        num_blocks=int(kv_config.num_blocks),
+        num_blocks=num_blocks,
         steps=sum(r.steps for r in reports),
         max_running=max(r.max_running for r in reports),
         avg_running=round(sum(running) / len(running), 2),

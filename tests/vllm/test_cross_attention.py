@@ -8,7 +8,6 @@ held by the cross-attention layers for the whole request, like mllama's image to
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from integrations.vllm import encdec, replay
 from integrations.vllm.manager import JengaKVCacheManager
 
 BLOCK = 16
-SETUP = replay.SchedulerSetup(max_model_len=448, max_num_seqs=64, max_num_batched_tokens=2048)
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +29,11 @@ def whisper_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _scheduler(model_dir: Path, memory_mb: int, *, jenga: bool) -> Any:
-    # vLLM's CrossAttentionManager refuses prefix caching (it raises); ours caches
-    setup = SETUP if jenga else replace(SETUP, enable_prefix_caching=False)
-    config = replay.make_vllm_config(model_dir, setup)
-    kv_config = replay.kv_cache_config_for(config, encdec.layer_specs(), memory_mb << 20)
-    return replay.make_scheduler(config, kv_config, jenga=jenga)
+    return encdec.make_scheduler(model_dir, memory_mb, jenga=jenga)
 
 
 def _wave(n: int, prefix: str, suffix: int = 0) -> list[Any]:
-    prompts = [[50258, 50259, 50359] + [100 + i] * 61 + [7] * suffix for i in range(n)]
-    clips = [f"clip-{i % 4}" for i in range(n)]  # four distinct audio clips
-    return encdec.make_encoder_requests(prompts, clips, [32] * n, BLOCK, prefix=prefix)
+    return encdec.make_wave(n, prefix, suffix=suffix)  # four distinct audio clips
 
 
 def test_encoder_decoder_requests_finish_and_reuse_encoder_blocks(whisper_dir: Path) -> None:
