@@ -331,16 +331,32 @@ def static_unit_bytes(small_pages: Sequence[int], strategy: str = "lcm") -> int:
 
 
 def static_page_table(
-    model: ModelSpec, *, strategy: str = "lcm", budget_bytes: int | None = None
+    model: ModelSpec,
+    *,
+    strategy: str = "lcm",
+    budget_bytes: int | None = None,
+    unit_bytes: int | None = None,
 ) -> PageTable:
     """One static buffer, page-layer partition (paper Fig. 7b).
 
     Small page of group g = one block of all of g's cache-storing layers. lcm: large
     page = lcm of the small pages, holding ``lcm / p_g`` of g's. max: every small page
-    padded to the largest (tail = padding). gcd: a small page costs ``p_g / gcd`` units.
+    padded to the largest (tail = padding), or to ``unit_bytes`` when the buffer's slot
+    is given (an engine's own padded block, e.g. vLLM's). gcd: a small page costs
+    ``p_g / gcd`` units.
     """
     smalls = [g.spec.page_bytes * g.num_layers for g in model.groups]
     unit = static_unit_bytes(smalls, strategy)
+    if unit_bytes is not None:
+        if strategy != "max":
+            raise SpecError(f"unit_bytes applies to the 'max' strategy only, not {strategy!r}")
+        for g, small in zip(model.groups, smalls, strict=True):
+            if small > unit_bytes:
+                raise SpecError(
+                    f"group {g.name!r}: one block of its {g.num_layers} layers is {small} B, "
+                    f"more than the {unit_bytes} B slot"
+                )
+        unit = unit_bytes
     rows = tuple(
         _static_group_pages(g, small, unit, strategy)
         for g, small in zip(model.groups, smalls, strict=True)

@@ -43,7 +43,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from jenga.allocator import AllocationOrder, AllocatorConfig, JengaAllocator
-from jenga.pages import DEFAULT_CHUNK_BYTES, GroupPages, PageTable, vmm_page_table
+from jenga.pages import (
+    DEFAULT_CHUNK_BYTES,
+    GroupPages,
+    PageTable,
+    static_page_table,
+    vmm_page_table,
+)
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
 OPTIONS_KEY = "jenga_vmm"
@@ -313,26 +319,8 @@ def _vllm_slot_pages(model: ModelSpec, memory: int, num_blocks: int) -> tuple[Pa
     if num_blocks < 2:
         raise JengaVllmError(f"the KV cache holds {num_blocks} block(s); at least 2 are needed")
     slot = memory // num_blocks
-    rows = []
-    for g in model.groups:
-        small = g.spec.page_bytes * g.num_layers
-        if small > slot:
-            raise JengaVllmError(
-                f"group {g.name!r}: one block of its {g.num_layers} layers is {small} B, "
-                f"more than vLLM's block slot of {slot} B"
-            )
-        rows.append(
-            GroupPages(
-                group=g.name,
-                small_page_bytes=small,
-                num_ranges=1,
-                chunks_per_range=1,
-                blocks_per_large_page=1,
-                units_per_large_page=1,
-                tail_bytes=slot - small,
-                kind=str(g.spec.kind),
-                layers_per_small_page=g.num_layers,
-            )
-        )
-    table = PageTable("max", slot, tuple(rows), model.name, layout="page_layer")
+    try:
+        table = static_page_table(model, strategy="max", unit_bytes=slot)
+    except SpecError as exc:
+        raise JengaVllmError(f"vLLM's block slot cannot hold a block: {exc}") from exc
     return table, num_blocks - 1

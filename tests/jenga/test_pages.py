@@ -79,6 +79,16 @@ def test_paper_example_max_pads_and_gcd_splits():
     assert table_gcd.waste_fraction() == 0.0
 
 
+def test_max_pads_to_a_given_slot_and_refuses_a_slot_too_small():
+    table = static_page_table(paper_example_model(), strategy="max", unit_bytes=512)
+    assert (table.mode, table.unit_bytes) == ("max", 512)
+    assert [(g.tail_bytes, g.units_per_large_page) for g in table.groups] == [(256, 1), (128, 1)]
+    with pytest.raises(SpecError, match=r"group 'b'.*384 B, more than the 320 B slot"):
+        static_page_table(paper_example_model(), strategy="max", unit_bytes=320)
+    with pytest.raises(SpecError, match=r"'max' strategy only, not 'lcm'"):
+        static_page_table(paper_example_model(), unit_bytes=768)
+
+
 # ---------------------------------------------------------------------------- vmm mode
 
 
