@@ -177,19 +177,25 @@ void Core::rollback(size_t undo_mark, size_t plan_mark) {
   plan_.resize(plan_mark);
 }
 
+namespace {
+// A block taken from limbo (kTake, kUseLimbo) returns to it with the access time and
+// shared flag its undo entry saved.
+void restore_limbo(Block& k, int64_t last_access, int64_t shared) {
+  k.state = State::kLimbo;
+  k.refcount = 0;
+  k.last_access = last_access;
+  k.shared = shared != 0;
+}
+}  // namespace
+
 void Core::undo_one(const Undo& u) {
   Group& G = grp(u.group);
   const int32_t B = G.blocks_per_page;
   switch (u.kind) {
-    case UndoKind::kTake: {
-      Block& k = G.blocks[static_cast<size_t>(u.id)];
-      k.state = State::kLimbo;
-      k.refcount = 0;
-      k.last_access = u.a;
-      k.shared = u.b != 0;
+    case UndoKind::kTake:  // back to limbo as kUseLimbo's undo does, then on the free list
+      restore_limbo(G.blocks[static_cast<size_t>(u.id)], u.a, u.b);
       prim_push_free(u.group, u.id);
       break;
-    }
     case UndoKind::kMap: {
       Page& P = G.pages[static_cast<size_t>(u.id)];
       remove_from_free_set(G, u.id);
@@ -259,14 +265,9 @@ void Core::undo_one(const Undo& u) {
       k.state = State::kLimbo;
       break;
     }
-    case UndoKind::kUseLimbo: {
-      Block& k = G.blocks[static_cast<size_t>(u.id)];
-      k.state = State::kLimbo;
-      k.refcount = 0;
-      k.last_access = u.a;
-      k.shared = u.b != 0;
+    case UndoKind::kUseLimbo:
+      restore_limbo(G.blocks[static_cast<size_t>(u.id)], u.a, u.b);
       break;
-    }
   }
 }
 
