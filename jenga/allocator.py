@@ -14,7 +14,7 @@ Approach
     needs, which blocks may be released to the cache, and which prefix lengths a group can
     serve. The per-block bookkeeping — free lists, request association of large pages,
     LRU order of evictable blocks and pages, the hash index, the five allocation steps —
-    lives in the C++ core (`vmm._core.jenga.Core`), reached by batched calls with the GIL
+    lives in the C++ core (`jenga._core.Core`), reached by batched calls with the GIL
     released. Every call that changes physical needs returns a `MappingPlan`.
 
     Allocating one block of group g for request r tries, in order (paper order):
@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import numpy as np
-from vmm._core import jenga as _core
 
+from jenga import _core
 from jenga.pages import PageTable
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy

@@ -9,7 +9,7 @@ Rationale
 
 Approach
     - Root: ``hash_ints([salt, tokens_per_block])``; blocks of T tokens are hashed in C++
-      (`vmm._core.jenga.hash_blocks`) continuing from the previous hash, so decode
+      (`jenga._core.hash_blocks`) continuing from the previous hash, so decode
       extends a chain incrementally.
     - Images: the prompt's placeholder tokens inside an image span are replaced by
       ``content_hash + offset`` before hashing, so the same placeholders with another
@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from vmm._core import jenga as _core
+
+from jenga import _core
 
 _MASK64 = (1 << 64) - 1
 _INT64_MIN = -(1 << 63)

@@ -1,6 +1,6 @@
-// `vmm._core.jenga`: the allocator core and block hashing. Every call that walks blocks
+// `jenga._core`: the allocator core and block hashing. Every call that walks blocks
 // releases the GIL (arguments are converted before, results after); C++ never calls Python.
-#include "bindings.hpp"
+#include "jenga/bindings.hpp"
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vmm.kvcache import KVCache, KVCacheConfig
 
 import vmm
 from integrations.engine.forward import PackedForward, Segment
+from integrations.kvcache import KVCache, KVCacheConfig
 
 
 @dataclass(frozen=True)

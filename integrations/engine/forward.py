@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-from vmm.kvcache import KVCache
-from vmm.kvcache.access import TokenSlots, read_kv, token_slots, write_kv
+
+from integrations.kvcache import KVCache
+from integrations.kvcache.access import TokenSlots, read_kv, token_slots, write_kv
 
 
 @dataclass(frozen=True)

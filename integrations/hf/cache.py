@@ -51,10 +51,10 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
     get_layer_types_and_kwargs,
 )
-from vmm.kvcache import KVCache, KVCacheConfig
-from vmm.kvcache.access import read_kv, token_slots, write_kv
 
 import vmm
+from integrations.kvcache import KVCache, KVCacheConfig
+from integrations.kvcache.access import read_kv, token_slots, write_kv
 
 _SLIDING_TYPES = ("sliding_attention",)  # chunked: jenga releases whole chunks; not wired
 

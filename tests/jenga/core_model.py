@@ -1,4 +1,4 @@
-"""A small pure-Python model of the C++ allocator core (`vmm._core.jenga.Core`).
+"""A small pure-Python model of the C++ allocator core (`jenga._core.Core`).
 
 Same rules, simplest data structures: lists scanned with min() instead of ordered sets,
 a deepcopy snapshot instead of an undo log. The stateful tests drive both with the same

@@ -15,7 +15,8 @@ from jenga.allocator import (
     UnknownRequest,
 )
 from jenga.specs import Kind, SpecError
-from vmm._core import jenga as J
+
+from jenga import _core as J
 
 
 def small(max_len: int | None = 64) -> JengaAllocator:

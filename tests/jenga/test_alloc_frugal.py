@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vmm._core import jenga as J
 
+from jenga import _core as J
 from tests.jenga.core_model import CoreModel
 
 

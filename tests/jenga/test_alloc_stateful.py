@@ -20,8 +20,8 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from vmm._core import jenga as J
 
+from jenga import _core as J
 from tests.jenga.core_model import MAP, CoreModel
 
 NUM_HASHES = 24  # small hash space: duplicate commits and shared prefixes happen often

@@ -6,7 +6,8 @@ import pytest
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.plan import MapPage, MappingPlan, UnmapPage, page_slots
 from jenga.specs import Kind
-from vmm._core import jenga as J
+
+from jenga import _core as J
 
 
 def plan(core: J.Core) -> list[tuple[int, int, int, int]]:

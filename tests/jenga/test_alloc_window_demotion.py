@@ -19,7 +19,8 @@ import pytest
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.plan import UnmapPage
 from jenga.specs import Kind
-from vmm._core import jenga as J
+
+from jenga import _core as J
 
 A_PROMPT = list(range(100, 132))
 B_PROMPT = list(range(500, 508))

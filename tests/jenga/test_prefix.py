@@ -12,7 +12,8 @@ from jenga.prefix import (
     root_hash,
 )
 from jenga.specs import Kind
-from vmm._core import jenga as J
+
+from jenga import _core as J
 
 
 def test_chained_hashes_name_the_whole_prefix():

@@ -1,9 +1,9 @@
 """
-jenga-vmm private extension: host VMM backend and jenga allocator core
+jenga-vmm private extension: host VMM backend and raw benchmark baselines
 """
 
 from __future__ import annotations
 
-from . import bench, host, jenga
+from . import bench, host
 
-__all__: list[str] = ["bench", "host", "jenga"]
+__all__: list[str] = ["bench", "host"]

@@ -1,0 +1,411 @@
+"""KVCache: jenga decides, vmm maps, and every layer's cache is one contiguous tensor.
+
+Rationale
+    A serving engine wants, per layer, an ordinary tensor its attention kernel reads
+    through a block table, yet physical memory should back only the blocks the
+    allocator handed out, and move between layer types (full, sliding window, Mamba...)
+    as the mix of requests changes. This object owns the virtual ranges of every group,
+    runs the `jenga` allocator, and applies each plan it returns through `vmm`, so that
+    at any moment the chunks mapped are exactly the allocator's large pages.
+
+Approach (per_layer layout, see `integrations.kvcache.geometry`)
+    ::
+
+        engine ── add_request / allocate / free ──► KVCache ──► JengaAllocator (ints)
+                                                      │ page plan
+                                                      ▼ translate (remap = reuse chunks)
+                                                    vmm.MappingPlan ──► ChunkPool / ranges
+        kernels ◄── layer_view(l): [pages, B, (2,) block_size, H, D] over range of layer l
+
+    * One range per layer (K and V fused: block = ``[2, block_size, H, D]``, FlashInfer's
+      NHD order), or two (kv_split: K and V ranges of ``[block_size, H, D]`` blocks, the
+      flash-attn / vLLM order). Mamba / vision groups: one tensor per layer.
+    * Every allocator call that returns a plan is applied at once; `mapped_pages` mirrors
+      the pages the allocator holds, and `check_invariants` proves slots == pages.
+
+Limitations
+    If the backend fails (OS out of memory) after the allocator committed an allocation,
+    the vmm plan rolls back but the allocator cannot; the cache is then marked broken
+    and raises `KVCacheBroken` on further use. Single-threaded (like the pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jenga.allocator import (
+    Allocation,
+    AllocationOrder,
+    AllocatorConfig,
+    ImageSpan,
+    JengaAllocator,
+)
+from jenga.pages import PageTable, vmm_page_table
+from jenga.plan import MapPage
+from jenga.plan import MappingPlan as PagePlan
+from jenga.specs import Kind, ModelSpec
+from vmm.errors import VmmError
+from vmm.plan import MappingPlan
+from vmm.pool import ChunkPool
+from vmm.range import VirtualRange
+
+from integrations.kvcache.geometry import GroupGeometry, LayoutError
+from integrations.kvcache.translate import translate
+
+if TYPE_CHECKING:
+    import torch
+
+    from integrations.kvcache.overlap import OverlapWorker
+
+
+class KVCacheBroken(VmmError):
+    """A backend failure left the allocator ahead of the mapped memory; the cache is unusable."""
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """How the cache is laid out. `dtype` is a torch dtype (its size must match the specs)."""
+
+    dtype: Any = None  # torch.dtype; None: torch.float16
+    kv_split: bool = False
+    epsilon: float = 0.01
+    order: AllocationOrder = AllocationOrder.PAPER
+    zero_backed: bool = False
+    layout: str = "per_layer"  # or "per_group" (one range per group, strided layer views)
+
+
+class KVCache:
+    """Per-layer KV tensors over vmm ranges, mapped as the jenga allocator decides.
+
+    Invariants (`check_invariants`): for every group and range, a slot is mapped iff its
+    large page is in `mapped_pages[g]`; pool mapped chunks == allocator used units.
+    """
+
+    def __init__(
+        self, model: ModelSpec, pool: ChunkPool, config: KVCacheConfig | None = None
+    ) -> None:
+        import torch
+
+        self.config = config or KVCacheConfig()
+        self.dtype = self.config.dtype or torch.float16
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.model = model
+        self.pool = pool
+        total_units = pool.budget_bytes // pool.granularity
+        self.page_table: PageTable = vmm_page_table(
+            model,
+            chunk_bytes=pool.granularity,
+            epsilon=self.config.epsilon,
+            kv_split=self.config.kv_split,
+            budget_bytes=pool.budget_bytes,
+            layout=self.config.layout,
+        )
+        self.allocator = JengaAllocator(
+            AllocatorConfig.from_page_table(model, self.page_table, total_units, self.config.order)
+        )
+        self.geometries = tuple(
+            GroupGeometry.from_row(
+                i, g, self.page_table.group(g.name), pool.granularity, total_units
+            )
+            for i, g in enumerate(model.groups)
+        )
+        self._check_dtype()
+        self.ranges: tuple[tuple[VirtualRange, ...], ...] = self._reserve_all()
+        self._layer_to_group = {
+            layer: geo.index for geo in self.geometries for layer in geo.layer_ids
+        }
+        for g in model.groups:
+            for reader, owner in g.readers:
+                self._layer_to_group[reader] = self._layer_to_group[owner]
+        self._reader_to_owner = {r: o for g in model.groups for r, o in g.readers}
+        self.mapped_pages: list[set[int]] = [set() for _ in self.geometries]
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._counters = {"kv.plans": 0, "kv.remapped_units": 0, "kv.pages.mapped": 0,
+                          "kv.pages.unmapped": 0}  # fmt: skip
+        self._broken = False
+        self._worker: OverlapWorker | None = None
+        self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
+        self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []
+        self._counters.update({"overlap.plans.async": 0, "overlap.plans.sync": 0})
+
+    # ---- construction helpers ----------------------------------------------------------
+    def _check_dtype(self) -> None:
+        for g in self.model.groups:
+            spec = g.spec
+            if spec.kind is not Kind.MAMBA and spec.dtype_bytes != self.itemsize:
+                raise LayoutError(
+                    f"group {g.name!r} stores {spec.dtype_bytes}-byte elements, the cache "
+                    f"dtype {self.dtype} has {self.itemsize}"
+                )
+
+    def _reserve_all(self) -> tuple[tuple[VirtualRange, ...], ...]:
+        """Every group's ranges; all or nothing: a failed reserve closes the earlier ones."""
+        reserved: list[VirtualRange] = []
+        try:
+            return tuple(self._reserve_group(geo, reserved) for geo in self.geometries)
+        except BaseException:
+            for rng in reversed(reserved):
+                rng.close()
+            raise
+
+    def _reserve_group(
+        self, geo: GroupGeometry, reserved: list[VirtualRange]
+    ) -> tuple[VirtualRange, ...]:
+        names = ("k", "v") if geo.tensors_per_layer == 2 else ("kv",)
+        if geo.layers_per_block > 1:
+            labels = [f"{geo.name}.{n}" for n in names]
+        else:
+            labels = [f"{geo.name}.L{layer}.{n}" for layer in geo.layer_ids for n in names]
+        for label in labels:
+            zero = self.config.zero_backed
+            reserved.append(self.pool.reserve(geo.range_bytes, zero_backed=zero, name=label))
+        return tuple(reserved[-len(labels) :])
+
+    # ---- allocator front -----------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise KVCacheBroken("a backend failure left this KV cache inconsistent; rebuild it")
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt: Sequence[int],
+        *,
+        images: Sequence[ImageSpan] = (),
+        salt: int = 0,
+        use_cache: bool = True,
+    ) -> int:
+        """Register a request; returns its prefix-cache hit in tokens (no memory needed)."""
+        self._check_usable()
+        return self.allocator.add_request(
+            request_id, prompt, images=images, salt=salt, use_cache=use_cache
+        )
+
+    def allocate(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
+        """Slots for `num_new_tokens` more tokens in every group, mapped; None: no room."""
+        self._check_usable()
+        got = self.allocator.allocate(request_id, num_new_tokens)
+        if got is not None:
+            self._apply(got.plan)
+        return got
+
+    def free(self, request_id: Hashable) -> None:
+        """Finish a request; its uncached pages are unmapped (chunks back to the pool)."""
+        self._check_usable()
+        self._apply(self.allocator.free(request_id))
+
+    def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        self.allocator.append_tokens(request_id, token_ids)
+
+    def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
+        """Offer the request's complete blocks to the prefix cache (see JengaAllocator.cache)."""
+        return self.allocator.cache(request_id, num_computed_tokens)
+
+    def block_table(self, request_id: Hashable, group: int | str) -> list[int]:
+        return self.allocator.block_table(request_id, group)
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        return self.allocator.num_tokens(request_id)
+
+    def _apply(self, plan: PagePlan) -> None:
+        if not plan:
+            return
+        vmm_plan, remapped = translate(plan, self.geometries, self.ranges)
+        self._apply_translated(plan, vmm_plan, remapped)
+
+    def _apply_translated(self, plan: PagePlan, vmm_plan: MappingPlan, remapped: int) -> None:
+        try:
+            vmm_plan.apply(self.pool)
+        except BaseException:
+            self._broken = True
+            raise
+        for op in plan.ops:
+            pages = self.mapped_pages[op.group]
+            if isinstance(op, MapPage):
+                pages.add(op.page)
+                self._counters["kv.pages.mapped"] += 1
+            else:
+                pages.discard(op.page)
+                self._counters["kv.pages.unmapped"] += 1
+        self._counters["kv.plans"] += 1
+        self._counters["kv.remapped_units"] += remapped
+
+    # ---- overlap (see integrations.kvcache.overlap) ---------------------------------------
+    def allocate_ahead(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
+        """Allocate now, map later: the plan waits for `launch_ahead` (map-only plans, on
+        the worker) or `sync` (plans that unmap, and every plan after one). Call `sync`
+        before any other call that touches memory."""
+        self._check_usable()
+        got = self.allocator.allocate(request_id, num_new_tokens)
+        if got is not None and got.plan:
+            vmm_plan, remapped = translate(got.plan, self.geometries, self.ranges)
+            map_only = all(op.kind == "map" for op in vmm_plan.ops)
+            if map_only and not self._ahead_sync:
+                self._ahead_async.append((got.plan, vmm_plan, remapped))
+            else:
+                self._ahead_sync.append((got.plan, vmm_plan, remapped))
+        return got
+
+    def launch_ahead(self) -> None:
+        """Hand the collected map-only plans to the overlap worker. Returns at once unless
+        the worker still runs the previous batch: that is waited for first (a stall), so no
+        plan is taken before the worker can accept it."""
+        if not self._ahead_async:
+            return
+        if self._worker is not None:
+            self._worker.wait()  # raises the previous batch's error, leaving these queued
+        jobs, self._ahead_async = self._ahead_async, []
+        if self._worker is None:
+            from integrations.kvcache.overlap import OverlapWorker
+
+            for geo in self.geometries:  # build every view now: none is made mid-job
+                for layer in geo.layer_ids:
+                    for tensor in range(geo.tensors_per_layer):
+                        self.layer_view(layer, tensor)
+            self._worker = OverlapWorker()
+
+        def run() -> None:
+            for job in jobs:
+                self._apply_translated(*job)
+
+        self._counters["overlap.plans.async"] += len(jobs)
+        self._worker.launch(run)
+
+    def sync(self) -> None:
+        """Wait for the worker (a stall if it is still mapping), then apply deferred plans."""
+        if self._ahead_async:
+            self.launch_ahead()
+        if self._worker is not None:
+            self._worker.wait()
+        jobs, self._ahead_sync = self._ahead_sync, []
+        for job in jobs:
+            self._apply_translated(*job)
+        self._counters["overlap.plans.sync"] += len(jobs)
+
+    # ---- layers and tensors --------------------------------------------------------------
+    def group_of(self, layer: int) -> GroupGeometry:
+        """The geometry of the group holding `layer`'s cache (a KV reader: its owner's)."""
+        if layer not in self._layer_to_group:
+            raise KeyError(f"layer {layer} has no cache; layers: {sorted(self._layer_to_group)}")
+        return self.geometries[self._layer_to_group[layer]]
+
+    def _block_shape(self, geo: GroupGeometry) -> tuple[int, ...]:
+        spec = self.model.groups[geo.index].spec
+        if spec.kind is Kind.MAMBA:
+            return (geo.layer_block_bytes // self.itemsize,)
+        inner = (spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if spec.num_kv_tensors == 2 and geo.tensors_per_layer == 1:
+            return (2, *inner)
+        return inner
+
+    def layer_view(self, layer: int, tensor: int = 0) -> torch.Tensor:
+        """Paged view ``[max_pages, B, *block]`` of a layer's range (any tail is skipped).
+
+        `tensor`: 0 (K, or fused KV), 1 (V with kv_split). Cached; zero-copy."""
+        self._check_usable()
+        layer = self._reader_to_owner.get(layer, layer)
+        key = (layer, tensor)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._make_view(layer, tensor)
+        return view
+
+    def _make_view(self, layer: int, tensor: int) -> torch.Tensor:
+        geo = self.group_of(layer)
+        if not 0 <= tensor < geo.tensors_per_layer:
+            raise LayoutError(f"layer {layer} has {geo.tensors_per_layer} tensors, not {tensor}")
+        rng = self.ranges[geo.index][geo.range_index(layer, tensor)]
+        block = self._block_shape(geo)
+        block_elems = geo.small_page_bytes // self.itemsize
+        inner_strides = _contiguous_strides(block)
+        shape = (geo.max_pages, geo.blocks_per_page, *block)
+        strides = (geo.page_bytes // self.itemsize, block_elems, *inner_strides)
+        return rng.tensor(shape, self.dtype, geo.layer_offset(layer), strides)
+
+    def block_view(self, layer: int, tensor: int = 0) -> torch.Tensor:
+        """``[max_blocks, *block]``: block b at ``b * p``; only when the group has no tail."""
+        geo = self.group_of(self._reader_to_owner.get(layer, layer))
+        if not geo.uniform_blocks:
+            raise LayoutError(
+                f"group {geo.name!r}: large pages of {geo.page_bytes} B hold "
+                f"{geo.blocks_per_page} blocks of {geo.small_page_bytes} B and a "
+                f"{geo.tail_bytes} B tail; use layer_view (paged) instead"
+            )
+        return _merge_pages(self.layer_view(layer, tensor))
+
+    # ---- accounting ----------------------------------------------------------------------
+    def live_bytes(self) -> int:
+        """Bytes of the blocks live requests hold (allocator used blocks x small pages)."""
+        used = self.allocator.usage().used_blocks
+        return sum(
+            n * geo.small_page_bytes * geo.num_ranges
+            for n, geo in zip(used, self.geometries, strict=True)
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Pool stats (`vmm.stats` keys) + allocator stats + ``kv.*`` counters."""
+        out = self.pool.stats()
+        out.update(self.allocator.stats())
+        out.update(self._counters)
+        if self._worker is not None:
+            out.update(self._worker.stats)
+        out["kv.bytes.live.current"] = self.live_bytes()
+        for geo, pages in zip(self.geometries, self.mapped_pages, strict=True):
+            out[f"kv.bytes.mapped.{geo.name}"] = len(pages) * geo.page_bytes * geo.num_ranges
+        return out
+
+    def release_free_chunks(self) -> int:
+        """Hand every free (unmapped) chunk back to the OS/device; returns how many."""
+        pool = self.pool
+        before = pool.num_created
+        budget = pool.budget_bytes
+        pool.set_budget(pool.num_mapped * pool.granularity)
+        pool.set_budget(budget)
+        return before - pool.num_created
+
+    def check_invariants(self, *, expensive: bool = False) -> None:
+        """Raise AssertionError if mapped slots and the allocator's pages disagree."""
+        self.allocator.check_invariants(expensive)
+        self.pool.check_invariants(expensive=expensive)
+        usage = self.allocator.usage()
+        assert self.pool.num_mapped == usage.used_units, (
+            f"pool maps {self.pool.num_mapped} chunks, allocator uses {usage.used_units} units"
+        )
+        for geo, pages, rngs in zip(self.geometries, self.mapped_pages, self.ranges, strict=True):
+            assert len(pages) == usage.mapped_pages[geo.index], (
+                f"group {geo.name!r}: {len(pages)} pages mapped here, allocator has "
+                f"{usage.mapped_pages[geo.index]}"
+            )
+            if not expensive:
+                continue
+            want = {s for p in pages for s in geo.page_slots(p)}
+            for rng in rngs:
+                got = set(rng.slot_to_handle())
+                assert got == want, f"range {rng.name!r}: slots {sorted(got)} != {sorted(want)}"
+
+    def close(self) -> None:
+        """Close every range (chunks go back to the pool). The pool stays open."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        self._views.clear()
+        for rngs in self.ranges:
+            for rng in rngs:
+                rng.close()
+
+
+def _merge_pages(view: torch.Tensor) -> torch.Tensor:
+    """``[pages, B, *block]`` -> ``[pages*B, *block]`` without a copy (uniform block stride)."""
+    shape = (view.shape[0] * view.shape[1], *view.shape[2:])
+    return view.as_strided(shape, view.stride()[1:], view.storage_offset())
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    acc = 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))

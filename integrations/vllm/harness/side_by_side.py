@@ -1,0 +1,225 @@
+"""Side by side: vLLM 0.32's own KV-cache manager vs the jenga manager.
+
+Both run under vLLM's real `Scheduler` on the same requests, the same `KVCacheConfig`
+(vLLM's own grouping, padding and block count for the per-layer specs) and so the same
+bytes. Reported per case and manager: steps to finish, the most and the average number of
+running requests per step, preemptions, prefix-hit tokens of first admissions (vLLM's
+``PrefixCacheStats.hits``) and of preempted requests coming back (``preempted_hits``,
+column "resumed"), and the mean wall time per step of vLLM's ``schedule`` +
+``update_from_output`` (column "sched ms": the manager's cost rides in both; the
+harness's own checks run outside it).
+
+Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
+vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
+unpadded page in large pages of 2 MiB chunks per layer, ``pages="vmm"``).
+
+Workload (``shared_prefix``): ``--requests`` prompts = a system prompt shared by all,
+then a topic prefix shared by one request in ``--topics``, then a private question;
+``--output`` tokens each. Requests arrive in two waves (half, then the rest after the
+first half finishes) so the second wave finds the first wave's prefixes cached.
+
+Usage::
+
+    python -m integrations.vllm.harness.side_by_side --memory-mb 256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from integrations.vllm.harness import cases, replay
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int = 64
+    system_tokens: int = 512
+    topic_tokens: int = 256
+    topics: int = 8
+    question_tokens: int = 200
+    output_tokens: int = 64
+
+    def prompts(self) -> list[list[int]]:
+        out = []
+        for i in range(self.requests):
+            topic = i % self.topics
+            out.append(
+                [1] * self.system_tokens
+                + [100 + topic] * self.topic_tokens
+                + [1000 + i] * self.question_tokens
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    manager: str
+    num_blocks: int
+    steps: int
+    max_running: int
+    avg_running: float
+    preemptions: int
+    prefix_hit_tokens: int
+    resumed_hit_tokens: int
+    seconds: float
+    scheduler_ms_per_step: float  # schedule() + update_from_output(), mean over steps
+
+
+MANAGERS = ("vllm", "jenga", "jenga-vmm")
+"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges."""
+
+
+def run_case(
+    model_dir: Path,
+    case: str,
+    memory_mb: int,
+    workload: Workload,
+    *,
+    manager: str,
+    setup: replay.SchedulerSetup,
+    window: int = 64,
+) -> Row:
+    if manager not in MANAGERS:
+        raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
+    start = time.perf_counter()
+    jenga = manager != "vllm"
+    if jenga:
+        pages = "vmm" if manager == "jenga-vmm" else "vllm"
+        setup = replace(setup, jenga_options={**setup.jenga_options, "pages": pages})
+    config = replay.make_vllm_config(model_dir, setup)
+    specs = cases.layer_specs(case, window=window)
+    kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
+    scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
+    prompts = workload.prompts()
+    half = len(prompts) // 2
+    outputs = [workload.output_tokens] * len(prompts)
+    waves = [
+        replay.make_requests(prompts[:half], outputs[:half], setup.block_size, prefix="a"),
+        replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
+    ]
+    reports = [replay.replay(scheduler, wave) for wave in waves]
+    for report in reports:
+        wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
+        if wrong:
+            raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
+    return summarize(case, manager, int(kv_config.num_blocks), reports, start)
+
+
+def summarize(
+    case: str, manager: str, num_blocks: int, reports: list[replay.ReplayReport], start: float
+) -> Row:
+    """One row from the replays of a run (waves in order) that began at ``start``."""
+    running = [n for r in reports for n in r.running_per_step]
+    return Row(
+        case=case,
+        manager=manager,
+        num_blocks=num_blocks,
+        steps=sum(r.steps for r in reports),
+        max_running=max(r.max_running for r in reports),
+        avg_running=round(sum(running) / len(running), 2),
+        preemptions=sum(r.preemptions for r in reports),
+        prefix_hit_tokens=sum(r.prefix_hit_tokens for r in reports),
+        resumed_hit_tokens=sum(r.resumed_hit_tokens for r in reports),
+        seconds=round(time.perf_counter() - start, 2),
+        scheduler_ms_per_step=round(
+            1000 * sum(r.scheduler_seconds for r in reports) / sum(r.steps for r in reports), 3
+        ),
+    )
+
+
+def compare(
+    model_dir: Path,
+    case_names: list[str],
+    memory_mb: int,
+    workload: Workload,
+    setup: replay.SchedulerSetup,
+    managers: tuple[str, ...] = MANAGERS,
+    window: int = 64,
+) -> list[Row]:
+    rows = []
+    for case in case_names:
+        for manager in managers:
+            row = run_case(
+                model_dir, case, memory_mb, workload, manager=manager, setup=setup, window=window
+            )
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (
+        "case",
+        "manager",
+        "blocks",
+        "steps",
+        "max run",
+        "avg run",
+        "preempt",
+        "hit tokens",
+        "resumed",
+        "sched ms",
+    )
+    lines = ["  ".join(f"{h:>10}" for h in head)]
+    for r in rows:
+        cells = (
+            r.case,
+            r.manager,
+            r.num_blocks,
+            r.steps,
+            r.max_running,
+            r.avg_running,
+            r.preemptions,
+            r.prefix_hit_tokens,
+            r.resumed_hit_tokens,
+            r.scheduler_ms_per_step,
+        )
+        lines.append("  ".join(f"{c!s:>10}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(cases.CASES), choices=cases.CASES)
+    parser.add_argument("--memory-mb", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--question-tokens", type=int, default=200)
+    parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
+    parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    workload = Workload(
+        requests=args.requests, output_tokens=args.output, question_tokens=args.question_tokens
+    )
+    longest = workload.system_tokens + workload.topic_tokens + args.question_tokens + args.output
+    setup = replay.SchedulerSetup(
+        max_model_len=max(2048, -(-longest // 1024) * 1024),
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        jenga_options={"order": args.order},
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = replay.write_tiny_model(Path(tmp) / "model")
+        rows = compare(model_dir, args.cases, args.memory_mb, workload, setup, window=args.window)
+    print(format_table(rows))
+    if args.json is not None:
+        payload: dict[str, Any] = {
+            "memory_mb": args.memory_mb,
+            "order": args.order,
+            "window": args.window,
+            "workload": asdict(workload),
+            "rows": [asdict(r) for r in rows],
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Clear errors (version, layer kinds, features, options) and the opt-in plugin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.integrations.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+from integrations.vllm.harness import cases, replay
+from integrations.vllm.layout import (
+    InvalidOptions,
+    JengaVllmError,
+    JengaVllmOptions,
+    UnsupportedFeature,
+    UnsupportedLayerKind,
+    build_layout,
+)
+from integrations.vllm.scheduler import check_supported_config
+from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
+
+import vmm
+
+
+def test_version_check_names_the_supported_version() -> None:
+    assert check_vllm_version() == "0.32.0"
+    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0; found 0\.31\.2"):
+        check_vllm_version("0.31.2")
+
+
+def test_an_unsupported_spec_is_refused_with_the_supported_list(model_dir: Path) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SinkFullAttentionSpec
+
+    spec = SinkFullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4
+    )
+    config = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["x"], spec)]
+    )
+    with pytest.raises(UnsupportedLayerKind) as info:
+        build_layout(config, 1024)
+    message = str(info.value)
+    assert "SinkFullAttentionSpec is not supported" in message
+    assert (
+        "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec, "
+        "CrossAttentionSpec" in message
+    )
+
+
+def test_unsupported_features_are_named() -> None:
+    config = SimpleNamespace(
+        kv_transfer_config=object(),
+        speculative_config=object(),
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
+    with pytest.raises(UnsupportedFeature, match=r"KV connectors .*, speculative decoding"):
+        check_supported_config(config)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(InvalidOptions, match=r"unknown jenga_vmm option\(s\) \['chunk'\]"):
+        JengaVllmOptions.from_dict({"chunk": 1})
+    with pytest.raises(InvalidOptions, match=r"epsilon must be in \[0, 1\), got 1.5"):
+        JengaVllmOptions(epsilon=1.5)
+    with pytest.raises(InvalidOptions, match=r"order must be one of"):
+        JengaVllmOptions(order="lifo")
+    assert JengaVllmOptions.from_dict({"order": "paper"}).order == "paper"
+    with pytest.raises(InvalidOptions, match=r"kv_tensors='vmm' needs pages='vmm'"):
+        JengaVllmOptions(kv_tensors="vmm", pages="vllm")
+    assert JengaVllmOptions().page_geometry == "vllm"
+    assert JengaVllmOptions(kv_tensors="vmm").page_geometry == "vmm"
+
+
+def test_a_pool_without_room_for_one_page_per_group_is_refused(model_dir: Path) -> None:
+    config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=256))
+    kv_config = replay.kv_cache_config_for(config, cases.layer_specs("jamba"), 64 << 20)
+    with pytest.raises(JengaVllmError, match=r"needs a large page in each group: 58 chunks"):
+        build_layout(kv_config, 256, JengaVllmOptions(pages="vmm"))
+
+
+def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:
+    from integrations.vllm.plugin import register, vmm_allocate_kv_cache, wants_vmm_tensors
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import gpu_model_runner
+
+    register()
+    register()  # idempotent
+    runner = gpu_model_runner.GPUModelRunner
+    assert getattr(runner.initialize_kv_cache_tensors, "_jenga_vmm_wrapped", False)
+    assert getattr(runner.execute_model, "_jenga_vmm_wrapped", False)
+
+    setup = replay.SchedulerSetup(max_model_len=512)
+    plain = replay.make_vllm_config(model_dir, setup)
+    assert not wants_vmm_tensors(plain)
+    opted = replay.make_vllm_config(
+        model_dir, replay.SchedulerSetup(max_model_len=512, jenga_options={"kv_tensors": "vmm"})
+    )
+    assert wants_vmm_tensors(opted)
+    kv_config = replay.kv_cache_config_for(opted, cases.layer_specs("llama"), 16 << 20)
+    cache = vmm_allocate_kv_cache(
+        opted, kv_config, KVCacheLayout.LBNHC, backend=vmm.HostBackend(2 << 20)
+    )
+    assert set(cache.kv_caches) == set(cases.layer_specs("llama"))
+    assert cache.mapped_bytes() == 0
+    cache.close()
+    cache.pool.close()

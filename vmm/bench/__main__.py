@@ -1,0 +1,5 @@
+import sys
+
+from vmm.bench.cli import main
+
+sys.exit(main())

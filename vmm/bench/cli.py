@@ -1,0 +1,319 @@
+"""vmm-bench: per-op latency of the vmm layer against a raw baseline measured in the same run.
+
+Rationale
+---------
+Speed goals are checked by a benchmark, not by timed unit tests: every op (create,
+reserve, map, set-access on CUDA, unmap, release, tensor view, apply-plan) is timed
+through vmm ("ours") and as the plainest loop of the same syscalls / driver calls
+("raw"), case by case, so the printed ratio is what the vmm layer adds on this machine.
+
+Approach
+--------
+`main` parses flags into `BenchArgs`, expands them into cases (chunk size x count x mode
+x layout), runs each case's rounds (`vmm.bench.host` / `vmm.bench.cuda`), collects
+garbage between cases, then prints a rich table, checks the bars and optionally writes
+JSON (schema in `vmm.bench.report`). `--quick` is the short default run of `make run`.
+
+Bars (PASS/FAIL lines; `--check` turns a FAIL into exit status 1):
+  * host, 2 MiB, batched apply of 1,000 maps <= 1.2x the raw C loop per chunk
+    (judged on the scattered layout, where ours must make the same N mmaps as raw);
+  * tensor view creation <= 2 us median;
+  * single map from Python (one slot per backend.map call) <= 2x the raw C mmap call.
+
+Limitations
+-----------
+Timings on a shared machine are noisy: rounds, medians and the side-by-side baseline
+reduce that, they do not remove it. CUDA cases need a GPU, its driver and cuda-python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vmm.bench.host import Case
+from vmm.bench.report import Bar, OpResult, Report, render
+from vmm.errors import BackendUnavailable
+
+_SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+BAR_CHUNK = 2 << 20
+BAR_COUNT = 1000
+
+
+def parse_size(text: str) -> int:
+    """'64K' / '2M' / '2MiB' / '4096' -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = _SIZE_SUFFIXES.get(t[-1:], 1)
+    digits = t[:-1] if t[-1:] in _SIZE_SUFFIXES else t
+    if not digits.isdigit() or int(digits) <= 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 64K, 2M, 8M)")
+    return int(digits) * scale
+
+
+def _csv(convert: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    return lambda text: [convert(part) for part in text.split(",") if part.strip()]
+
+
+@dataclass(frozen=True)
+class BenchArgs:
+    backend: str
+    chunk_sizes: tuple[int, ...]
+    counts: tuple[int, ...]
+    modes: tuple[str, ...]
+    layouts: tuple[str, ...]
+    rounds: int
+    map_rounds: int
+    create_count: int | None
+    views: int
+    device: int
+    zero_fill: bool
+    progress: bool
+    quick: bool
+    max_bytes: int
+
+
+def _flags() -> list[tuple[str, dict[str, Any]]]:
+    """Every flag and its argparse options (defaults of None are resolved in resolve_args)."""
+    return [
+        ("--backend", {"choices": ("host", "cuda", "auto"), "default": "auto"}),
+        ("--chunk-sizes", {"type": _csv(parse_size),
+                           "help": "comma list, e.g. 64K,256K,2M,8M (default; --quick: 64K,2M)"}),
+        ("--counts", {"type": _csv(int), "help": "chunks per case, comma list (default 1000)"}),
+        ("--modes", {"type": _csv(str), "default": ["one_by_one", "batched"],
+                     "help": "one_by_one (one call per chunk) and/or batched (one call for all)"}),
+        ("--layouts", {"type": _csv(str), "default": ["contiguous", "scattered"],
+                       "help": "host memfd offsets per slot: contiguous (i) / scattered (2i)"}),
+        ("--rounds", {"type": int,
+                      "help": "create/reserve/release rounds, a fresh backend each (5; quick 3)"}),
+        ("--map-rounds", {"type": int,
+                          "help": "map/unmap/apply passes over chunks made once (30; quick 10)"}),
+        ("--create-count", {"type": int,
+                            "help": "chunks per create/release round (each count; quick 100)"}),
+        ("--views", {"type": int, "help": "tensor views timed (5000; quick 2000)"}),
+        ("--max-mib", {"type": int, "default": 4096,
+                       "help": "most memory one case may populate; larger counts are cut"}),
+        ("--device", {"type": int, "default": 0, "help": "CUDA device ordinal"}),
+        ("--zero-fill", {"action": "store_true",
+                         "help": "cuda: CudaBackend.create zero-fills (raw never does)"}),
+        ("--quick", {"action": "store_true", "help": "a short run (the default of make run)"}),
+        ("--json", {"metavar": "PATH", "help": "write the results as JSON to PATH"}),
+        ("--no-progress", {"action": "store_true", "help": "no progress bar"}),
+        ("--check", {"action": "store_true", "help": "exit 1 if a bar fails"}),
+    ]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vmm-bench", description=__doc__.split("\n\n")[0])
+    for flag, options in _flags():
+        p.add_argument(flag, **options)
+    return p
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def resolve_args(ns: argparse.Namespace) -> BenchArgs:
+    """Flags plus the defaults of a full or a --quick run; SystemExit on bad values."""
+    quick = ns.quick
+    full_sizes = [64 << 10, 256 << 10, 2 << 20, 8 << 20]
+    sizes = _given(ns.chunk_sizes, [64 << 10, 2 << 20] if quick else full_sizes)
+    counts = _given(ns.counts, [BAR_COUNT])
+    for mode in ns.modes:
+        if mode not in ("one_by_one", "batched"):
+            raise SystemExit(f"vmm-bench: unknown mode {mode!r} (one_by_one, batched)")
+    for layout in ns.layouts:
+        if layout not in ("contiguous", "scattered"):
+            raise SystemExit(f"vmm-bench: unknown layout {layout!r} (contiguous, scattered)")
+    rounds = _given(ns.rounds, 3 if quick else 5)
+    map_rounds = _given(ns.map_rounds, 10 if quick else 30)
+    create_count = _given(ns.create_count, 100 if quick else None)
+    views = _given(ns.views, 2000 if quick else 5000)
+    numbers = [rounds, map_rounds, views, *counts, create_count or 1]
+    if not sizes or not counts or not ns.modes or not ns.layouts or min(numbers) < 1:
+        raise SystemExit(
+            "vmm-bench: --rounds, --map-rounds, --views, --counts, --create-count must be "
+            f">= 1 and lists non-empty (got rounds={rounds}, map_rounds={map_rounds}, "
+            f"views={views}, counts={counts}, create_count={create_count})"
+        )
+    return BenchArgs(
+        backend=ns.backend, chunk_sizes=tuple(sizes), counts=tuple(counts),
+        modes=tuple(ns.modes), layouts=tuple(ns.layouts), rounds=rounds, map_rounds=map_rounds,
+        create_count=create_count, views=views, device=ns.device, zero_fill=ns.zero_fill,
+        progress=not ns.no_progress, quick=quick, max_bytes=ns.max_mib << 20,
+    )  # fmt: skip
+
+
+def choose_backend(kind: str, device: int) -> str:
+    """'host' or 'cuda'; `auto` tries the CUDA backend and says why it fell back."""
+    if kind != "auto":
+        return kind
+    try:
+        from vmm.cuda import CudaBackend
+
+        CudaBackend(device).close()
+    except BackendUnavailable as exc:
+        print(f"vmm-bench: auto chose the host backend ({exc})", file=sys.stderr)
+        return "host"
+    print("vmm-bench: auto chose the cuda backend", file=sys.stderr)
+    return "cuda"
+
+
+# ---- backends and pools ------------------------------------------------------------------
+def _host_backend(chunk_size: int) -> Any:
+    from vmm.host import HostBackend
+
+    return HostBackend(chunk_size)
+
+
+def _cuda_factory(args: BenchArgs) -> Callable[[int], Any]:
+    def make(chunk_size: int) -> Any:
+        from vmm.cuda import CudaBackend
+
+        return CudaBackend(args.device, granularity=chunk_size, zero_fill=args.zero_fill)
+
+    return make
+
+
+def _pool_factory(make_backend: Callable[[int], Any]) -> Callable[[int, int], Any]:
+    def make(chunk_size: int, budget_bytes: int) -> Any:
+        from vmm.pool import ChunkPool
+
+        return ChunkPool(make_backend(chunk_size), budget_bytes)
+
+    return make
+
+
+# ---- running -------------------------------------------------------------------------------
+#: (mode, layout) pairs --quick leaves out: the bars need only the other two
+QUICK_SKIP = (("one_by_one", "scattered"), ("batched", "contiguous"))
+
+
+def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
+    """(case, lifecycle case or None): create/release/reserve/free are measured once per
+    chunk size x count x mode, with the first layout's case. Counts are cut so that no
+    case populates more than `max_bytes` (the table shows the count actually run)."""
+    layouts = args.layouts if backend == "host" else ("contiguous",)
+    out: list[tuple[Case, Case | None]] = []
+    for size in args.chunk_sizes:
+        for count in args.counts:
+            for mode in args.modes:
+                pairs = [(mode, lay) for lay in layouts]
+                if args.quick:
+                    pairs = [p for p in pairs if p not in QUICK_SKIP] or pairs[:1]
+                fit = max(args.max_bytes // size, 1)
+                lifecycle = Case(size, min(args.create_count or count, fit), mode, "-", args.rounds)
+                for i, (_, layout) in enumerate(pairs):
+                    n = min(count, max(fit // 2, 1) if layout == "scattered" else fit)
+                    case = Case(size, n, mode, layout, args.map_rounds)
+                    out.append((case, lifecycle if i == 0 else None))
+    return out
+
+
+def _run_one(args: BenchArgs, backend: str, case: Case, lifecycle: Case | None) -> list[OpResult]:
+    from vmm.bench import host as bench_host
+
+    if backend == "host":
+        pools = _pool_factory(_host_backend)
+        return bench_host.run_case(
+            case,
+            _host_backend,
+            lambda c, samples: bench_host.ours_apply_plan(pools, c, samples),
+            lifecycle,
+        )
+    from vmm.bench import cuda as bench_cuda
+
+    make = _cuda_factory(args)
+    pools = _pool_factory(make)
+    return bench_cuda.run_case(
+        case, make, lambda c, samples: bench_host.ours_apply_plan(pools, c, samples), args.device
+    )
+
+
+def _run_views(args: BenchArgs, backend: str, chunk_size: int) -> OpResult:
+    from vmm.bench.host import tensor_view_case
+
+    make = _host_backend if backend == "host" else _cuda_factory(args)
+    device = -1 if backend == "host" else args.device
+    return tensor_view_case(_pool_factory(make), chunk_size, args.views, device)
+
+
+def run(args: BenchArgs) -> Report:
+    """Measure every case of `args`; returns the report with its bars checked."""
+    backend = choose_backend(args.backend, args.device)
+    report = Report(args=asdict(args) | {"backend": backend})
+    cases = cases_of(args, backend)
+    view_size = BAR_CHUNK if BAR_CHUNK in args.chunk_sizes else args.chunk_sizes[0]
+    with _progress(args.progress, len(cases) + 1) as advance:
+        for case, lifecycle in cases:
+            report.results.extend(_run_one(args, backend, case, lifecycle))
+            gc.collect()
+            advance()
+        report.results.append(_run_views(args, backend, view_size))
+        gc.collect()
+        advance()
+    report.bars.extend(check_bars(report, backend))
+    return report
+
+
+class _progress:
+    """A transient rich progress bar over cases (or nothing with `enabled` False)."""
+
+    def __init__(self, enabled: bool, total: int):
+        self._enabled = enabled
+        self._total = total
+        self._bar: Any = None
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self._enabled:
+            return lambda: None
+        from rich.progress import Progress
+
+        self._bar = Progress(transient=True)
+        self._bar.start()
+        task = self._bar.add_task("vmm-bench", total=self._total)
+        return lambda: self._bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+# ---- bars ----------------------------------------------------------------------------------
+def check_bars(report: Report, backend: str) -> list[Bar]:
+    """The issue's three speed bars, from whatever of them this run measured."""
+    bars: list[Bar] = []
+    if backend == "host":
+        layout = "scattered" if report.find(op="apply_plan", layout="scattered") else "contiguous"
+        plan = report.find(op="apply_plan", chunk_size=BAR_CHUNK, num_chunks=BAR_COUNT,
+                           mode="batched", layout=layout)  # fmt: skip
+        if plan is not None:
+            bars.append(Bar("host 2 MiB batched apply of 1,000 maps", 1.2, plan.ratio_p50,
+                            "x raw", f"per chunk, {layout} layout"))  # fmt: skip
+        single = report.find(op="map", chunk_size=BAR_CHUNK, mode="one_by_one",
+                             layout="contiguous")  # fmt: skip
+        if single is not None:
+            bars.append(Bar("single map from Python", 2.0, single.ratio_p50, "x raw",
+                            "backend.map of one 2 MiB slot vs one mmap"))  # fmt: skip
+    for view in (r for r in report.results if r.op == "tensor_view"):
+        bars.append(Bar(f"{view.backend} tensor view creation", 2.0, view.ours.p50 / 1000.0,
+                        "us", f"median over {view.ours.n} views"))  # fmt: skip
+    return bars
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    args = resolve_args(ns)
+    report = run(args)
+    render(report)
+    if ns.json:
+        report.write_json(ns.json)
+    return 1 if ns.check and not report.passed else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
