@@ -275,8 +275,10 @@ def _make_pool(cfg: EngineConfig) -> vmm.ChunkPool:
 
         from vmm.shared import join_pool
 
-        backend = join_pool(cfg.shared_pool, cfg.tenant_name or f"engine-{os.getpid()}",
-                            min_bytes=cfg.tenant_min_bytes, max_bytes=cfg.tenant_max_bytes)  # fmt: skip
+        name = cfg.tenant_name or f"engine-{os.getpid()}"
+        backend = join_pool(
+            cfg.shared_pool, name, min_bytes=cfg.tenant_min_bytes, max_bytes=cfg.tenant_max_bytes
+        )
         if backend.granularity != cfg.chunk_bytes:
             backend.close()
             raise ValueError(

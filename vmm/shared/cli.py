@@ -10,9 +10,9 @@ Approach
 --------
 ``start NAME --budget SIZE`` runs `PoolOwner` in the foreground. ``ls NAME`` asks the owner
 for its state over the pool's socket (as an ``operator`` peer) and prints a table, or the
-state as JSON with ``--json``, or refreshes it live with ``--watch`` (a `rich` live view when
-`rich` is installed, plain redraws otherwise). ``limits NAME TENANT --min/--max`` changes
-a tenant's limits at run time. Sizes accept K/M/G suffixes (powers of 1024).
+state as JSON with ``--json``, or refreshes it live with ``--watch`` (a `rich` live view).
+``limits NAME TENANT --min/--max`` changes a tenant's limits at run time. Sizes accept
+K/M/G suffixes (powers of 1024).
 
 Limitations
 -----------
@@ -22,6 +22,7 @@ The owner serves one operator request at a time within its loop (fine for a few 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -103,18 +104,10 @@ def _rich_table(state: dict[str, Any]) -> Any:
 
 
 def watch(pool: str, interval: float, count: int | None) -> None:
-    """A live `top`-like view (rich when installed); `count` refreshes, None: forever."""
-    try:
-        from rich.live import Live
-    except ImportError:
-        Live = None  # noqa: N806
+    """A live `top`-like view with `rich`; `count` refreshes, None: until interrupted."""
+    from rich.live import Live
+
     n = 0
-    if Live is None:
-        while count is None or n < count:
-            print("\033[2J\033[H" + render_text(pool_state(pool)), flush=True)
-            n += 1
-            time.sleep(interval)
-        return
     with Live(_rich_table(pool_state(pool)), refresh_per_second=4) as live:
         while count is None or n < count:
             time.sleep(interval)
@@ -159,10 +152,8 @@ def _run(args: argparse.Namespace) -> int:
 
         owner = PoolOwner(args.name, args.budget, args.chunk, reclaim_timeout=args.reclaim_timeout)
         print(f"vmm-pool: serving {args.name!r}, budget {fmt_size(args.budget)}", flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             owner.serve()
-        except KeyboardInterrupt:
-            pass
         return 0
     if args.cmd == "ls":
         if args.watch > 0:

@@ -307,9 +307,9 @@ class PoolOwner:
     def _after_change(self) -> None:
         self._serve_queue()
         for waiter in list(self._queue):
-            if waiter.want is not None and not waiter.want.asked:
-                if self._free_chunks() < waiter.want.need:
-                    self._refuse_want(waiter)
+            want = waiter.want
+            if want is not None and not want.asked and self._free_chunks() < want.need:
+                self._refuse_want(waiter)
 
     def _expire_wants(self) -> None:
         now = time.monotonic()
@@ -350,10 +350,19 @@ class PoolOwner:
         """What `vmm-pool ls` shows: the budget and, per tenant, held/limits/cached bytes."""
         gran = self.granularity
         tenants = [
-            {"id": p.id, "name": p.name, "pid": p.pid, "held": len(p.held) * gran,
-             "min": p.min_chunks * gran, "max": p.max_chunks * gran, "cached": p.cached,
-             "mapped": p.mapped, "wants": p.wants, "denied": p.denied,
-             "reclaimed": p.reclaimed * gran}  # fmt: skip
+            {
+                "id": p.id,
+                "name": p.name,
+                "pid": p.pid,
+                "held": len(p.held) * gran,
+                "min": p.min_chunks * gran,
+                "max": p.max_chunks * gran,
+                "cached": p.cached,
+                "mapped": p.mapped,
+                "wants": p.wants,
+                "denied": p.denied,
+                "reclaimed": p.reclaimed * gran,
+            }
             for p in sorted(self._tenants(), key=lambda p: p.id)
         ]
         return {"pool": self.name, "granularity": gran, "budget": self.budget_chunks * gran,

@@ -28,6 +28,7 @@ Linux only (abstract Unix sockets). A message is at most `MAX_MESSAGE` bytes (a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from typing import Any
@@ -109,7 +110,5 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
 def _close_fd(fd: int) -> None:
     import os
 
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass

@@ -27,6 +27,7 @@ for its prefix cache are returned only when the engine moves them to the lease
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -240,10 +241,8 @@ class Tenant:
                     self._lease.clear()
         except (OSError, VmmError):
             pass
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(2)
-        except OSError:
-            pass
         self._reader.join(timeout=5.0)
         self._sock.close()
 

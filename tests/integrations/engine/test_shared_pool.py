@@ -14,8 +14,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.vmm.shared.pool_helpers import ROOT, owner_process, pool_name, wait_until  # noqa: E402
-from vmm.shared.cli import pool_state  # noqa: E402
+from vmm.shared.cli import pool_state
+
+from tests.vmm.shared.pool_helpers import ROOT, owner_process, pool_name, wait_until
 
 CHUNK = 4096
 BUDGET = 64 * CHUNK

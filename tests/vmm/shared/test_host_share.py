@@ -6,10 +6,10 @@ import ctypes
 import os
 
 import pytest
-
-import vmm
 from vmm.backend import SharedChunks
 from vmm.host import HostBackend
+
+import vmm
 
 G = 4096
 
