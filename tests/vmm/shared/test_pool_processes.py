@@ -130,7 +130,7 @@ def test_cli_lists_tenants_as_json_and_text(pool):
     text = subprocess.run([*run, "ls", pool], cwd=ROOT, capture_output=True, text=True,
                           timeout=30, check=True).stdout  # fmt: skip
     assert "lister" in text and "budget 128.0K" in text
-    live = subprocess.run(run + ["ls", pool, "--watch", "0.05", "--count", "2"], cwd=ROOT,
+    live = subprocess.run([*run, "ls", pool, "--watch", "0.05", "--count", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
     assert "lister" in live.stdout  # the rich live table
     done = subprocess.run([*run, "limits", pool, "lister", "--max", "4K", "--json"], cwd=ROOT,
