@@ -46,7 +46,8 @@ from vmm.errors import BackendError
 class SharedChunks:
     """Chunks exported for another process: chunk i lives in ``fds[where[i][0]]`` at byte
     offset ``where[i][1]``. Host: one memfd for all chunks; CUDA: one POSIX fd per chunk
-    (offset 0). The fds belong to the exporter; a receiver gets its own copies."""
+    (offset 0). The fds are new descriptors: whoever holds this closes them (after sending
+    them, or after `import_handles`)."""
 
     fds: tuple[int, ...]
     where: tuple[tuple[int, int], ...]

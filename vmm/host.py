@@ -202,7 +202,7 @@ class HostBackend(Backend):
         except _h.HostError as exc:
             translate_host_error(exc)
         gran = self._granularity
-        return SharedChunks((fd,), tuple((0, int(h) * gran) for h in handles))
+        return SharedChunks((os.dup(fd),), tuple((0, int(h) * gran) for h in handles))
 
     def import_handles(self, shared: SharedChunks) -> list[int]:
         try:

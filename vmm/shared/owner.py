@@ -183,7 +183,10 @@ class PoolOwner:
         shared = self.backend.export_handles([])
         welcome = {"op": "welcome", "tenant": peer.id, "granularity": gran,
                    "budget": self.budget_chunks * gran, "min": lo, "max": hi}  # fmt: skip
-        send(peer.sock, welcome, shared.fds)
+        try:
+            send(peer.sock, welcome, shared.fds)
+        finally:
+            _close_all(shared.fds)
 
     def _limits_error(self, name: str, lo: int, hi: int, exclude: _Peer | None) -> str:
         """Why limits (bytes) are refused for tenant `name`, or ''."""
@@ -282,7 +285,10 @@ class PoolOwner:
         self.counters["grants"] += 1
         self.counters["chunks.granted"] += count
         msg = {"op": "grant", "ids": handles, "where": [list(w) for w in shared.where]}
-        self._send(peer, msg, shared.fds)
+        try:
+            self._send(peer, msg, shared.fds)
+        finally:
+            _close_all(shared.fds)
 
     def _deny(self, peer: _Peer, error: str) -> None:
         peer.denied += 1
@@ -406,3 +412,8 @@ class PoolOwner:
         self._sel.close()
         self._listener.close()
         self.backend.close()
+
+
+def _close_all(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        os.close(fd)

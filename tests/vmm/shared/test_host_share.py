@@ -29,6 +29,7 @@ def test_imported_chunks_share_bytes_with_the_exporter():
     assert shared.where == tuple((0, h * G) for h in handles)
     tenant = HostBackend(G, import_fd=shared.fds[0])
     local = tenant.import_handles(shared)
+    os.close(shared.fds[0])  # export handed out a new fd; the tenant keeps its own copy
     assert tenant.num_chunks == 3
     va_o, va_t = owner.reserve(3 * G), tenant.reserve(3 * G)
     owner.map([va_o + i * G for i in range(3)], handles)
