@@ -14,9 +14,9 @@ from integrations.vllm.harness import cases, replay
 from integrations.vllm.layout import InvalidOptions, JengaVllmOptions, build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.plugin import vmm_allocate_kv_cache
+from vmm.shared.cli import pool_state
 
 from tests.vmm.shared.pool_helpers import owner_process, pool_name
-from vmm.shared.cli import pool_state
 
 CHUNK = 2 << 20
 MAX_LEN = 1024
