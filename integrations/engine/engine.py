@@ -185,9 +185,14 @@ class MiniEngine:
 
     def _allocate(self, request_id: Hashable, n: int) -> Any:
         """`kv.allocate`, or None ("no room") when a shared pool cannot lend the chunks."""
-        if self.gate is not None and not self.gate.allow(n):
+        if self.gate is None:
+            return self.kv.allocate(request_id, n)
+        if not self.gate.allow(n):
             return None
-        return self.kv.allocate(request_id, n)
+        try:
+            return self.kv.allocate(request_id, n)
+        finally:
+            self.gate.done()
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> int:
@@ -228,9 +233,7 @@ class MiniEngine:
             decodes_next = (
                 seg.stop == len(req.sequence) and len(req.output) + 1 < req.max_new_tokens
             )
-            if not decodes_next or (self.gate is not None and not self.gate.allow(1)):
-                continue
-            if self.kv.allocate_ahead(req.request_id, 1) is not None:
+            if decodes_next and self.kv.allocate_ahead(req.request_id, 1) is not None:
                 self._ahead[req.request_id] = 1
         self.kv.launch_ahead()
 
@@ -272,6 +275,9 @@ def _make_pool(cfg: EngineConfig) -> vmm.ChunkPool:
     """The engine's own pool, or a tenant's pool on the shared pool `cfg.shared_pool`."""
     if cfg.shared_pool:
         import os
+
+        if cfg.overlap:
+            raise ValueError("overlap=True is not supported on a shared pool (shared_pool=...)")
 
         from vmm.shared import join_pool
 

@@ -57,11 +57,16 @@ class SharedPoolGate:
 
     def allow(self, num_new_tokens: int) -> bool:
         """Whether the allocation may run: the lease (+ the pool's free chunks) covers its
-        bound, after asking the owner if needed."""
+        bound, after asking the owner if needed. The lease stays pinned (safe from the
+        owner's reclaim) until `done`."""
         need = self.units_bound(num_new_tokens)
         ok = bool(self.tenant.ensure_free(need, self.kv.pool.num_free))
         self.refused += not ok
         return ok
+
+    def done(self) -> None:
+        """The allocation `allow` admitted has run: the lease may be reclaimed again."""
+        self.tenant.unpin()
 
     def after_step(self) -> None:
         """Free chunks to the lease (reclaimable), and a report to the owner now and then."""

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vmm.backend import Backend
+from vmm.errors import VmmError
 from vmm.host import HostBackend
 from vmm.shared.protocol import ProtocolError, listen, recv, send
 
@@ -142,7 +143,7 @@ class PoolOwner:
             for fd in fds:
                 os.close(fd)
             self._dispatch(peer, msg)
-        except (ProtocolError, OSError) as exc:
+        except (ProtocolError, OSError, VmmError) as exc:
             _log.info("pool %s: peer %s (%s) gone: %s", self.name, peer.id, peer.name, exc)
             self._drop(peer)
 
@@ -279,7 +280,11 @@ class PoolOwner:
                          f"more above their mins")  # fmt: skip
 
     def _grant(self, peer: _Peer, count: int) -> None:
-        handles = self.backend.create(count)
+        try:
+            handles = self.backend.create(count)
+        except VmmError as exc:  # the device / OS is out of memory below the budget
+            self._deny(peer, f"pool {self.name!r}: creating {count} chunks failed: {exc}")
+            return
         shared = self.backend.export_handles(handles)
         peer.held.update(handles)
         self.counters["grants"] += 1
@@ -341,7 +346,10 @@ class PoolOwner:
         if peer in self._queue:
             self._queue.remove(peer)
         if peer.held:
-            self.backend.release(sorted(peer.held))
+            try:
+                self.backend.release(sorted(peer.held))
+            except VmmError as exc:  # they stay created (leaked), and logged
+                _log.error("pool %s: releasing %s's chunks failed: %s", self.name, peer.name, exc)
             self.counters["chunks.returned"] += len(peer.held)
             peer.held.clear()
         self.counters["tenants.died"] += 1

@@ -98,6 +98,7 @@ class Tenant:
         self._send_lock = threading.Lock()
         self._lease_lock = threading.Lock()
         self._lease: list[int] = []  # local handles, imported and unmapped
+        self._pinned = 0  # lease chunks a reclaim may not take (an allocation counts on them)
         self._owner_id: dict[int, int] = {}  # local handle -> owner's id
         self._replies: queue.Queue[tuple[dict[str, Any], list[int]]] = queue.Queue()
         self._closed = False
@@ -170,15 +171,23 @@ class Tenant:
         self.counters["chunks.in"] += len(local)
 
     def ensure_free(self, count: int, free_elsewhere: int = 0) -> bool:
-        """Make lease + `free_elsewhere` >= `count` (asking the owner); False if refused."""
-        short = count - free_elsewhere - len(self._lease)
+        """Make lease + `free_elsewhere` >= `count` (asking the owner); False if refused.
+        The lease chunks counted on stay pinned (no reclaim takes them) until `unpin`."""
+        with self._lease_lock:
+            self._pinned = max(0, count - free_elsewhere)
+            short = self._pinned - len(self._lease)
         if short <= 0:
             return True
         try:
             self.acquire(short)
         except OutOfMemory:
+            self.unpin()
             return False
         return True
+
+    def unpin(self) -> None:
+        with self._lease_lock:
+            self._pinned = 0
 
     def report(self, cached: int, mapped: int) -> None:
         """Tell the owner (for `vmm-pool ls`) how many bytes are cached / mapped here."""
@@ -205,7 +214,7 @@ class Tenant:
                 self.counters["reclaims"] += 1
                 with self._lease_lock:
                     self._lease.sort()
-                    n = min(int(msg["n"]), len(self._lease))
+                    n = max(0, min(int(msg["n"]), len(self._lease) - self._pinned))
                     back = self._lease[len(self._lease) - n :]
                     del self._lease[len(self._lease) - n :]
                     self._give_quietly(back, msg.get("id"))

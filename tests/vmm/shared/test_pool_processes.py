@@ -140,3 +140,16 @@ def test_cli_lists_tenants_as_json_and_text(pool):
                              text=True, timeout=30)  # fmt: skip
     assert missing.returncode == 2 and "no owner" in missing.stderr
     t.close()
+
+
+def test_pinned_lease_chunks_are_not_reclaimed(pool):
+    t = Tenant(pool, "pinned", batch_chunks=8, keep_chunks=64)
+    assert t.ensure_free(6)  # a batch of 8 arrives; 6 are pinned for an allocation
+    assert t.lease_chunks == 8
+    assert set_limits(pool, "pinned", None, 2 * G) == ""  # asks for 6 back: 2 are free
+    wait_until(lambda: held(pool) == {"pinned": 6 * G}, 5.0, "the unpinned chunks back")
+    assert t.lease_chunks == 6
+    t.unpin()
+    assert set_limits(pool, "pinned", None, 2 * G) == ""
+    wait_until(lambda: held(pool) == {"pinned": 2 * G}, 5.0, "the rest back")
+    t.close()
