@@ -20,7 +20,8 @@ Approach
 
     Per configuration and engine: requests served by the end of the horizon, waiting
     request-steps (sum over steps of the requests queued, preempted ones included),
-    mean queueing delay (steps from arrival to first admission), peak chunks held, and
+    queueing delay (steps from arrival to first admission: mean, p50, p99, max), peak
+    chunks held, and
     whether every output equals the same engine run alone with ample memory (optional,
     ``--check``). ``waiting_ratio_static_over_shared`` = static / shared waiting
     request-steps (goal >= 1.5). Wall-clock seconds per step are reported too.
@@ -35,6 +36,7 @@ Limitations
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -144,6 +146,7 @@ def _replay(args: argparse.Namespace, engines: list[Any], work: list[list[tuple]
             "requests": len(arrivals), "served": len(engine.done),
             "waiting_request_steps": waiting[i],
             "mean_queueing_delay_steps": sum(delays) / max(len(delays), 1),
+            "queueing_delay_steps": _quantiles(delays),
             "peak_held_chunks": peak[i], "preemptions": engine.stats["preemptions"],
             "outputs": {rid: r.output for rid, r in engine.done.items()},
         })  # fmt: skip
@@ -151,6 +154,16 @@ def _replay(args: argparse.Namespace, engines: list[Any], work: list[list[tuple]
     out["waiting_request_steps"] = sum(waiting)
     out["waiting_request_seconds"] = sum(waiting) * out["seconds_per_step"]
     return out
+
+
+def _quantiles(values: list[int]) -> dict[str, float]:
+    """p50 / p99 / max (nearest rank) of `values`."""
+    ordered = sorted(values) or [0]
+
+    def rank(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    return {"p50": rank(0.50), "p99": rank(0.99), "max": float(ordered[-1])}
 
 
 def check_outputs(args: argparse.Namespace, models: list[Any], result: dict) -> bool:
@@ -170,6 +183,19 @@ def check_outputs(args: argparse.Namespace, models: list[Any], result: dict) -> 
         alone.close()
         ok = ok and all(got["outputs"][rid] == out for rid, out in want.items())
     return ok
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    print(f"{'config':8} {'engine':6} {'served':>7} {'waiting req-steps':>18} "
+          f"{'delay avg/p50/p99/max (steps)':>30} {'peak chunks':>12} {'preempt':>8}")  # fmt: skip
+    for label, res in results.items():
+        for i, e in enumerate(res["engines"]):
+            q = e["queueing_delay_steps"]
+            delay = (f"{e['mean_queueing_delay_steps']:.1f}/{q['p50']:.0f}/{q['p99']:.0f}/"
+                     f"{q['max']:.0f}")  # fmt: skip
+            print(f"{label:8} {i:6d} {e['served']:4d}/{e['requests']:<3d}"
+                  f"{e['waiting_request_steps']:18d} {delay:>30}"
+                  f"{e['peak_held_chunks']:12d} {e['preemptions']:8d}")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -192,7 +218,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     models = [tiny_llama(2), tiny_llama(3)]
-    results = {"shared": run_config(args, models, True), "static": run_config(args, models, False)}
+    results = {"shared": run_config(args, models, True)}
+    gc.collect()
+    results["static"] = run_config(args, models, False)
     summary: dict[str, Any] = {"config": vars(args)}
     for label, res in results.items():
         if args.check:
@@ -206,13 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary["served_shared"] = results["shared"]["served"]
     summary["served_static"] = results["static"]["served"]
-    print(f"{'config':8} {'engine':6} {'served':>7} {'waiting req-steps':>18} "
-          f"{'mean delay':>11} {'peak chunks':>12} {'preempt':>8}")  # fmt: skip
-    for label, res in results.items():
-        for i, e in enumerate(res["engines"]):
-            print(f"{label:8} {i:6d} {e['served']:4d}/{e['requests']:<3d}"
-                  f"{e['waiting_request_steps']:18d} {e['mean_queueing_delay_steps']:11.1f}"
-                  f"{e['peak_held_chunks']:12d} {e['preemptions']:8d}")  # fmt: skip
+    _print_table(results)
     print(f"waiting_ratio_static_over_shared = {summary['waiting_ratio_static_over_shared']:.2f}"
           f" (goal >= 1.5); served shared {summary['served_shared']}, "
           f"static {summary['served_static']}")  # fmt: skip

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 import time
 from typing import Any
@@ -123,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--budget", type=parse_size, required=True, help="bytes lent, e.g. 8G")
     st.add_argument("--chunk", type=parse_size, default=2 << 20, help="chunk size (2M)")
     st.add_argument("--reclaim-timeout", type=float, default=2.0)
+    st.add_argument("--check", action="store_true", help="check invariants after each message")
     ls = sub.add_parser("ls", help="list tenants: held / limits / cached bytes")
     ls.add_argument("name")
     ls.add_argument("--json", action="store_true", help="print the state as JSON")
@@ -150,8 +152,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "start":
         from vmm.shared.owner import PoolOwner
 
-        owner = PoolOwner(args.name, args.budget, args.chunk, reclaim_timeout=args.reclaim_timeout)
+        owner = PoolOwner(args.name, args.budget, args.chunk,
+                          reclaim_timeout=args.reclaim_timeout, check=args.check)  # fmt: skip
         print(f"vmm-pool: serving {args.name!r}, budget {fmt_size(args.budget)}", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: owner.stop())
         with contextlib.suppress(KeyboardInterrupt):
             owner.serve()
         return 0

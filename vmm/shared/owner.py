@@ -83,6 +83,7 @@ class PoolOwner:
         granularity: chunk size (host backend).
         reclaim_timeout: seconds a want waits for reclaim answers before it is refused.
         backend: the backend whose chunks are lent (default: a host backend of the budget).
+        check: run `check_invariants` after every message (tests).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class PoolOwner:
         *,
         reclaim_timeout: float = 2.0,
         backend: Backend | None = None,
+        check: bool = False,
     ) -> None:
         if budget_bytes <= 0 or budget_bytes % granularity:
             raise ValueError(
@@ -102,6 +104,7 @@ class PoolOwner:
         self.granularity = granularity
         self.budget_chunks = budget_bytes // granularity
         self.reclaim_timeout = reclaim_timeout
+        self.check = check
         self.backend = backend or HostBackend(granularity, capacity=budget_bytes)
         self._listener = listen(name)
         self._sel = selectors.DefaultSelector()
@@ -143,6 +146,8 @@ class PoolOwner:
             for fd in fds:
                 os.close(fd)
             self._dispatch(peer, msg)
+            if self.check:
+                self.check_invariants()
         except (ProtocolError, OSError, VmmError) as exc:
             _log.info("pool %s: peer %s (%s) gone: %s", self.name, peer.id, peer.name, exc)
             self._drop(peer)
@@ -358,6 +363,21 @@ class PoolOwner:
                 waiter.want.asked.discard(peer.id)
         if not self._stop:
             self._after_change()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books disagree: lent <= budget, no chunk lent twice,
+        every lent chunk created in the backend, every tenant within its max unless a
+        limit was lowered under it, mins within the budget."""
+        tenants = self._tenants()
+        lent = [h for p in tenants for h in p.held]
+        assert len(lent) <= self.budget_chunks, f"lent {len(lent)} > {self.budget_chunks}"
+        assert len(set(lent)) == len(lent), "a chunk is lent to two tenants"
+        created = getattr(self.backend, "num_chunks", None)
+        assert created is None or created == len(lent), f"backend {created} != lent {len(lent)}"
+        mins = sum(p.min_chunks for p in tenants)
+        assert mins <= self.budget_chunks, f"mins {mins} > budget {self.budget_chunks}"
+        for p in self._queue:
+            assert p.want is not None and p in tenants, f"stale want of {p.name!r}"
 
     # ---- operator ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def owner_process(name: str, budget: int, chunk: int, timeout: float = 1.0) -> I
     from vmm.shared.cli import pool_state
 
     cmd = [sys.executable, "-m", "vmm.shared.cli", "start", name, "--budget", str(budget),
-           "--chunk", str(chunk), "--reclaim-timeout", str(timeout)]  # fmt: skip
+           "--chunk", str(chunk), "--reclaim-timeout", str(timeout), "--check"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: pool_state(name), 20.0, f"owner of {name}")
@@ -60,14 +60,17 @@ def owner_process(name: str, budget: int, chunk: int, timeout: float = 1.0) -> I
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """Stop the owner; it must exit cleanly (its invariant checks raised nothing)."""
     proc.terminate()
     try:
         proc.wait(5.0)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5.0)
+    output = proc.stdout.read().decode() if proc.stdout else ""
     if proc.stdout:
         proc.stdout.close()
+    assert proc.returncode == 0, f"owner exited with {proc.returncode}:\n{output}"
 
 
 class Worker:
