@@ -223,6 +223,11 @@ class CudaBackend(Backend):
             raise ClosedError(f"cuda backend on {self.device} is closed")
         return _ContextGuard(self)
 
+    @property
+    def driver(self) -> Driver:
+        """The driver this backend calls (vmm-bench switches on its `timings`)."""
+        return self._drv
+
     # ---- contract -----------------------------------------------------------------
     @property
     def granularity(self) -> int:

@@ -1,5 +1,11 @@
 """vmm-bench results: summaries, overhead ratios, bars, the rich table and the JSON file.
 
+Rationale: a figure is only useful beside its baseline and its machine, so one result
+holds ours and raw for the same case, and the JSON carries the machine facts.
+Approach: `OpResult` pairs two `vmm.bench.stats.Summary`s; `Report` collects results and
+bars, renders them with rich and writes the schema below.
+Limitations: ratios of medians hide tails on purpose; read p99 and max beside them.
+
 Every figure is nanoseconds *per chunk* (per call for ops that have no chunk count:
 reserve, tensor view). A one-by-one sample is one call; a batched sample is one call
 over `num_chunks` chunks divided by `num_chunks`, so ours and raw compare per chunk.
@@ -13,7 +19,7 @@ JSON schema ("vmm-bench/1"):
                   "ours": SUMMARY, "raw": SUMMARY, "ratio_p50"}],
      "bars": [{"name", "limit", "value", "unit", "passed", "detail"}],
      "passed": bool}
-    SUMMARY = {"n", "avg", "p50", "p99", "max"}   (nanoseconds; floats)
+    SUMMARY = {"n", "avg", "p50", "p99", "max"}   (nanoseconds; floats; `vmm.bench.stats`)
 """
 
 from __future__ import annotations
@@ -23,45 +29,14 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from vmm.bench.stats import Summary
+
 SCHEMA = "vmm-bench/1"
-
-
-@dataclass(frozen=True)
-class Summary:
-    """avg / p50 / p99 / max of `n` samples, in nanoseconds."""
-
-    n: int
-    avg: float
-    p50: float
-    p99: float
-    max: float
-
-    @staticmethod
-    def of(samples: Sequence[float]) -> Summary:
-        if not samples:
-            raise ValueError("a summary needs at least one sample")
-        ordered = sorted(float(s) for s in samples)
-        return Summary(
-            n=len(ordered),
-            avg=sum(ordered) / len(ordered),
-            p50=_percentile(ordered, 50.0),
-            p99=_percentile(ordered, 99.0),
-            max=ordered[-1],
-        )
-
-
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile of sorted samples (numpy's default method)."""
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)
