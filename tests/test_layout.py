@@ -32,8 +32,6 @@ MAX_FUNCTION_LINES = 60
 # Checks that do not hold yet while issue 11's refactor lands, one (test, area) per line;
 # strict xfails, so a check that starts to hold must be taken off this list.
 PENDING = {
-    ("test_no_import_circles", "integrations.vllm"),
-    ("test_vllm_is_imported_only_through_compat", ""),
     ("test_no_file_over_800_lines", ""),
 }
 
