@@ -15,6 +15,7 @@ from vmm.cuda_driver import Driver, load_driver
 
 import vmm
 from tests.vmm.cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
+from tests.vmm import emulator
 
 G = 2 << 20
 
@@ -341,6 +342,7 @@ def test_cuda_python_accepts_the_arguments_we_pass():
 
 # ---- the real driver -----------------------------------------------------------------------
 @pytest.mark.cuda
+@pytest.mark.gpu
 def test_real_backend_maps_tensors_zeros_and_shares():
     import torch
 
@@ -365,6 +367,7 @@ def test_real_backend_maps_tensors_zeros_and_shares():
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu
 def test_real_backend_create_is_zero_and_oom_rolls_back():
     import torch
 
@@ -403,9 +406,18 @@ def test_bench_cli_on_cuda(tmp_path: Any):
     argv = ["--backend", "cuda", "--chunk-sizes", "2M", "--counts", "16", "--rounds", "2",
             "--map-rounds", "2", "--views", "50", "--no-progress", "--json", str(path)]  # fmt: skip
     assert bench.main(argv) == 0
-    ops = {r["op"] for r in json.loads(path.read_text())["results"]}
-    assert {"create", "reserve", "map", "set_access", "unmap", "release", "apply_plan",
-            "tensor_view"} <= ops  # fmt: skip
+    report = json.loads(path.read_text())
+    ops = {r["op"] for r in report["results"]}
+    assert {"create", "reserve", "map", "set_access", "unmap", "release", "free_reservation",
+            "apply_plan"} <= ops  # fmt: skip
+    emulated = emulator.loaded() is not None
+    assert report["machine"]["device"]["emulated"] is emulated
+    labels = {r["backend"] for r in report["results"]}
+    if emulated:  # driver-only: no torch CUDA tensor, and never passed off as GPU figures
+        assert labels == {"cuda-emulated"} and "tensor_view" not in ops
+        assert [s["op"] for s in report["skipped"]] == ["tensor_view"]
+    else:
+        assert labels == {"cuda"} and "tensor_view" in ops and report["skipped"] == []
 
 
 def test_bench_cuda_cases_run_on_the_model():

@@ -23,7 +23,10 @@ Bars (PASS/FAIL lines; `--check` turns a FAIL into exit status 1):
 Limitations
 -----------
 Timings on a shared machine are noisy: rounds, medians and the side-by-side baseline
-reduce that, they do not remove it. CUDA cases need a GPU, its driver and cuda-python.
+reduce that, they do not remove it. CUDA cases need a CUDA driver and cuda-python; on
+the test suite's driver emulator they run end to end and are labelled "cuda-emulated"
+(host memory: not GPU figures), and tensor views, which need torch CUDA, are reported
+as not measured.
 """
 
 from __future__ import annotations
@@ -214,7 +217,28 @@ def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
     return out
 
 
-def _run_one(args: BenchArgs, backend: str, case: Case, lifecycle: Case | None) -> list[OpResult]:
+def describe_cuda_device(ordinal: int) -> dict[str, Any]:
+    """{"name", "emulated"} of CUDA device `ordinal` as its driver reports it."""
+    from vmm.cuda_driver import device_name, is_emulated, load_driver
+
+    name = device_name(load_driver(), ordinal)
+    return {"name": name, "emulated": is_emulated(name)}
+
+
+def _views_unmeasurable(backend: str) -> str | None:
+    """Why tensor views cannot be timed on `backend` here, or None."""
+    if backend != "cuda":
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return "torch sees no CUDA device, so no CUDA tensor can be made (driver-only run)"
+
+
+def _run_one(
+    args: BenchArgs, backend: str, case: Case, lifecycle: Case | None, label: str
+) -> list[OpResult]:
     from vmm.bench import host as bench_host
 
     if backend == "host":
@@ -230,7 +254,11 @@ def _run_one(args: BenchArgs, backend: str, case: Case, lifecycle: Case | None) 
     make = _cuda_factory(args)
     pools = _pool_factory(make)
     return bench_cuda.run_case(
-        case, make, lambda c, samples: bench_host.ours_apply_plan(pools, c, samples), args.device
+        case,
+        make,
+        lambda c, samples: bench_host.ours_apply_plan(pools, c, samples),
+        args.device,
+        label=label,
     )
 
 
@@ -246,14 +274,22 @@ def run(args: BenchArgs) -> Report:
     """Measure every case of `args`; returns the report with its bars checked."""
     backend = choose_backend(args.backend, args.device)
     report = Report(args=asdict(args) | {"backend": backend})
+    label = backend
+    if backend == "cuda":
+        report.device = describe_cuda_device(args.device)
+        label = "cuda-emulated" if report.emulated else "cuda"
     cases = cases_of(args, backend)
     view_size = BAR_CHUNK if BAR_CHUNK in args.chunk_sizes else args.chunk_sizes[0]
     with _progress(args.progress, len(cases) + 1) as advance:
         for case, lifecycle in cases:
-            report.results.extend(_run_one(args, backend, case, lifecycle))
+            report.results.extend(_run_one(args, backend, case, lifecycle, label))
             gc.collect()
             advance()
-        report.results.append(_run_views(args, backend, view_size))
+        no_views = _views_unmeasurable(backend)
+        if no_views is None:
+            report.results.append(_run_views(args, backend, view_size))
+        else:
+            report.skipped.append({"op": "tensor_view", "reason": no_views})
         gc.collect()
         advance()
     report.bars.extend(check_bars(report, backend))

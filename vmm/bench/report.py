@@ -12,8 +12,13 @@ JSON schema ("vmm-bench/1"):
      "results": [{"op", "backend", "chunk_size", "num_chunks", "mode", "layout", "unit",
                   "ours": SUMMARY, "raw": SUMMARY, "ratio_p50"}],
      "bars": [{"name", "limit", "value", "unit", "passed", "detail"}],
+     "skipped": [{"op", "reason"}],
      "passed": bool}
     SUMMARY = {"n", "avg", "p50", "p99", "max"}   (nanoseconds; floats)
+
+A CUDA run adds `machine.device = {"name", "emulated"}`. On the test suite's CUDA driver
+emulator (`emulated`: true) every result's backend is "cuda-emulated" and the table title
+says so: those are host mmap/mprotect costs, never GPU figures.
 """
 
 from __future__ import annotations
@@ -108,6 +113,14 @@ class Report:
     args: dict[str, Any]
     results: list[OpResult] = field(default_factory=list)
     bars: list[Bar] = field(default_factory=list)
+    #: CUDA runs: {"name": the driver's device name, "emulated": bool}
+    device: dict[str, Any] = field(default_factory=dict)
+    #: ops this run could not measure, with the reason
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.device.get("emulated"))
 
     @property
     def passed(self) -> bool:
@@ -123,10 +136,11 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
-            "machine": machine_facts(),
+            "machine": machine_facts() | ({"device": self.device} if self.device else {}),
             "args": self.args,
             "results": [r.to_json() for r in self.results],
             "bars": [asdict(b) | {"passed": b.passed} for b in self.bars],
+            "skipped": list(self.skipped),
             "passed": self.passed,
         }
 
@@ -179,6 +193,10 @@ def render(report: Report, console: Any = None) -> None:
         if not console.is_terminal:  # logs and pipes: wide enough for one line per row
             console = Console(width=150)
     backend = report.args.get("backend", "?")
+    if report.device:
+        backend += f" on {report.device['name']}"
+    if report.emulated:
+        backend += ": EMULATED on host memory, not GPU figures"
     table = Table(
         title=f"vmm-bench ({backend}): µs per chunk, per call for reserve/free/tensor_view",
         caption="ours/raw = ratio of medians",
@@ -196,6 +214,8 @@ def render(report: Report, console: Any = None) -> None:
             _LAYOUTS.get(r.layout, r.layout), _stats(r.ours), _stats(r.raw), f"{r.ratio_p50:.2f}",
         )  # fmt: skip
     console.print(table)
+    for skip in report.skipped:
+        console.print(f"[yellow]not measured[/yellow] {skip['op']}: {skip['reason']}")
     for bar in report.bars:
         verdict = "[green]PASS[/green]" if bar.passed else "[red]FAIL[/red]"
         console.print(
