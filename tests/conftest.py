@@ -80,11 +80,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _emulator_left_clean(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under the emulator, a cuda test must give back everything it took from the driver."""
+    """Under the emulator, a cuda test must give back everything it took from the driver,
+    and no stream work of it may have touched memory it could not (a GPU would fault)."""
+    checked = EMULATOR is not None and request.node.get_closest_marker("cuda") is not None
+    faults = EMULATOR.count("device_faults") if checked and EMULATOR else 0
     yield
-    if EMULATOR is None or request.node.get_closest_marker("cuda") is None:
+    if not checked or EMULATOR is None:
         return
     live = EMULATOR.live_objects()
-    if any(live.values()):
+    new_faults = EMULATOR.count("device_faults") - faults
+    if any(live.values()) or new_faults:
         EMULATOR.reset()
-        pytest.fail(f"test left objects in the emulated CUDA driver: {live}")
+        pytest.fail(
+            f"test left objects in the emulated CUDA driver: {live}; "
+            f"{new_faults} stream operation(s) hit an address that was not mapped read-write"
+        )

@@ -42,7 +42,9 @@
 #define EMU_POISON_BYTE 0xA5  // cuMemCreate gives no zeroing guarantee: new memory is dirty
 
 enum { EMU_HANDLE_FREE = 0, EMU_HANDLE_LIVE = 1, EMU_HANDLE_RELEASED = 2 };
-enum { EMU_PLAIN_CALL = 0, EMU_MEMORY_CALL = 1 };
+// PLAIN: device queries, the context stack, retain/release. WORK: calls that use the
+// context's device (streams, memsets, memory info). MEMORY: the fault-injectable calls.
+enum { EMU_PLAIN_CALL = 0, EMU_WORK_CALL = 1, EMU_MEMORY_CALL = 2 };
 
 typedef struct {
   uint64_t size;
@@ -111,6 +113,7 @@ typedef struct {
   struct emu_stream* streams;
   long num_streams;
   CUresult sticky;  // CUDA_ERROR_ILLEGAL_ADDRESS once stream work faulted
+  long long num_device_faults;  // stream work that hit an illegal address, ever
   // fault injection
   long long num_memory_calls;
   long long fail_in;  // > 0: the fail_in-th memory call from now returns fail_code

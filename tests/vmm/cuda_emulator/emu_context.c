@@ -1,8 +1,8 @@
 // Emulated CUDA driver: initialisation, the device, the primary context and the per-thread
 // context stack, streams and the work queued on them (cuMemsetD8Async), memory info.
 //
-// Configuration, read by cuInit from the environment (this is a test library: the package
-// itself never reads these):
+// Configuration, read from the environment when the library is loaded and again by
+// emu_reset (this is a test library: the package itself never reads these):
 //   JENGA_VMM_EMU_DEVICE_BYTES     device memory size (default 4 GiB)
 //   JENGA_VMM_EMU_GRANULARITY      minimum allocation granularity (default 2 MiB)
 //   JENGA_VMM_EMU_DRIVER_VERSION   what cuDriverGetVersion reports (default 13000)
@@ -41,6 +41,8 @@ static uint64_t env_u64(const char* name, uint64_t fallback) {
   return end && *end == '\0' && value > 0 ? (uint64_t)value : fallback;
 }
 
+__attribute__((constructor)) static void read_config_at_load(void) { emu_read_config(); }
+
 void emu_read_config(void) {
   g_emu.device_bytes = env_u64("JENGA_VMM_EMU_DEVICE_BYTES", 4ull << 30);
   g_emu.granularity = env_u64("JENGA_VMM_EMU_GRANULARITY", 2ull << 20);
@@ -54,8 +56,9 @@ CUresult emu_enter(int kind) {
   pthread_mutex_lock(&g_emu.lock);
   // cuInit: before it, every driver function returns CUDA_ERROR_NOT_INITIALIZED.
   if (!g_emu.initialised) return CUDA_ERROR_NOT_INITIALIZED;
-  // CUDA_ERROR_ILLEGAL_ADDRESS leaves the context unusable: later work gets the same error.
-  if (g_emu.sticky) return g_emu.sticky;
+  // CUDA_ERROR_ILLEGAL_ADDRESS leaves the context unusable: later work gets the same error
+  // (context-stack and retain/release calls still work, so the context can be reset).
+  if (g_emu.sticky && kind != EMU_PLAIN_CALL) return g_emu.sticky;
   if (kind == EMU_MEMORY_CALL) {
     g_emu.num_memory_calls++;
     if (g_emu.fail_in > 0 && --g_emu.fail_in == 0) return g_emu.fail_code;
@@ -70,7 +73,6 @@ EMU_EXPORT CUresult cuDriverGetVersion(int* version) {
   // cuDriverGetVersion needs no cuInit; NULL is CUDA_ERROR_INVALID_VALUE.
   if (!version) return CUDA_ERROR_INVALID_VALUE;
   pthread_mutex_lock(&g_emu.lock);
-  if (!g_emu.initialised) emu_read_config();
   *version = g_emu.driver_version;
   pthread_mutex_unlock(&g_emu.lock);
   return CUDA_SUCCESS;
@@ -82,7 +84,6 @@ EMU_EXPORT CUresult cuInit(unsigned int flags) {
   pthread_mutex_lock(&g_emu.lock);
   CUresult err = CUDA_SUCCESS;
   if (!g_emu.initialised) {
-    emu_read_config();
     g_emu.memfd = memfd_create("jenga-vmm-cuda-emulator", MFD_CLOEXEC);
     if (g_emu.memfd < 0) {
       err = CUDA_ERROR_OPERATING_SYSTEM;
@@ -312,6 +313,7 @@ static void run_work(struct emu_stream* stream) {
         memset((void*)w->va, w->value, w->num_bytes);
       } else {
         g_emu.sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+        g_emu.num_device_faults++;
       }
     }
     free(w);
@@ -321,7 +323,7 @@ static void run_work(struct emu_stream* stream) {
 
 EMU_EXPORT CUresult cuStreamCreate(CUstream* out, unsigned int flags) {
   // cuStreamCreate: CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING, in the current context.
-  CUresult err = emu_enter(EMU_PLAIN_CALL);
+  CUresult err = emu_enter(EMU_WORK_CALL);
   if (err == CUDA_SUCCESS && (!out || (flags != CU_STREAM_DEFAULT &&
                                        flags != CU_STREAM_NON_BLOCKING)))
     err = CUDA_ERROR_INVALID_VALUE;
@@ -343,7 +345,7 @@ EMU_EXPORT CUresult cuStreamCreate(CUstream* out, unsigned int flags) {
 
 EMU_EXPORT CUresult cuStreamDestroy_v2(CUstream stream) {
   // cuStreamDestroy: returns at once; pending work still completes (it runs now here).
-  CUresult err = emu_enter(EMU_PLAIN_CALL);
+  CUresult err = emu_enter(EMU_WORK_CALL);
   if (err == CUDA_SUCCESS) err = require_ctx();
   struct emu_stream* s = err == CUDA_SUCCESS ? resolve_stream(stream) : NULL;
   if (err == CUDA_SUCCESS && (!s || s == &g_emu.null_stream)) err = CUDA_ERROR_INVALID_HANDLE;
@@ -374,7 +376,7 @@ EMU_EXPORT CUresult cuStreamSynchronize(CUstream stream) {
 }
 
 EMU_EXPORT CUresult cuCtxSynchronize(void) {
-  CUresult err = emu_enter(EMU_PLAIN_CALL);
+  CUresult err = emu_enter(EMU_WORK_CALL);
   if (err == CUDA_SUCCESS) err = require_ctx();
   if (err == CUDA_SUCCESS) {
     run_work(&g_emu.null_stream);
@@ -417,7 +419,7 @@ EMU_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t
 
 EMU_EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
   // cuMemGetInfo: free and total memory of the device of the current context.
-  CUresult err = emu_enter(EMU_PLAIN_CALL);
+  CUresult err = emu_enter(EMU_WORK_CALL);
   if (err == CUDA_SUCCESS && (!free_bytes || !total_bytes)) err = CUDA_ERROR_INVALID_VALUE;
   if (err == CUDA_SUCCESS) err = require_ctx();
   if (err == CUDA_SUCCESS) {

@@ -201,6 +201,7 @@ EMU_EXPORT long long emu_count(const char* what) {
   if (strcmp(what, "bytes_used") == 0) value = (long long)g_emu.bytes_used;
   if (strcmp(what, "device_bytes") == 0) value = (long long)g_emu.device_bytes;
   if (strcmp(what, "sticky_error") == 0) value = g_emu.sticky;
+  if (strcmp(what, "device_faults") == 0) value = g_emu.num_device_faults;
   if (strcmp(what, "pending_fault") == 0) value = g_emu.fail_in;
   pthread_mutex_unlock(&g_emu.lock);
   return value;
