@@ -1,6 +1,6 @@
 """One vmm suite for every backend: the `backend_kind` fixture runs each test on host and
-(marked `cuda`: a GPU or the CUDA driver emulator) on cuda. Helpers snapshot the full observable state
-of a pool so rollback tests can compare before and after exactly."""
+(marked `cuda`: a GPU or the CUDA driver emulator) on cuda. Helpers snapshot the full
+observable state of a pool so rollback tests can compare before and after exactly."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from vmm.cuda import CudaBackend
 from vmm.cuda_driver import Driver, load_driver
 
 import vmm
-from tests.vmm.cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
 from tests.vmm import emulator
+from tests.vmm.cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
 
 G = 2 << 20
 

@@ -127,8 +127,8 @@ def test_granularity_must_be_a_power_of_two_multiple_of_the_device_one(emu: Emul
         (h,) = big.create(1)
         va = big.reserve(4 * G)
         big.map([va + 2 * G], [h])
-        assert [emu.access(va + i * G) for i in range(4)] == [UNMAPPED, UNMAPPED,
-                                                               ACCESS_READWRITE, ACCESS_READWRITE]  # fmt: skip
+        access = [emu.access(va + i * G) for i in range(4)]
+        assert access == [UNMAPPED, UNMAPPED, ACCESS_READWRITE, ACCESS_READWRITE]
         big.unmap([va + 2 * G])
         big.free_reservation(va, 4 * G)
         big.release([h])
@@ -273,7 +273,8 @@ def test_out_of_memory_at_the_device_size(emu: Emulator):
     b = CudaBackend(0)
     try:
         before = observed(b, emu)
-        with pytest.raises(vmm.OutOfMemory, match=r"cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY \(2\)") as e:  # fmt: skip
+        oom = r"cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY \(2\)"
+        with pytest.raises(vmm.OutOfMemory, match=oom) as e:
             b.create(10)  # 8 fit, less the zero chunk
         assert "create of 10 chunks of 2097152 bytes failed after 7 (all released)" in str(e.value)
         assert (e.value.needed, e.value.free, e.value.total) == (10 * G, 7 * G, 8 * G)
@@ -283,10 +284,11 @@ def test_out_of_memory_at_the_device_size(emu: Emulator):
         b.close()
 
 
-@pytest.mark.parametrize(
-    ("code", "name"), [(1, "CUDA_ERROR_INVALID_VALUE"), (801, "CUDA_ERROR_NOT_SUPPORTED"),
-                       (999, "CUDA_ERROR_UNKNOWN")]  # fmt: skip
-)
+ERROR_NAMES = [(1, "CUDA_ERROR_INVALID_VALUE"), (801, "CUDA_ERROR_NOT_SUPPORTED"),
+               (999, "CUDA_ERROR_UNKNOWN")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("code", "name"), ERROR_NAMES)
 def test_driver_errors_become_backend_errors_naming_call_and_code(
     backend: CudaBackend, emu: Emulator, code: int, name: str
 ):

@@ -44,7 +44,12 @@ def check(pool: vmm.ChunkPool) -> None:
 
 
 def data_view(
-    rng: vmm.VirtualRange, shape: tuple[int, ...], dtype: Any, offset: int = 0, *, write: bool = False
+    rng: vmm.VirtualRange,
+    shape: tuple[int, ...],
+    dtype: Any,
+    offset: int = 0,
+    *,
+    write: bool = False,
 ) -> Any:
     """The bytes of `rng` at `offset` as a tensor, to write and check data through.
 

@@ -112,7 +112,7 @@ typedef struct {
   struct emu_stream null_stream;
   struct emu_stream* streams;
   long num_streams;
-  CUresult sticky;  // CUDA_ERROR_ILLEGAL_ADDRESS once stream work faulted
+  CUresult sticky;              // CUDA_ERROR_ILLEGAL_ADDRESS once stream work faulted
   long long num_device_faults;  // stream work that hit an illegal address, ever
   // fault injection
   long long num_memory_calls;

@@ -164,9 +164,7 @@ EMU_EXPORT CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice dev
 }
 
 // ---- contexts -------------------------------------------------------------------------------
-struct emu_ctx* emu_current_ctx(void) {
-  return t_ctx_depth ? t_ctx_stack[t_ctx_depth - 1] : NULL;
-}
+struct emu_ctx* emu_current_ctx(void) { return t_ctx_depth ? t_ctx_stack[t_ctx_depth - 1] : NULL; }
 
 int emu_ctx_depth(void) { return t_ctx_depth; }
 
@@ -324,8 +322,8 @@ static void run_work(struct emu_stream* stream) {
 EMU_EXPORT CUresult cuStreamCreate(CUstream* out, unsigned int flags) {
   // cuStreamCreate: CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING, in the current context.
   CUresult err = emu_enter(EMU_WORK_CALL);
-  if (err == CUDA_SUCCESS && (!out || (flags != CU_STREAM_DEFAULT &&
-                                       flags != CU_STREAM_NON_BLOCKING)))
+  if (err == CUDA_SUCCESS &&
+      (!out || (flags != CU_STREAM_DEFAULT && flags != CU_STREAM_NON_BLOCKING)))
     err = CUDA_ERROR_INVALID_VALUE;
   if (err == CUDA_SUCCESS) err = require_ctx();
   if (err == CUDA_SUCCESS) {

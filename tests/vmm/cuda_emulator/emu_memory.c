@@ -38,8 +38,7 @@ static int phys_alloc(uint64_t size, uint64_t* offset) {
 
 static void phys_free(uint64_t offset, uint64_t size) {
   // Give the pages back (the next allocation there starts from fresh, dirty, memory).
-  fallocate(g_emu.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset,
-            (off_t)size);
+  fallocate(g_emu.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)offset, (off_t)size);
   size_t i = 0;
   while (i < g_emu.num_extents && g_emu.extents[i].base < offset) ++i;
   emu_range* ext = g_emu.extents;
@@ -163,8 +162,8 @@ const emu_range* emu_reservation_containing(uint64_t va) {
   return va < r->base + r->size ? r : NULL;
 }
 
-static CUresult address_reserve(CUdeviceptr* out, size_t size, size_t alignment,
-                                CUdeviceptr addr, unsigned long long flags) {
+static CUresult address_reserve(CUdeviceptr* out, size_t size, size_t alignment, CUdeviceptr addr,
+                                unsigned long long flags) {
   // cuMemAddressReserve: size and addr are multiples of the host page size, alignment is
   // a power of two or 0 (default), flags must be 0, addr is only a hint.
   uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
@@ -175,8 +174,8 @@ static CUresult address_reserve(CUdeviceptr* out, size_t size, size_t alignment,
                sizeof(emu_range)))
     return CUDA_ERROR_OUT_OF_MEMORY;
   uint64_t span = size + align;
-  void* raw = mmap((void*)addr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
-                   0);
+  void* raw =
+      mmap((void*)addr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (raw == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   uint64_t start = (uint64_t)raw;
   uint64_t base = (start + align - 1) & ~(align - 1);

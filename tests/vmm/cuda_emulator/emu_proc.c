@@ -33,8 +33,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle*, size_t, const CUmemAllocatio
 CUresult cuMemRelease(CUmemGenericAllocationHandle);
 CUresult cuMemAddressReserve(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
 CUresult cuMemAddressFree(CUdeviceptr, size_t);
-CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                  unsigned long long);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
 CUresult cuMemGetAccess(unsigned long long*, const CUmemLocation*, CUdeviceptr);
