@@ -218,11 +218,34 @@ def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
 
 
 def describe_cuda_device(ordinal: int) -> dict[str, Any]:
-    """{"name", "emulated"} of CUDA device `ordinal` as its driver reports it."""
+    """{"name", "emulated", "granularity"} of CUDA device `ordinal`, from its driver."""
+    from vmm.cuda import CudaBackend
     from vmm.cuda_driver import device_name, is_emulated, load_driver
 
     name = device_name(load_driver(), ordinal)
-    return {"name": name, "emulated": is_emulated(name)}
+    probe = CudaBackend(ordinal, zero_chunk=False)
+    granularity = probe.granularity
+    probe.close()
+    return {"name": name, "emulated": is_emulated(name), "granularity": granularity}
+
+
+def _cuda_run(args: BenchArgs, report: Report) -> tuple[BenchArgs, str]:
+    """Fill in `report.device`; keep the chunk sizes the device can map (the others are
+    listed as skipped); returns the args to run and the results' backend label."""
+    from dataclasses import replace
+
+    from vmm.bench.report import size_label
+
+    report.device = describe_cuda_device(args.device)
+    gran = report.device["granularity"]
+    sizes = tuple(size for size in args.chunk_sizes if size % gran == 0)
+    for size in args.chunk_sizes:
+        if size % gran:
+            reason = f"not a multiple of the device's granularity {size_label(gran)}"
+            report.skipped.append({"op": f"chunk size {size_label(size)}", "reason": reason})
+    if not sizes:
+        raise SystemExit(f"vmm-bench: no chunk size is a multiple of {size_label(gran)}")
+    return replace(args, chunk_sizes=sizes), "cuda-emulated" if report.emulated else "cuda"
 
 
 def _views_unmeasurable(backend: str) -> str | None:
@@ -276,8 +299,7 @@ def run(args: BenchArgs) -> Report:
     report = Report(args=asdict(args) | {"backend": backend})
     label = backend
     if backend == "cuda":
-        report.device = describe_cuda_device(args.device)
-        label = "cuda-emulated" if report.emulated else "cuda"
+        args, label = _cuda_run(args, report)
     cases = cases_of(args, backend)
     view_size = BAR_CHUNK if BAR_CHUNK in args.chunk_sizes else args.chunk_sizes[0]
     with _progress(args.progress, len(cases) + 1) as advance:

@@ -16,9 +16,9 @@ JSON schema ("vmm-bench/1"):
      "passed": bool}
     SUMMARY = {"n", "avg", "p50", "p99", "max"}   (nanoseconds; floats)
 
-A CUDA run adds `machine.device = {"name", "emulated"}`. On the test suite's CUDA driver
-emulator (`emulated`: true) every result's backend is "cuda-emulated" and the table title
-says so: those are host mmap/mprotect costs, never GPU figures.
+A CUDA run adds `machine.device = {"name", "emulated", "granularity"}`. On the test
+suite's CUDA driver emulator (`emulated`: true) every result's backend is "cuda-emulated"
+and the table title says so: those are host mmap/mprotect costs, never GPU figures.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _stats(s: Summary) -> str:
     return " / ".join(_us(v) for v in (s.p50, s.avg, s.p99, s.max))
 
 
-def _size(num_bytes: int) -> str:
+def size_label(num_bytes: int) -> str:
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if num_bytes >= 1 << shift and num_bytes % (1 << shift) == 0:
             return f"{num_bytes >> shift}{unit}"
@@ -210,7 +210,7 @@ def render(report: Report, console: Any = None) -> None:
     table.add_column("ours/raw", justify="right")
     for r in report.results:
         table.add_row(
-            r.op, f"{_size(r.chunk_size)}×{r.num_chunks}", _MODES.get(r.mode, r.mode),
+            r.op, f"{size_label(r.chunk_size)}×{r.num_chunks}", _MODES.get(r.mode, r.mode),
             _LAYOUTS.get(r.layout, r.layout), _stats(r.ours), _stats(r.raw), f"{r.ratio_p50:.2f}",
         )  # fmt: skip
     console.print(table)
