@@ -14,13 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 from vmm.cuda import CudaBackend
 
 import vmm
 from tests.vmm import emulator as emu_mod
 from tests.vmm import test_plan as plan_cases
-from tests.vmm.emulator import Emulator
+from tests.vmm.emulator import CUDA_ERROR_OUT_OF_MEMORY, Emulator
 from tests.vmm.test_cuda_emulated import CLEAN, G, memory_calls, observed
+from tests.vmm.test_stateful import PoolMachine
 from tests.vmm.vmm_helpers import check, data_view, snapshot
 
 pytestmark = [pytest.mark.cuda, pytest.mark.emulator]
@@ -205,3 +207,32 @@ def test_every_failing_driver_call_in_a_plan_leaves_state_identical(emu: Emulato
         finally:
             pool.close()
         assert emu.live_objects() == CLEAN, f"{plan_name}: driver objects left after fault {k}"
+
+
+# ---- random plans (the host suite's state machine, on the emulator) ---------------------------
+class CudaPoolMachine(PoolMachine):
+    """Random map / unmap / share / remap / write / set_budget steps and plans with a fault
+    at a random memory call, on CudaBackend, checked against the pool model after each."""
+
+    gran = G
+
+    def make_backend(self) -> vmm.Backend:
+        return CudaBackend(0)
+
+    def inject_fault(self, k: int) -> None:
+        _emulator().fail_after(k, CUDA_ERROR_OUT_OF_MEMORY)
+
+    def num_backend_calls(self) -> int:
+        return _emulator().count("memory_calls")
+
+
+def _emulator() -> Emulator:
+    loaded = emu_mod.loaded()
+    assert loaded is not None
+    return loaded
+
+
+CudaPoolMachine.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=20, deadline=None, derandomize=True
+)
+TestCudaPoolMachine = CudaPoolMachine.TestCase
