@@ -26,13 +26,19 @@ Every public call validates first (raising before any driver call), then runs it
 calls with an undo log; a failing call undoes the calls before it in reverse order and
 raises the `vmm.errors` exception naming the driver call and its CUresult code.
 
+Scratch mappings (the zero fill, the read-only probe) are always torn down: never while
+their memset may still run, and a teardown call that fails is tried once more before the
+failure is raised naming what stays held. `close` forgets each object as soon as its
+driver call succeeded, so a close that failed part-way resumes when called again.
+
 Limitations
 -----------
 One device per instance. Unmapping does not synchronise: the caller must make sure no
 kernel still reads a slot it unmaps (engines unmap between steps). `release` cannot undo
 a `cuMemRelease` that already succeeded, so a driver failure part-way through a release
 batch leaves the handles before it released (reported in the error). Written against the
-documented driver API; see docs/vmm-bench.md for where it was and was not run.
+documented driver API and run through the real cuda-bindings on the test suite's CUDA
+driver emulator (docs/vmm.md), not yet on a GPU (docs/vmm-bench.md).
 """
 
 from __future__ import annotations

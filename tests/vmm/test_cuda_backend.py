@@ -180,8 +180,8 @@ SCENARIOS = {
     "unmap_to_zero": (_scenario_unmap_to_zero, None),
     "reserve_zero": (_scenario_reserve_zero, None),
     "free_zero_reservation": (_scenario_free_zero_reservation, None),
-    # create's last 4 calls give the scratch VA back after the memset; a failure there is
-    # reported, not undone (documented), so only the calls before it are injected
+    # create's last 4 calls tear the scratch mapping down after the memset; a failure there
+    # is tried again, so the create succeeds (test_cuda_emulated_faults.py injects those)
     "create": (_scenario_create, 4),
 }
 
