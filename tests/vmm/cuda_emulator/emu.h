@@ -21,6 +21,12 @@
 //     mappings         [va0, +g) -> handle 7 (RW)   [va2, +g) -> handle 9 (R)
 //     memfd            | h7: offset 0 | h9: offset g | free | ...
 //
+// Rules: each enforced rule names, in a comment at the code, the driver call whose page of
+// the CUDA Driver API reference states it (sections Virtual Memory Management, Stream
+// Management, Context Management, Primary Context Management, Initialization; the same
+// text cuda-bindings ships as its functions' docstrings). Where the reference is silent the
+// code says "strict" and refuses.
+//
 // Limitations: one device; no kernels, events, graphs or IPC; latencies are host mmap
 // and mprotect costs, never GPU figures. Everything is behind one mutex.
 //
