@@ -64,7 +64,7 @@ def data_view(
     emu = emulator.loaded()
     if emu is None or not rng.device.startswith("cuda"):
         return rng.tensor(shape, dtype, offset=offset)
-    rng._check_open()
+    rng.check_open()
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if offset < 0 or offset + nbytes > rng.size:
         raise vmm.RangeError(f"data view of {nbytes} bytes at {offset} leaves range {rng.name!r}")
