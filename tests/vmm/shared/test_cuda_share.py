@@ -1,4 +1,5 @@
-"""CUDA export/import of chunks as POSIX fds (needs a GPU: `cuda`-marked; not run here)."""
+"""CUDA export/import of chunks as POSIX fds (`cuda`; the byte test also `gpu`: the driver
+emulator has no shareable handles)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.gpu
 def test_cuda_chunk_exported_as_fd_is_imported_and_shares_bytes():
     import torch
     from vmm.cuda import CudaBackend
