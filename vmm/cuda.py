@@ -150,7 +150,7 @@ class CudaBackend(Backend):
 
     # ---- set-up -------------------------------------------------------------------
     def _set_up(self, granularity: int | None, zero_chunk: bool) -> None:
-        self._prop = self._allocation_prop()
+        self._prop = self._allocation_prop(self._shareable)
         self._granularity = self._choose_granularity(granularity)
         self._rw = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
         self._ro = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READ")
@@ -178,13 +178,13 @@ class CudaBackend(Backend):
         if not int(self._drv.call("cuDeviceGetAttribute", attr, self._dev)):
             raise BackendUnavailable(f"device {self._ordinal} does not support CUDA VMM")
 
-    def _allocation_prop(self) -> Any:
+    def _allocation_prop(self, shareable: bool = False) -> Any:
         mod = self._drv.mod
         prop = mod.CUmemAllocationProp()
         prop.type = mod.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = mod.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = self._ordinal
-        kind = "CU_MEM_HANDLE_TYPE_" + ("POSIX_FILE_DESCRIPTOR" if self._shareable else "NONE")
+        kind = "CU_MEM_HANDLE_TYPE_" + ("POSIX_FILE_DESCRIPTOR" if shareable else "NONE")
         prop.requestedHandleTypes = getattr(mod.CUmemAllocationHandleType, kind)
         return prop
 
