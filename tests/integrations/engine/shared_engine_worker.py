@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,22 +35,25 @@ def main(pool: str, name: str, layers: int, min_bytes: int) -> None:
     tenant = engine.pool.backend.tenant  # type: ignore[attr-defined]
     print(json.dumps({"ready": True, "max": tenant.max_bytes}), flush=True)
     for line in sys.stdin:
+        t0 = time.monotonic()
         cmd = json.loads(line)
         gen = torch.Generator().manual_seed(cmd["seed"])
         requests = []
         for i in range(cmd["burst"]):
             prompt = torch.randint(0, 128, (30 + 4 * i,), generator=gen).tolist()
             rid = f"{cmd['seed']}-{i}"
-            requests.append((rid, prompt, 12, 0))
-            engine.add_request(rid, prompt, 12, arrival_step=engine.step_index)
+            requests.append((rid, prompt, 8, 0))
+            engine.add_request(rid, prompt, 8, arrival_step=engine.step_index)
         peak = 0
         while engine.waiting or engine.running or engine.pending:
             engine.step()
             peak = max(peak, tenant.held_chunks)
         engine.kv.check_invariants(expensive=True)
+        t1 = time.monotonic()
         want = reference(model, requests)
         match = all(engine.done[rid].output == want[rid] for rid, *_ in requests)
-        out = {"peak": peak, "held": tenant.held_chunks, "match": match}
+        out = {"peak": peak, "held": tenant.held_chunks, "match": match,
+               "serve_s": t1 - t0, "reference_s": time.monotonic() - t1}  # fmt: skip
         print(json.dumps(out), flush=True)
     engine.close()
 
