@@ -103,7 +103,6 @@ class JengaKVCacheManager:
         self.layout = layout
         self.max_model_len = layout.model.max_model_len
         self.enable_caching = enable_caching
-        self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(layout.groups)
@@ -124,9 +123,18 @@ class JengaKVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
+        self.enable_kv_cache_events = enable_kv_cache_events
         self._num_hit_blocks: dict[Hashable, list[int]] = {}  # per group, at admission
         self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        return self.identity.events_on
+
+    @enable_kv_cache_events.setter
+    def enable_kv_cache_events(self, on: bool) -> None:
+        self.identity.events_on = on
 
     # -- stats ------------------------------------------------------------------------
     @property
