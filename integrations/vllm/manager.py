@@ -16,7 +16,7 @@ Approach
     ============================  ==============================================
     vLLM call                     jenga
     ============================  ==============================================
-    get_computed_blocks           match_prefix_junction (no state change)
+    get_computed_blocks           match_prefix_junction + digest check (a probe claim)
     allocate_slots (new request)  add_request (claims the hit) + allocate
     allocate_slots (running)      allocate for the tokens past what it holds
     cache_blocks                  append_tokens + cache (hash complete blocks)
@@ -232,10 +232,8 @@ class JengaKVCacheManager:
         if hit and not self._verified(request):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is not None and hit > max_cache_hit_length:
-            raise UnsupportedFeature(
-                f"request {request.request_id!r}: a cache-hit cap of {max_cache_hit_length} "
-                f"tokens below the hit of {hit} is not supported"
-            )
+            # a shorter hit valid in every group is not derived here: compute it all
+            return self.empty_kv_cache_blocks, 0, 0
         report = self.layout.options.junctions and junction > hit
         return self.empty_kv_cache_blocks, hit, junction if report else 0
 
@@ -309,13 +307,15 @@ class JengaKVCacheManager:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
         rid = request.request_id
         admitted = rid not in self._tokens_known
-        if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
-            if not self._fits(rid, full):
-                self.counters["requests.rejected"] += 1
-                return None
         if admitted:
             self._admit(request, num_new_computed_tokens)
+        if full_sequence_must_fit and not self._fits(
+            rid, min(request.num_tokens, self.max_model_len)
+        ):  # checked with the hit claimed, as vLLM counts its hit blocks as held
+            if admitted:
+                self._release(rid)
+            self.counters["requests.rejected"] += 1
+            return None
         computed = request.num_computed_tokens + num_new_computed_tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
