@@ -33,8 +33,6 @@ MAX_FUNCTION_LINES = 60
 # strict xfails, so a check that starts to hold must be taken off this list.
 PENDING = {
     ("test_no_import_circles", "vmm"),
-    ("test_no_import_circles", "integrations.vllm"),
-    ("test_vllm_is_imported_only_through_compat", ""),
     ("test_no_module_writes_another_modules_private_names", "vmm"),
     ("test_no_file_over_800_lines", ""),
 }

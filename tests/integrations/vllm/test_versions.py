@@ -51,12 +51,13 @@ def test_start_up_refuses_an_unsupported_vllm_naming_both(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vllm = pytest.importorskip("vllm")
+    from integrations.vllm import version
     from integrations.vllm.harness import cases, replay
 
     assert installed_vllm_version() == vllm.__version__
     setup = replay.SchedulerSetup(max_model_len=256, max_num_batched_tokens=256)
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("llama"), 16 << 20)
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(version, "installed_vllm_version", lambda: "0.34.0")
     with pytest.raises(UnsupportedVllmVersion, match=r"0\.32\.0, 0\.33\.0; found 0\.34\.0"):
         replay.make_scheduler(config, kv_config, jenga=True)
