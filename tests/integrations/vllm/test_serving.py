@@ -278,5 +278,5 @@ def test_a_runner_whose_allocation_is_unreachable_refuses_vmm_tensors(model_dir:
     assert Runner(torch_config).initialize_kv_cache(None) == "vLLM's tensors"
     setup = replay.SchedulerSetup(jenga_options={"kv_tensors": "vmm"})
     vmm_config = replay.make_vllm_config(model_dir, setup)
-    with pytest.raises(UnsupportedFeature, match="Runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(UnsupportedFeature, match=r"Runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
         Runner(vmm_config).initialize_kv_cache(None)
