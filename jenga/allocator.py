@@ -68,14 +68,11 @@ import numpy as np
 from jenga import _core
 from jenga.pages import PageTable
 from jenga.plan import MappingPlan, plan_from_keys
-from jenga.policies import Policy, make_policy
+from jenga.policies import POLICY_BY_KIND, Policy, make_policy
 from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
 from jenga.specs import Kind, ModelSpec
 
 _EMPTY_PLAN = MappingPlan()
-# Kinds whose blocks released mid-request serve only hits ending within one window/chunk
-# after them (the window-release demotion of `AllocatorConfig.demote_window_releases`).
-_WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL})
 _FREED_IDS_KEPT = 1 << 16
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
@@ -203,12 +200,11 @@ class AllocatorConfig:
         for g in model.groups:
             row = table.group(g.name)
             spec = g.spec
-            per_block = spec.checkpoint_interval if spec.kind is Kind.MAMBA else spec.block_size
             groups.append(
                 GroupConfig(
                     g.name,
                     spec.kind,
-                    per_block,
+                    POLICY_BY_KIND[spec.kind].block_tokens(spec),
                     row.blocks_per_large_page,
                     row.units_per_large_page,
                     window=spec.window,
@@ -324,7 +320,7 @@ class JengaAllocator:
             config.order is AllocationOrder.COMPACT,
         )
         self._core.pinned_order = config.order is AllocationOrder.PINNED
-        self._core.early_release_groups = [g.kind in _WINDOW_KINDS for g in config.groups]
+        self._core.early_release_groups = [p.releases_early for p in self.policies]
         self._core.demote_early_releases = config.demote_window_releases
         self._core.frugal_retry = config.frugal_retry
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
@@ -514,7 +510,7 @@ class JengaAllocator:
         table = req.tables[g]
         first = min(policy.first_live_block(length, req.images), len(table))
         live = table.view(req.first_live[g], first)
-        release = live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live
+        release = live[live != NULL_BLOCK] if policy.holds_state else live
         return release, max(first, req.first_live[g])
 
     @staticmethod
@@ -614,7 +610,7 @@ class JengaAllocator:
         now = self._tick()
         for g in range(self.num_groups):
             live = req.tables[g].view(req.first_live[g])
-            if self.policies[g].kind is Kind.MAMBA:
+            if self.policies[g].holds_state:
                 live = live[live != NULL_BLOCK]
             self._core.release(g, live, now)
         del self._requests[request_id]
@@ -775,7 +771,7 @@ class JengaAllocator:
                     f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
                 )
                 for b in table[req.first_live[g] :]:
-                    if b == NULL_BLOCK and self.policies[g].kind is Kind.MAMBA:
+                    if b == NULL_BLOCK and self.policies[g].holds_state:
                         continue  # a checkpoint inside one step's span, never held
                     assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
                     refs[b] = refs.get(b, 0) + 1
