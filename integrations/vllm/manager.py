@@ -59,12 +59,15 @@ from typing import Any
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator
 from jenga.plan import MappingPlan
 from jenga.specs import Kind
-from vllm.distributed.kv_events import AllBlocksCleared, KVCacheEvent
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.metrics.stats import PrefixCacheStats
-from vllm.v1.request import Request
 
+from integrations.vllm.compat import (
+    AllBlocksCleared,
+    KVCacheBlock,
+    KVCacheBlocks,
+    KVCacheEvent,
+    PrefixCacheStats,
+    Request,
+)
 from integrations.vllm.layout import JengaLayout, JengaVllmError, UnsupportedFeature
 from integrations.vllm.slots import SharedSlots
 

@@ -45,8 +45,9 @@ def register() -> None:
     except UnsupportedVllmVersion as exc:
         _log.warning("jenga-vmm plugin inactive: %s", exc)
         return
-    from vllm.v1.worker import gpu_model_runner
+    from integrations.vllm.compat import gpu_model_runner_module
 
+    gpu_model_runner = gpu_model_runner_module()
     runner = gpu_model_runner.GPUModelRunner
     if getattr(runner.initialize_kv_cache_tensors, _MARK, False):
         return

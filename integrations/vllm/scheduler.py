@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.scheduler import Scheduler
-
+from integrations.vllm.compat import AsyncScheduler, Scheduler
 from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.version import check_vllm_version

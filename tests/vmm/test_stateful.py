@@ -258,7 +258,7 @@ class PoolMachine(RuleBasedStateMachine):
             (i, s): h for i, rng in enumerate(self.ranges) for s, h in rng.slot_to_handle().items()
         }
         assert real == self.model.where
-        assert set(self.pool._free) == self.model.free
+        assert set(self.pool.ledger.free_handles()) == self.model.free
         assert self.pool.num_created == self.model.created
         for (r, s), h in real.items():
             expected = self.model.value.get(h)

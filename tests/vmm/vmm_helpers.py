@@ -26,8 +26,8 @@ def snapshot(pool: vmm.ChunkPool, ranges: list[vmm.VirtualRange]) -> dict[str, A
     stats.pop("plans.rolled_back")
     state: dict[str, Any] = {
         "stats": stats,
-        "free": sorted(pool._free),
-        "refcount": dict(pool._refcount),
+        "free": pool.ledger.free_handles(),
+        "refcount": pool.ledger.refcounts(),
         "tables": [(r.closed, r.slot_to_handle()) for r in ranges],
     }
     table_of = getattr(pool.backend, "slot_table", None)
