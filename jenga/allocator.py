@@ -84,37 +84,17 @@ from enum import Enum
 import numpy as np
 
 from jenga import _core
-from jenga.config import AllocationOrder, AllocationRules, AllocatorConfig, GroupConfig
-from jenga.errors import (
-    AllocatorError,
-    DoubleFree,
-    DuplicateRequest,
-    InvalidSize,
-    PageTooLarge,
-    UnknownRequest,
-)
+
+# `X as X`: re-exported, engines import the allocator's configuration types from here too
+from jenga.config import AllocationOrder as AllocationOrder
+from jenga.config import AllocationRules, AllocatorConfig
+from jenga.config import GroupConfig as GroupConfig
+from jenga.errors import AllocatorError as AllocatorError
+from jenga.errors import DoubleFree, DuplicateRequest, InvalidSize, PageTooLarge, UnknownRequest
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer
 from jenga.requests import NULL_BLOCK, Allocation, ImageSpan, LiveRequest, checked_images
-
-__all__ = [  # the engine-facing API; the types of its signatures are re-exported
-    "NULL_BLOCK",
-    "Allocation",
-    "AllocationOrder",
-    "AllocationRules",
-    "AllocatorConfig",
-    "AllocatorError",
-    "DoubleFree",
-    "DuplicateRequest",
-    "GroupConfig",
-    "ImageSpan",
-    "InvalidSize",
-    "JengaAllocator",
-    "PageTooLarge",
-    "UnknownRequest",
-    "Usage",
-]
 
 _EMPTY_PLAN = MappingPlan()
 _FREED_IDS_KEPT = 1 << 16
