@@ -11,20 +11,16 @@ Python-level `from_dlpack` wrapper.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
+from vmm.bench.stats import Summary, time_calls
 
-def median_ns(fn: Callable[[], Any], calls: int) -> int:
+
+def median_ns(fn: Callable[[], Any], calls: int) -> float:
+    """Median ns of `calls` calls of `fn` (after one untimed warm-up call)."""
     fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return Summary.of(time_calls(lambda _: fn(), calls)).p50
 
 
 def main() -> None:
@@ -67,7 +63,7 @@ def main() -> None:
     }
     try:
         for name, fn in stages.items():
-            print(f"{median_ns(fn, calls):>7} ns  {name}")
+            print(f"{median_ns(fn, calls):>7.0f} ns  {name}")
     finally:
         rng.unmap([0])
         pool.close()

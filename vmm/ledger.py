@@ -113,6 +113,10 @@ class ChunkLedger:
         """The free chunks, lowest first."""
         return sorted(self._free)
 
+    def refcount(self, handle: int) -> int:
+        """Slots mapping `handle` (0 for a free chunk or a handle of no chunk)."""
+        return self._refcount.get(handle, 0)
+
     def refcounts(self) -> dict[int, int]:
         """Every mapped chunk and the number of slots mapping it (a copy)."""
         return dict(self._refcount)

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import torch
 
     from vmm.backend import ViewFactory
-    from vmm.ledger import ChunkLedger
     from vmm.pool import ChunkPool
 
 
@@ -63,8 +62,7 @@ class VirtualRange:
             raise MappingError(f"backend {backend.name!r} has no zero chunk for zero_backed")
         gran = pool.granularity
         self.pool = pool
-        self._ledger: ChunkLedger = pool.ledger
-        ledger = self._ledger
+        self._ledger = ledger = pool.ledger
         self.granularity = gran
         self.size = size
         self.name = name
@@ -282,9 +280,9 @@ class VirtualRange:
             return
         mapped = [h for h in self._slot_to_handle if h >= 0]
         assert len(mapped) == self.num_mapped, f"{len(mapped)} mapped != {self.num_mapped}"
-        refcount = self._ledger.refcounts()
+        ledger = self._ledger
         for handle in mapped:
-            assert refcount.get(handle, 0) >= 1, f"mapped handle {handle} has no refcount"
+            assert ledger.refcount(handle) >= 1, f"mapped handle {handle} has no refcount"
         backend_slots: Any = getattr(self.pool.backend, "slot_table", None)
         if backend_slots is not None and not self._closed:
             assert backend_slots(self.va, self.size) == self._slot_to_handle, "backend disagrees"
