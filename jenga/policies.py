@@ -424,14 +424,23 @@ POLICY_BY_KIND: dict[Kind, type[Policy]] = {
 }
 
 
+# every policy parameter, over all kinds (tokens_per_block is positional)
+_PARAMETERS = {f.name for cls in POLICY_BY_KIND.values() for f in dataclasses.fields(cls)} - {
+    "tokens_per_block"
+}
+
+
 def make_policy(kind: Kind, tokens_per_block: int, **params: Any) -> Policy:
     """The policy for ``kind`` from the dispatch table, with its parameters checked.
 
     ``params`` may hold any kind's parameters (``window``, ``chunk``, ``token_fraction``,
     ``step_end_only``: the policy classes' fields); the class takes its own and ignores
     the others, so a new kind needs only its class here. A parameter the class requires
-    that is missing or None raises `SpecError`.
+    that is missing or None raises `SpecError`; one no policy has raises `TypeError`.
     """
+    unknown = set(params) - _PARAMETERS
+    if unknown:
+        raise TypeError(f"make_policy: no policy takes {sorted(unknown)}")
     cls = POLICY_BY_KIND[kind]
     own: dict[str, Any] = {}
     for f in dataclasses.fields(cls):

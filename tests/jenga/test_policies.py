@@ -193,3 +193,10 @@ def test_policy_for_reads_the_spec():
         Kind.CROSS_ATTENTION: (False, False, True, False),
         Kind.VISION_EMBEDDING: (False, False, True, True),
     }
+
+
+def test_make_policy_rejects_a_parameter_no_policy_has():
+    with pytest.raises(TypeError, match=r"no policy takes \['windw'\]"):
+        make_policy(Kind.SLIDING_WINDOW, 16, windw=4096)
+    # another kind's parameter is ignored: one call builds every group's policy
+    assert make_policy(Kind.FULL, 16, window=4096, chunk=8) == FullAttentionPolicy(16)
