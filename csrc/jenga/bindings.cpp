@@ -208,6 +208,9 @@ void register_jenga(py::module_ m) {
       .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<I32Array>{},
            "allocate() taking and returning int32 arrays")
+      .def("evict_cached_pages", &Core::evict_cached_pages, py::arg("units"), Release(),
+           "Evict whole evictable pages in step 3's order until `units` units are freed or "
+           "none is left; returns the units freed (the unmaps are plan ops)")
       .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("commit", &Core::commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),

@@ -223,6 +223,11 @@ class Core {
   // (hashed) or FREE, and pages left all FREE are unmapped.
   // Throws std::invalid_argument (nothing changed) if a block is not USED.
   void release(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
+  // Evict whole evictable pages (step 3's order: LRU by newest access, ties as there) until
+  // at least `units` units were freed or none is left; their cached blocks leave the index
+  // and the pages are unmapped (plan ops). Returns the units freed. All or nothing: a
+  // failure midway rolls every eviction back. Throws std::invalid_argument if units < 0.
+  int64_t evict_cached_pages(int64_t units);
   // Take one reference per listed block (a prefix hit). Blocks must be USED or CACHED.
   void acquire(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
   // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.

@@ -196,6 +196,15 @@ class KVCache:
         self._check_usable()
         self._apply(self.allocator.free(request_id))
 
+    def evict_cached(self, num_units: int) -> int:
+        """Evict prefix-cache pages until `num_units` chunks are unmapped (or none is left,
+        see `JengaAllocator.evict_cached`); returns the chunks unmapped."""
+        self._check_usable()
+        plan = self.allocator.evict_cached(num_units)
+        self._apply(plan)
+        groups = self.allocator.config.groups
+        return sum(groups[op.group].units_per_large_page for op in plan.ops)
+
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         self.allocator.append_tokens(request_id, token_ids)
 

@@ -149,6 +149,6 @@ def test_async_window_releases_wait_for_the_in_flight_step(model_dir: Path) -> N
     step3 = scheduler.schedule()  # step 1 processed: its 200 tokens are safe to release
     assert step3.num_scheduled_tokens == {"r0": 1}
     after = manager.allocator.block_table("r0", 0)
-    assert after[:8] == [NULL_BLOCK] * 8 and after[8:] == sliding[8:len(after)]
+    assert after[:8] == [NULL_BLOCK] * 8 and after[8:] == sliding[8 : len(after)]
     assert [manager.allocator._core.block_info(0, b)[0] for b in sliding[:8]] == [2] * 8
     manager.check_invariants(expensive=True)
