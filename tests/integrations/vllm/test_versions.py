@@ -42,7 +42,7 @@ def test_the_suite_skips_each_module_with_the_reason_on_an_unsupported_vllm(
     target = "tests/integrations/vllm/test_scheduler.py"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", target]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.returncode in (0, 5), run.stdout + run.stderr  # 5: skipped whole, no items
     assert "1 skipped" in run.stdout, run.stdout
     assert "vLLM 0.34.0 is installed; the integration supports 0.32.0, 0.33.0" in run.stdout
 
