@@ -94,10 +94,15 @@ class _Recorder:
 
 
 def _error_text(report: Any) -> str:
-    """The exception lines of a failure (pytest's ``E`` lines), at most 4000 characters."""
+    """The exception lines of a failure (pytest's ``E`` lines, at most 4000 characters),
+    then ``crash: PATH:LINE`` where it was raised when pytest knows it."""
     text = str(report.longreprtext)
     lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    return "\n".join(lines)[-4000:] or text[-4000:]
+    out = "\n".join(lines)[-4000:] or text[-4000:]
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    if crash is not None:
+        out += f"\ncrash: {crash.path}:{crash.lineno}"
+    return out
 
 
 def pytest_configure(config: pytest.Config) -> None:
