@@ -14,8 +14,9 @@ Approach
     of the config with default `JengaVllmOptions` (or the ones given).
 
 Limitations
-    Arguments that only tune vLLM's own manager (``scheduler_block_size``, ``max_in_flight_tokens``, ``num_prefill_lookahead``,
-    ``metrics_collector``, ``watermark``, ...) are accepted and not used.
+    Arguments that only tune vLLM's own manager (``scheduler_block_size``,
+    ``max_in_flight_tokens``, ``num_prefill_lookahead``, ``metrics_collector``,
+    ``watermark``, ...) are accepted and not used.
 """
 
 from __future__ import annotations

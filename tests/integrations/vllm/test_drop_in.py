@@ -40,7 +40,7 @@ def test_vllm_keyword_arguments_build_a_working_jenga_manager(model_dir: Path) -
     blocks = manager.allocate_slots(first, 64)
     assert blocks is not None and len(blocks.get_block_ids()[0]) == 4
     manager.free(first)
-    (second,) = replay.make_requests([list(range(100, 164)) + [7]], [4], 16, prefix="b")
+    (second,) = replay.make_requests([[*range(100, 164), 7]], [4], 16, prefix="b")
     assert manager.get_computed_blocks(second)[1] == 64  # the freed prompt stays cached
 
 

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from integrations.vllm.version import (
     SUPPORTED_VLLM_VERSIONS,
     UnsupportedVllmVersion,
@@ -22,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_both_releases_are_supported_and_others_are_named_in_the_error() -> None:
     assert SUPPORTED_VLLM_VERSIONS == ("0.32.0", "0.33.0")
     assert check_vllm_version("0.33.0+cpu") == "0.33.0+cpu"
-    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0, 0\.33\.0; found 0\.31"):
+    with pytest.raises(
+        UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0, 0\.33\.0; found 0\.31"
+    ):
         check_vllm_version("0.31.2")
 
 
@@ -51,8 +52,9 @@ def test_start_up_refuses_an_unsupported_vllm_naming_both(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vllm = pytest.importorskip("vllm")
-    from integrations.vllm import version
     from integrations.vllm.harness import cases, replay
+
+    from integrations.vllm import version
 
     assert installed_vllm_version() == vllm.__version__
     setup = replay.SchedulerSetup(max_model_len=256, max_num_batched_tokens=256)

@@ -71,8 +71,10 @@ def fetch_tests(version: str, cache: Path) -> Path:
         text = log.read_text()
         found = re.findall(r"cwd: (\S*pip-download-\S+?/vllm_\w+)", text)
         if not found or not (Path(found[0]) / "tests" / "v1" / "core").is_dir():
-            sys.exit(f"conformance: no unpacked vLLM {version} source tree in the pip log:\n"
-                     + text[-3000:])
+            sys.exit(
+                f"conformance: no unpacked vLLM {version} source tree in the pip log:\n"
+                + text[-3000:]
+            )
         source = Path(found[0])
         try:
             _copy_core_tests(source, cache)
@@ -129,9 +131,22 @@ def run_pytest(cache: Path, manager: str, extra: list[str]) -> dict[str, dict[st
     env.update(HF_HOME=str(hub_cache(cache / "hf")), HF_HUB_OFFLINE="1")
     env.update(TRANSFORMERS_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", "-p",
-           "jenga_conformance_plugin", f"--conformance-manager={manager}",
-           f"--conformance-out={out}", "--tb=short", "tests/v1/core", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+        "-p",
+        "jenga_conformance_plugin",
+        f"--conformance-manager={manager}",
+        f"--conformance-out={out}",
+        "--tb=short",
+        "tests/v1/core",
+        *extra,
+    ]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd.append("--timeout=300")  # a hung test fails instead of stalling CI
     print(f"conformance: {manager}: {' '.join(cmd[1:])}", flush=True)
@@ -192,10 +207,16 @@ def compare(
     for test in sorted(passed_vllm - passed_jenga):
         got = jenga.get(test, {"outcome": "missing", "error": ""})
         reason = excepted.get(test)
-        if reason is not None and got["outcome"] == "failed" and reason.pattern.search(got["error"]):
+        if (
+            reason is not None
+            and got["outcome"] == "failed"
+            and reason.pattern.search(got["error"])
+        ):
             counts[reason.name] = counts.get(reason.name, 0) + 1
             continue
-        why = "not excepted" if reason is None else f"excepted as {reason.name}, but failed otherwise"
+        why = (
+            "not excepted" if reason is None else f"excepted as {reason.name}, but failed otherwise"
+        )
         unexplained.append(f"  {test} [{got['outcome']}; {why}]: {got['error'][-300:]!r}")
     stale = sorted(t for t in excepted if t in passed_jenga or t not in passed_vllm)
     stale += sorted(t for t in known if t in passed_jenga or t not in passed_vllm)
@@ -209,8 +230,10 @@ def compare(
         print(f"  stale excepted entry (passes on jenga or not on vllm): {test}")
     built = sum(1 for t in passed_jenga if jenga[t].get("built"))
     print(f"  {built} of the tests passing on jenga built a jenga manager or scheduler")
-    print(f"conformance {version}: {len(passed_vllm)} pass on vllm, {len(passed_jenga)} pass "
-          f"on jenga, {c} excepted, {len(unexplained)} unexplained")
+    print(
+        f"conformance {version}: {len(passed_vllm)} pass on vllm, {len(passed_jenga)} pass "
+        f"on jenga, {c} excepted, {len(unexplained)} unexplained"
+    )
     return 1 if new or stale else 0
 
 
