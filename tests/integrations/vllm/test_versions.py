@@ -15,6 +15,8 @@ from integrations.vllm.version import (
     installed_vllm_version,
 )
 
+from tests.integrations.vllm.conftest import VLLM_MISSING
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -49,13 +51,14 @@ def test_the_suite_skips_each_module_with_the_reason_on_an_unsupported_vllm(
 
 
 def test_start_up_refuses_an_unsupported_vllm_naming_both(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    vllm = pytest.importorskip("vllm")
+    vllm = pytest.importorskip("vllm", reason=VLLM_MISSING)
     from integrations.vllm.harness import cases, replay
 
     from integrations.vllm import version
 
+    model_dir = replay.write_tiny_model(tmp_path / "tiny-llama")
     assert installed_vllm_version() == vllm.__version__
     setup = replay.SchedulerSetup(max_model_len=256, max_num_batched_tokens=256)
     config = replay.make_vllm_config(model_dir, setup)

@@ -243,8 +243,8 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=None)
     parser.add_argument(
         "--reuse",
-        choices=("vllm", "all"),
-        help="reuse the last results of the vLLM run (vllm) or of both runs (all)",
+        choices=("vllm", "jenga", "all"),
+        help="reuse the last results of one run (vllm, jenga) or of both (all)",
     )
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
