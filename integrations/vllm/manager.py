@@ -434,23 +434,26 @@ class JengaKVCacheManager:
             self.allocator.append_tokens(rid, tokens[known:upto])
             self._tokens_known[rid] = upto
         limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
-        if self.allocator.cache(rid, max(0, min(num_computed_tokens, limit))):
-            self._record(request)
+        computed = max(0, min(num_computed_tokens, limit))
+        if self.allocator.cache(rid, computed):
+            self._record(request, computed)
 
-    def _record(self, request: Request) -> None:
-        """Hand the registry the blocks this request just entered in the index."""
+    def _record(self, request: Request, computed: int) -> None:
+        """Hand the registry the blocks this request just entered in the index (complete
+        within ``computed`` tokens; blocks below ``_recorded`` were looked at before)."""
         rid = request.request_id
         done = self._recorded[rid]
-        for g in range(self.num_kv_cache_groups):
+        for g, group in enumerate(self.layout.groups):
             table = self.allocator.block_table(rid, g)
+            stop = min(len(table), computed // group.block_size)
             new = {
                 i: b
-                for i in range(done[g], len(table))
+                for i in range(done[g], stop)
                 if (b := table[i]) != NULL_BLOCK and self._is_cached_page_block(g, b)
             }
             if new:
                 self.identity.record(request, g, new)
-                done[g] = max(new) + 1
+            done[g] = max(done[g], stop)
 
     def free(self, request: Request) -> None:
         """Finish or preempt: hashed blocks stay cached; unknown requests are ignored."""

@@ -256,3 +256,27 @@ def test_the_v2_runners_kv_cache_init_builds_vmm_tensors(model_dir: Path) -> Non
     assert len(made) == 1
     assert {n: c.data_ptr() for n, c in caches.items()} == {n: made[0].ranges[n].va for n in caches}
     made[0].close()
+
+
+def test_a_runner_whose_allocation_is_unreachable_refuses_vmm_tensors(model_dir: Path) -> None:
+    """Never a silent fallback: with no ``allocate_kv_cache`` to swap, a ``kv_tensors:
+    "vmm"`` start-up raises naming the runner and how to pick the other one."""
+    from integrations.vllm import plugin
+
+    class Runner:
+        def __init__(self, vllm_config: Any) -> None:
+            self.vllm_config = vllm_config
+
+        def initialize_kv_cache(self, kv_cache_config: Any) -> str:
+            return "vLLM's tensors"
+
+        def execute_model(self, scheduler_output: Any) -> None:
+            return None
+
+    plugin._wrap_runner(Runner, "initialize_kv_cache", SimpleNamespace())
+    torch_config = replay.make_vllm_config(model_dir, replay.SchedulerSetup())
+    assert Runner(torch_config).initialize_kv_cache(None) == "vLLM's tensors"
+    setup = replay.SchedulerSetup(jenga_options={"kv_tensors": "vmm"})
+    vmm_config = replay.make_vllm_config(model_dir, setup)
+    with pytest.raises(UnsupportedFeature, match=r"Runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        Runner(vmm_config).initialize_kv_cache(None)
