@@ -1,8 +1,9 @@
 """Drafts ``excepted-<version>.txt`` from the last conformance results and ``reasons.txt``.
 
 Every test that passes on vLLM and fails on jenga gets the first reason whose pattern
-matches its failure text; tests no reason matches are left out (they stay unexplained).
-Review the draft before committing it: a reason is a claim about why the test fails.
+matches its failure text; the tests no reason matches go to ``unexplained-<version>.txt``
+with their error (they stay unexplained, counted in d: bugs to fix, not reasons).
+Review the drafts before committing them: a reason is a claim about why the test fails.
 Usage: python make_excepted.py VERSION  (after ``make test-vllm-conformance VLLM=VERSION``)
 """
 
@@ -29,14 +30,19 @@ def main() -> None:
             reasons.append((name, re.compile(rest.partition("::")[0].strip(), re.DOTALL)))
     lines = [f"# vLLM {version}: tests/v1/core tests that pass on vLLM's manager and fail on ours"]
     lines += ["# for a reason below (drafted by make_excepted.py, reviewed).", header]
+    unexplained = [f"# vLLM {version}: pass on vLLM, fail on jenga, no reason (counted in d)"]
     for test in sorted(vllm):
-        if vllm[test]["outcome"] != "passed" or jenga.get(test, {}).get("outcome") != "failed":
+        got = jenga.get(test, {"outcome": "missing", "error": ""})
+        if vllm[test]["outcome"] != "passed" or got["outcome"] == "passed":
             continue
-        for name, pattern in reasons:
-            if pattern.search(jenga[test]["error"]):
-                lines.append(f"{test} {name}")
-                break
+        name = next((n for n, p in reasons if p.search(got["error"])), None)
+        if name is not None and got["outcome"] == "failed":
+            lines.append(f"{test} {name}")
+        else:
+            first = (got["error"].splitlines() or [got["outcome"]])[0][:120]
+            unexplained.append(f"{test}  # {first}")
     (HERE / f"excepted-{version}.txt").write_text("\n".join(lines) + "\n")
+    (HERE / f"unexplained-{version}.txt").write_text("\n".join(unexplained) + "\n")
 
 
 if __name__ == "__main__":
