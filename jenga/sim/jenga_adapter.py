@@ -15,7 +15,8 @@ Approach
         jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
-    ``jenga_static_demote`` / ``jenga_vmm_demote`` are the same two with window-release
+    ``jenga_vmm_group`` is ``jenga_vmm`` with the ``per_group`` layout (one range per
+    group). ``jenga_static_demote`` / ``jenga_vmm_demote`` are the same two with window-release
     demotion on, for side-by-side runs; they are not in the default set.
 
     A third configuration is the MAX baseline of the paper's §4.4 (``max_page``): the
@@ -70,6 +71,7 @@ class JengaCoreAllocator:
         frugal_retry: bool = True,
     ) -> None:
         self.name = name
+        self.use_prefix_cache = True  # False: no lookups, nothing committed (--no-prefix-cache)
         self.table = table
         self._unit_bytes = table.unit_bytes
         self._total_units = kv_bytes // table.unit_bytes
@@ -124,12 +126,16 @@ class JengaCoreAllocator:
 
     def _commit(self, state: RequestState) -> None:
         self._sync_tokens(state)
+        if not self.use_prefix_cache:
+            return
         computed = self._core_length(state, state.num_computed, computed=True)
         self.core.cache(state.req_id, min(computed, self.core.num_tokens(state.req_id)))
 
     def admit(self, state: RequestState) -> int:
         prompt = self._core_prompt(state)
-        hit = self.core.add_request(state.req_id, prompt, images=self._images(state))
+        hit = self.core.add_request(
+            state.req_id, prompt, images=self._images(state), use_cache=self.use_prefix_cache
+        )
         self._known_tokens[state.req_id] = len(state.tokens)
         state.num_computed = hit + self._encoder_offset(state) if hit else 0
         return state.num_computed
@@ -183,6 +189,14 @@ def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     return JengaCoreAllocator("jenga_vmm", model, kv_bytes, vmm_page_table(model, epsilon=0.01))
 
 
+def jenga_vmm_group(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    """Jenga on VMM with the ``per_group`` layout (one range per group, a block holds all
+    of the group's layers): the layout paged engines use (DESIGN.md "Which layout
+    where" in the design notes); a Mamba hybrid's large page is one state of every layer, not k per layer."""
+    table = vmm_page_table(model, epsilon=0.01, layout="per_group")
+    return JengaCoreAllocator("jenga_vmm_group", model, kv_bytes, table)
+
+
 def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     """Jenga on VMM with the compact step order (free slots of other requests first)."""
     return JengaCoreAllocator(
@@ -232,6 +246,7 @@ FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
     "max_page": max_page,
     "jenga_static": jenga_static,
     "jenga_vmm": jenga_vmm,
+    "jenga_vmm_group": jenga_vmm_group,
     "jenga_vmm_compact": jenga_vmm_compact,
     "jenga_static_demote": jenga_static_demote,
     "jenga_vmm_demote": jenga_vmm_demote,

@@ -49,6 +49,7 @@ class RequestState:
     admitted: bool = False
     num_preemptions: int = 0
     finish_s: float | None = None
+    ready_s: float | None = None  # closed loop: when the engine released it (else arrival)
     scratch: dict[object, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +59,10 @@ class RequestState:
     @property
     def req_id(self) -> str:
         return self.request.req_id
+
+    @property
+    def arrival_s(self) -> float:
+        return self.request.arrival_s if self.ready_s is None else self.ready_s
 
     @property
     def image_tokens(self) -> int:
@@ -94,6 +99,7 @@ class SimAllocator(Protocol):
     """What the engine calls; see the module note."""
 
     name: str
+    use_prefix_cache: bool  # False: admit finds no hit and nothing is cached
 
     def admit(self, state: RequestState) -> int: ...
 
