@@ -321,6 +321,10 @@ class PagedAllocator:
             tables[gi].extend(self._new_block(gi) for _ in range(count))
         return True
 
+    def trim(self, state: RequestState) -> None:
+        self._register_computed(state)
+        self._release_out_of_window(state)
+
     def release(self, state: RequestState) -> None:
         tables = self._tables.get(state.req_id)
         if tables is None:

@@ -144,6 +144,13 @@ class Engine:
         finally:
             self._alloc_s += time.perf_counter() - t0
 
+    def _trim(self, s: RequestState) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.alloc.trim(s)
+        finally:
+            self._alloc_s += time.perf_counter() - t0
+
     def _release(self, s: RequestState) -> None:
         t0 = time.perf_counter()
         try:
@@ -224,6 +231,12 @@ class Engine:
     def _execute(
         self, scheduled: list[tuple[RequestState, int]], running: list[RequestState], now: float
     ) -> tuple[int, list[RequestState], int]:
+        """Advance the scheduled requests; returns (decode batch, finished, needed bytes).
+
+        Needed: what each scheduled request's tokens read or wrote this step; after a
+        prefill chunk (which then trims its window) and for running requests the step
+        skipped, what the request keeps for its next step (the snapshot is post-step).
+        """
         decode_batch = 0
         finished = []
         needed = 0
@@ -234,20 +247,26 @@ class Engine:
                 self.model, s.num_computed, s.num_computed + n, s.image_tokens, s.prompt_done
             )
             s.num_computed += n
-            if s.num_computed < len(s.tokens):
-                needed += step_need
-                continue
-            s.tokens.append(s.request.output[s.num_generated])
-            s.num_generated += 1
-            if s.num_generated == s.request.output_len:
-                s.finish_s = now
-                finished.append(s)
-                step_need = 0
+            if s.num_computed == len(s.tokens):
+                s.tokens.append(s.request.output[s.num_generated])
+                s.num_generated += 1
+                if s.num_generated == s.request.output_len:
+                    s.finish_s = now
+                    finished.append(s)
+                    continue
+            if n > 1:  # a prefill chunk: free what left its window now, not next step
+                self._trim(s)
+                step_need = self._kept(s)
             needed += step_need
         for s in finished:
             running.remove(s)
             self._release(s)
+        busy = {id(s) for s, _ in scheduled}
+        needed += sum(self._kept(s) for s in running if id(s) not in busy)
         return decode_batch, finished, needed
+
+    def _kept(self, s: RequestState) -> int:
+        return needed_bytes(self.model, s.num_computed, s.image_tokens, s.prompt_done)
 
     def _schedule(
         self, running: list[RequestState], waiting: deque[RequestState], now: float, result: RunResult

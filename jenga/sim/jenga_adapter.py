@@ -147,6 +147,10 @@ class JengaCoreAllocator:
             return True
         return self.core.allocate(state.req_id, delta) is not None
 
+    def trim(self, state: RequestState) -> None:
+        self._commit(state)
+        self.core.release_skipped(state.req_id)
+
     def release(self, state: RequestState) -> None:
         self._commit(state)
         self.core.free(state.req_id)

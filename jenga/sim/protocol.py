@@ -12,6 +12,8 @@ Approach
                   all-or-nothing: on ``False`` nothing changed.
     ``release``   the request finished or was preempted: its blocks go to the prefix
                   cache (full, computed blocks) or back to free memory.
+    ``trim``      after a prefill chunk: release the blocks the request's next step no
+                  longer reads (left a window), as `allocate` would at the next step.
     ``snapshot``  bytes held, cached, committed, and the capacity.
 
     `RequestState` is the engine's view of a request, shared with allocators read-only
@@ -106,6 +108,8 @@ class SimAllocator(Protocol):
     def allocate(self, state: RequestState, num_tokens: int) -> bool: ...
 
     def release(self, state: RequestState) -> None: ...
+
+    def trim(self, state: RequestState) -> None: ...
 
     def snapshot(self) -> AllocatorSnapshot: ...
 

@@ -487,6 +487,10 @@ class VllmV1Allocator:
                 table.append(self._new_entry(b))
         return True
 
+    def trim(self, state: RequestState) -> None:
+        self._register(state)
+        self._release_skipped(state, self._reqs[state.req_id])
+
     def release(self, state: RequestState) -> None:
         req = self._reqs.get(state.req_id)
         if req is None:
