@@ -108,17 +108,17 @@ SEED_COLUMNS = (
 def _spread_text(s: Spread, scale: float, digits: int) -> str:
     if s.n == 1:
         return f"{scale * s.mean:.{digits}f}"
-    return f"{scale * s.mean:.{digits}f} [{scale * s.lo:.{digits}f}-{scale * s.hi:.{digits}f}]"
+    return f"{scale * s.mean:.{digits}f} ({scale * s.lo:.{digits}f}-{scale * s.hi:.{digits}f})"
 
 
 def seeds_table(scenario: Scenario, per_seed: PerSeed) -> Table:
-    """Mean [min-max] over seeds per allocator, and the per-seed ratio to the baseline."""
+    """Mean (min-max) over seeds per allocator, and the per-seed ratio to the baseline."""
     metric, baseline = scenario.headline
     by_name = spreads(per_seed)
     ratio = seed_ratios(per_seed, metric, baseline)
     t = Table(
         title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}, "
-        f"mean [min-max] over {len(per_seed)} seeds",
+        f"mean (min-max) over {len(per_seed)} seeds",
         box=box.SIMPLE_HEAD,
     )
     t.add_column("allocator", no_wrap=True)
@@ -128,7 +128,8 @@ def seeds_table(scenario: Scenario, per_seed: PerSeed) -> Table:
     for name, ms in by_name.items():
         cells = [_spread_text(ms[m], scale, digits) for m, _, scale, digits in SEED_COLUMNS]
         r = ratio.get(name)
-        t.add_row(name, *cells, "n/a" if r is None else _spread_text(r, 1.0, 2) + "x")
+        ratio_text = "n/a" if r is None else f"{r.mean:.2f}x ({r.lo:.2f}-{r.hi:.2f})"
+        t.add_row(name, *cells, ratio_text)
     return t
 
 

@@ -154,7 +154,7 @@ SCENARIOS: dict[str, Scenario] = {
             "ministral-8b",
             "h100-80gb",
             "arxiv-qa",
-            reserved_gib=11.0,
+            reserved_gib=12.0,
             engine=PAPER_ENGINE,
             note="Jenga paper Fig. 15: Ministral 8B, arXiv-QA, H100, vLLM 0.6.3's engine",
         ),
@@ -165,7 +165,7 @@ SCENARIOS: dict[str, Scenario] = {
             "arxiv-qa-stream",
             {"num_requests": 60, "dynamic": 0},
             rate=0.5,
-            reserved_gib=11.0,
+            reserved_gib=12.0,
             engine=PAPER_ENGINE,
             allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),
             note="Jenga paper Fig. 16a/b: static length distribution, requests over time",
@@ -177,7 +177,7 @@ SCENARIOS: dict[str, Scenario] = {
             "arxiv-qa-stream",
             {"num_requests": 60, "dynamic": 1},
             rate=0.5,
-            reserved_gib=11.0,
+            reserved_gib=12.0,
             engine=PAPER_ENGINE,
             allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),
             note="Jenga paper Fig. 16c/d: average length rising then falling over time",
@@ -196,7 +196,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "output_len": 64,
             },
             rate=0.5,
-            reserved_gib=11.0,
+            reserved_gib=12.0,
             engine=PAPER_ENGINE,
             allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),
             headline=("hit_rate", "uniform"),
@@ -276,9 +276,25 @@ def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]
     )
 
 
-def make_allocator(name: str, model: ModelSpec, kv_bytes: int, prefix_cache: bool) -> SimAllocator:
-    """A fresh allocator ``name`` for ``model`` (``prefix_cache=False``: no lookups)."""
-    allocator = ALLOCATORS[name](model, kv_bytes)
+def _core_errors() -> tuple[type[Exception], ...]:
+    try:
+        from jenga.allocator import AllocatorError
+    except ImportError:
+        return ()
+    return (AllocatorError,)
+
+
+def make_allocator(
+    name: str, model: ModelSpec, kv_bytes: int, prefix_cache: bool = True
+) -> SimAllocator:
+    """A fresh allocator ``name`` for ``model`` (``prefix_cache=False``: no lookups).
+
+    Raises `SimError` when the allocator cannot be built for this budget (a Jenga large
+    page larger than the whole KV memory: "does not fit") or model ("not modelled")."""
+    try:
+        allocator = ALLOCATORS[name](model, kv_bytes)
+    except _core_errors() as exc:
+        raise SimError(f"{name}: does not fit: {exc}") from exc
     allocator.use_prefix_cache = prefix_cache
     return allocator
 

@@ -84,7 +84,7 @@ def _cell(per_seed: seeds.PerSeed, name: str, metric: str) -> str:
     scale = 100.0 if metric in ("hit_rate", "waste") else 1.0
     if s.n == 1:
         return f"{scale * s.mean:.1f}"
-    return f"{scale * s.mean:.1f} [{scale * s.lo:.1f}-{scale * s.hi:.1f}]"
+    return f"{scale * s.mean:.1f} ({scale * s.lo:.1f}-{scale * s.hi:.1f})"
 
 
 def best_jenga_ratio(
@@ -101,7 +101,7 @@ def sweep_table(scenario: Scenario, key: str, sweep: Sweep, metric: str = "hit_r
     baseline = scenario.headline[1]
     n_seeds = len(next(iter(sweep.values()))[0])
     t = Table(
-        title=f"{scenario.name}: {metric} by {key} (mean [min-max] over {n_seeds} seed(s))",
+        title=f"{scenario.name}: {metric} by {key} (mean (min-max) over {n_seeds} seed(s))",
         box=box.SIMPLE_HEAD,
     )
     t.add_column(key, justify="right", no_wrap=True)
@@ -110,7 +110,7 @@ def sweep_table(scenario: Scenario, key: str, sweep: Sweep, metric: str = "hit_r
     t.add_column(f"best Jenga / {baseline}", justify="right", no_wrap=True)
     for value, (per_seed, _) in sweep.items():
         best = best_jenga_ratio(per_seed, metric, baseline)
-        ratio = "n/a" if best is None else f"{best[1].mean:.2f}x [{best[1].lo:.2f}-{best[1].hi:.2f}]"
+        ratio = "n/a" if best is None else f"{best[1].mean:.2f}x ({best[1].lo:.2f}-{best[1].hi:.2f})"
         t.add_row(f"{value:g}", *(_cell(per_seed, n, metric) for n in names), ratio)
     return t
 
