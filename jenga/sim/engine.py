@@ -127,6 +127,9 @@ class Engine:
         self._on_step = on_step
         self._alloc_s = 0.0
         self._preempted_in_step = 0
+        # the waiting head whose admission failed; not retried until memory is released
+        # (vLLM's failed allocate_slots leaves no trace, so a retry would only repeat it)
+        self._refused: RequestState | None = None
 
     # --- timed allocator calls ----------------------------------------------------------
 
@@ -145,6 +148,7 @@ class Engine:
             self._alloc_s += time.perf_counter() - t0
 
     def _trim(self, s: RequestState) -> None:
+        self._refused = None
         t0 = time.perf_counter()
         try:
             self.alloc.trim(s)
@@ -152,6 +156,7 @@ class Engine:
             self._alloc_s += time.perf_counter() - t0
 
     def _release(self, s: RequestState) -> None:
+        self._refused = None
         t0 = time.perf_counter()
         try:
             self.alloc.release(s)
@@ -196,6 +201,7 @@ class Engine:
             and budget > 0
             and len(running) < self.config.max_num_seqs
             and waiting[0].arrival_s <= now
+            and waiting[0] is not self._refused
         ):
             s = waiting[0]
             hit = self._admit(s)
@@ -203,6 +209,7 @@ class Engine:
             if not self._try_admit(s, hit, n_new):
                 self._release(s)
                 s.num_computed = 0
+                self._refused = s if n_new == len(s.tokens) - hit else None
                 break
             if not s.admitted:
                 s.admitted, s.hit_tokens = True, hit

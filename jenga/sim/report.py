@@ -40,24 +40,30 @@ from jenga.sim.seeds import LOWER_IS_BETTER, PerSeed, Spread, spreads
 from jenga.sim.seeds import ratios as seed_ratios
 
 
+TABLE_COLUMNS = (
+    "allocator",
+    "steps",
+    "sim s",
+    "avg batch",
+    "max batch",
+    "waste %",
+    "hit %",
+    "preempt",
+    "peak GiB",
+    "commit GiB",
+    "full %",
+    "alloc µs avg/p99",
+)
+
+
 def table(scenario: Scenario, summaries: list[Summary], missing: dict[str, str]) -> Table:
+    """One row per allocator. "avg batch": mean decode batch; "full %": the full-attention
+    groups' share of held KV (min-max over busy steps); "commit GiB": mean committed."""
     t = Table(
         title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}",
         box=box.SIMPLE_HEAD,
     )
-    for col in (
-        "allocator",
-        "steps",
-        "sim s",
-        "avg decode batch",
-        "max batch",
-        "waste %",
-        "hit %",
-        "preempt",
-        "peak live GiB",
-        "committed GiB",
-        "alloc µs avg/p50/p99/max",
-    ):
+    for col in TABLE_COLUMNS:
         t.add_column(col, justify="left" if col == "allocator" else "right", no_wrap=True)
     for s in summaries:
         t.add_row(
@@ -71,10 +77,11 @@ def table(scenario: Scenario, summaries: list[Summary], missing: dict[str, str])
             str(s.preemptions),
             f"{s.peak_live_gib:.1f}",
             f"{s.mean_committed_gib:.1f}",
-            f"{s.alloc_us_avg:.0f}/{s.alloc_us_p50:.0f}/{s.alloc_us_p99:.0f}/{s.alloc_us_max:.0f}",
+            f"{100 * s.self_share_min:.0f}-{100 * s.self_share_max:.0f}" if s.self_share_max else "-",
+            f"{s.alloc_us_avg:.0f}/{s.alloc_us_p99:.0f}",
         )
     for name in missing:
-        t.add_row(name, *(["n/a"] * 10))
+        t.add_row(name, *(["n/a"] * (len(TABLE_COLUMNS) - 1)))
     return t
 
 
@@ -215,6 +222,7 @@ def write_json(doc: dict[str, Any], path: str) -> None:
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+STYLES = ("-", "--", ":", "-.")
 
 
 def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
@@ -229,7 +237,7 @@ def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
     cached = [c / GiB for c in tl["cached_bytes"]]
     cap = result.capacity_bytes / GiB
     free = [max(0.0, cap - a - b - c) for a, b, c in zip(needed, waste, cached, strict=True)]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8.2, 3.5))
     ax.stackplot(
         steps,
         needed,
@@ -247,7 +255,7 @@ def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
     ax.plot(steps, committed, color="black", lw=1, ls=":", label="committed")
     ax.set(xlabel="engine step", ylabel="KV memory (GiB)", title=f"memory: {result.allocator}")
     ax.set_xlim(0, max(1, len(steps) - 1))
-    ax.legend(loc="upper right", fontsize=7)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -264,8 +272,8 @@ def _decode_plot(plt: Any, results: list[RunResult], path: Path) -> None:
         mean = statistics.fmean([b for b in batch if b > 0] or [0])
         ax.step(r.timeline["step"], batch, where="post", lw=1, color=f"C{i}")
         ax.axhline(mean, color=f"C{i}", lw=0.8, ls="--")
-        ax.text(0.99, 0.8, f"{r.allocator}: mean {mean:.2f}", transform=ax.transAxes,
-                ha="right", fontsize=7)  # fmt: skip
+        ax.text(0.99, 0.78, f"{r.allocator}: mean {mean:.2f}", transform=ax.transAxes,
+                ha="right", fontsize=7, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})  # fmt: skip
         ax.tick_params(labelsize=7)
     axes[-1, 0].set_xlabel("engine step")
     fig.supylabel("decode batch size", fontsize=8)
@@ -289,9 +297,11 @@ def _share_plot(plt: Any, results: list[RunResult], path: Path) -> bool:
             for j, (step, total) in enumerate(zip(r.timeline["step"], live, strict=True))
             if total >= floor and total > 0
         ]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), lw=1, marker=MARKERS[i % len(MARKERS)],
-                    markevery=max(1, len(pts) // 12), ms=4, label=r.allocator)  # fmt: skip
+        if pts:  # equal series stay visible: own line style, markers at staggered steps
+            every = max(1, len(pts) // 10)
+            ax.plot(*zip(*pts, strict=True), lw=1.2, ls=STYLES[drawn % len(STYLES)],
+                    marker=MARKERS[i % len(MARKERS)], ms=5, label=r.allocator,
+                    markevery=(drawn * every // 4 % every, every))  # fmt: skip
             drawn += 1
     if drawn:
         ax.set(xlabel="engine step", ylabel="full-attention share (%)",

@@ -195,7 +195,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "question_len": 64,
                 "output_len": 64,
             },
-            rate=0.5,
+            rate=0.1,
             reserved_gib=12.0,
             engine=PAPER_ENGINE,
             allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),

@@ -36,10 +36,11 @@ Approach
 
     Manager (`VllmV1Allocator`):
 
-    - One free queue in LRU order holds every free block, cached or not; allocation
-      pops the head and evicts its hash; freed blocks join the tail in the order freed
-      (a request's blocks tail first, group by group). [vllm/v1/core/block_pool.py
-      ``free_blocks``, ``get_new_blocks``; single_type_kv_cache_manager.py ``free``]
+    - One free queue holds every free block: allocation pops the head and evicts its
+      hash; freed blocks with a hash join the tail in the order freed (a request's blocks
+      tail first, group by group: LRU), freed blocks without one go to the head (reused
+      first). [vllm/v1/core/block_pool.py ``free_blocks``, ``get_new_blocks``;
+      single_type_kv_cache_manager.py ``free``]
     - Full attention hashes every full computed block. Sliding window frees blocks
       before ``computed - w + 1``; Mamba keeps one state block (plus the next while a
       step crosses a block boundary) and frees the rest.
@@ -290,9 +291,11 @@ class VllmV1Allocator:
         units = self._buckets[entry.bucket].mult
         self._live_units[entry.bucket] -= units
         self._free_units += units
-        if entry.block_hash is None:
+        if entry.block_hash is None:  # never matches a prefix: reused first
             del self._entries[entry_id]
-            self._free[self._run_id()] = units
+            run = self._run_id()
+            self._free[run] = units
+            self._free.move_to_end(run, last=False)
         else:
             self._free[entry_id] = units
             self._cached_units += units

@@ -126,22 +126,28 @@ def test_a_request_holds_one_state_block_per_mamba_group_and_padding_counts():
     alloc.check_invariants()
 
 
-def test_free_queue_is_one_lru_and_eviction_breaks_whole_entries():
-    """Blocks freed unhashed still queue behind older cached blocks (vLLM's one free
-    queue): allocating evicts the oldest cached entry first."""
+def test_free_queue_reuses_unhashed_blocks_first_then_the_oldest_cached():
+    """vLLM's one free queue: blocks without a hash go to its head, cached blocks to its
+    tail in the order freed (a request's tail first), so a prefix survives longest."""
     model = get_model("llama-3.1-8b")
     alloc = VllmV1Allocator(model, 11 * 32 * 16 * 4096)  # 11 blocks, one is the null block
-    a = RequestState(Request("a", tuple(range(64)), (1,)))
-    alloc.admit(a)
-    assert alloc.allocate(a, 64)
-    a.num_computed = 64
-    alloc.release(a)  # 4 cached blocks
-    b = RequestState(Request("b", tuple(range(500, 564)), (1,)))
-    alloc.admit(b)
-    assert alloc.allocate(b, 64)  # 4 of the 6 never-used blocks
-    c = RequestState(Request("c", tuple(range(900, 964)), (1,)))
-    alloc.admit(c)
-    assert alloc.allocate(c, 64)  # 2 unused blocks, then the 2 oldest cached: a's tail
+
+    def run(req_id, tokens):
+        s = RequestState(Request(req_id, tuple(tokens), (1,)))
+        alloc.admit(s)
+        assert alloc.allocate(s, len(tokens))
+        s.num_computed = len(tokens)
+        return s
+
+    alloc.release(run("a", range(64)))  # queue: 6 unused | a3 a2 a1 a0 (cached)
+    alloc.release(run("b", range(500, 540)))  # b's partial block to the head, b1 b0 to the tail
+    c = run("c", range(900, 980))  # 5 blocks: b's partial, 3 unused, then a3 (evicted)
     alloc.check_invariants()
-    again = RequestState(Request("a2", tuple(range(64)) + (7,), (1,)))
-    assert alloc.admit(again) == 32  # a's first two blocks survive
+    probe = RequestState(Request("probe", (*range(64), 7), (1,)))
+    assert alloc.admit(probe) == 48  # a0-a2 survive
+    probe_b = RequestState(Request("probe_b", (*range(500, 540), 7), (1,)))
+    assert alloc.admit(probe_b) == 32  # b's two full blocks survive too
+    alloc.release(c)
+    alloc.release(probe)
+    alloc.release(probe_b)
+    alloc.check_invariants()
