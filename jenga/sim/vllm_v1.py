@@ -219,7 +219,9 @@ class VllmV1Allocator:
         self._free_units = self.layout.num_blocks - 1
         self._cached_units = 0
         self._live_units = [0] * len(self._buckets)
-        self._index: dict[tuple[int, int], int] = {}
+        # (bucket, hash) -> entries with that hash: vLLM does not de-duplicate cached blocks
+        # (``BlockHashToBlockMap``), a lookup takes any of them
+        self._index: dict[tuple[int, int], dict[int, None]] = {}
         self._reqs: dict[str, _Req] = {}
 
     # --- hashing ------------------------------------------------------------------------
@@ -239,7 +241,8 @@ class VllmV1Allocator:
     def _lookup(self, state: RequestState, b: int, upto: int) -> list[int | None]:
         """Cached entry ids of the first ``upto`` blocks of bucket ``b`` (None: not cached)."""
         hashes = self._hashes(state, self._buckets[b].block_size, upto)
-        return [self._index.get((b, h)) for h in hashes[:upto]]
+        index = self._index
+        return [next(iter(index[(b, h)])) if (b, h) in index else None for h in hashes[:upto]]
 
     # --- the free queue -----------------------------------------------------------------
 
@@ -264,7 +267,10 @@ class VllmV1Allocator:
     def _forget(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         assert entry.block_hash is not None and entry.ref == 0
-        del self._index[(entry.bucket, entry.block_hash)]
+        key = (entry.bucket, entry.block_hash)
+        del self._index[key][entry_id]
+        if not self._index[key]:
+            del self._index[key]
         self._cached_units -= self._buckets[entry.bucket].mult
 
     def _new_entry(self, b: int) -> int:
@@ -346,9 +352,9 @@ class VllmV1Allocator:
                 if entry_id is None or not self._retained(b, req, j):
                     continue
                 entry = self._entries[entry_id]
-                if entry.block_hash is None and (b, hashes[j]) not in self._index:
+                if entry.block_hash is None:
                     entry.block_hash = hashes[j]
-                    self._index[(b, hashes[j])] = entry_id
+                    self._index.setdefault((b, hashes[j]), {})[entry_id] = None
             req.num_cached[b] = full
 
     # --- prefix hits (HybridKVCacheCoordinator.find_longest_cache_hit) -------------------
@@ -535,9 +541,10 @@ class VllmV1Allocator:
             else:
                 assert entry.block_hash is not None, f"free entry {entry_id} has no hash"
             if entry.block_hash is not None:
-                assert self._index[(entry.bucket, entry.block_hash)] == entry_id
+                assert entry_id in self._index[(entry.bucket, entry.block_hash)]
         assert live == self._live_units, f"live {live} != {self._live_units}"
-        assert len(self._index) == sum(e.block_hash is not None for e in self._entries.values())
+        indexed = sum(len(ids) for ids in self._index.values())
+        assert indexed == sum(e.block_hash is not None for e in self._entries.values())
         assert sum(self._free.values()) == self._free_units
         cached = sum(u for k, u in self._free.items() if k > 0)
         assert cached == self._cached_units, f"cached {cached} != {self._cached_units}"
