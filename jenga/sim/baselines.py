@@ -49,7 +49,6 @@ from jenga.sim.protocol import AllocatorSnapshot, RequestState, SimError
 from jenga.specs import Kind, LayerSpec, ModelSpec
 
 
-
 @dataclass(frozen=True)
 class GroupLayout:
     """One group as a baseline lays it out: rules (``spec``), block size, cost, pool."""

@@ -169,9 +169,7 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
                 n: {m: s.as_dict() for m, s in ms.items()}
                 for n, ms in seeds.spreads(per_seed).items()
             },
-            "ratios": {
-                n: s.as_dict() for n, s in seeds.ratios(per_seed, metric, baseline).items()
-            },
+            "ratios": {n: s.as_dict() for n, s in seeds.ratios(per_seed, metric, baseline).items()},
             "headline": [metric, baseline],
             "per_seed": {k: {n: s.as_dict() for n, s in v.items()} for k, v in per_seed.items()},
             "not_run": not_run,

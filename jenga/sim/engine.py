@@ -276,7 +276,11 @@ class Engine:
         return needed_bytes(self.model, s.num_computed, s.image_tokens, s.prompt_done)
 
     def _schedule(
-        self, running: list[RequestState], waiting: deque[RequestState], now: float, result: RunResult
+        self,
+        running: list[RequestState],
+        waiting: deque[RequestState],
+        now: float,
+        result: RunResult,
     ) -> list[tuple[RequestState, int]]:
         """The step's (request, new tokens) pairs under the configured prefill mode."""
         budget = self.config.max_num_batched_tokens
@@ -371,7 +375,9 @@ class Engine:
                 self._followups.setdefault(s.request.after, []).append(s)
         return deque(s for s in states if not s.request.after)
 
-    def _release_followups(self, finished: list[RequestState], waiting: deque[RequestState]) -> None:
+    def _release_followups(
+        self, finished: list[RequestState], waiting: deque[RequestState]
+    ) -> None:
         """Queue the follow-ups of finished requests, ``think_s`` after they finished."""
         for parent in finished:
             for child in self._followups.pop(parent.req_id, []):

@@ -195,8 +195,8 @@ def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
 
 def jenga_vmm_group(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
     """Jenga on VMM with the ``per_group`` layout (one range per group, a block holds all
-    of the group's layers): the layout paged engines use (DESIGN.md "Which layout
-    where" in the design notes); a Mamba hybrid's large page is one state of every layer, not k per layer."""
+    of the group's layers): the layout paged engines use (DESIGN.md, "Which layout
+    where"). A Mamba hybrid's large page is one state of every layer, not k per layer."""
     table = vmm_page_table(model, epsilon=0.01, layout="per_group")
     return JengaCoreAllocator("jenga_vmm_group", model, kv_bytes, table)
 

@@ -72,7 +72,9 @@ SELF_SHARE_FLOOR = 0.10  # steps holding less than this share of the KV are star
 
 def self_share_range(result: RunResult) -> tuple[float, float]:
     """(min, max) over busy steps of full-attention groups' share of live KV (0, 0 if none)."""
-    full = [n for n, kind in result.group_kinds.items() if kind == "full" and n in result.group_live]
+    full = [
+        n for n, kind in result.group_kinds.items() if kind == "full" and n in result.group_live
+    ]
     if not full or not result.group_live:
         return 0.0, 0.0
     live = result.timeline["live_bytes"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from jenga import presets
 from jenga.sim.needs import group_length, role_of
@@ -39,7 +40,7 @@ class UnknownModel(KeyError):
 
 # https://huggingface.co/nvidia/NVIDIA-Nemotron-Nano-9B-v2/blob/main/config.json
 # ("M" Mamba-2, "*" attention, "-" MLP); 8.89B parameters (model card), bf16.
-NEMOTRON_NANO_9B_V2 = {
+NEMOTRON_NANO_9B_V2: dict[str, Any] = {
     "model_type": "nemotron_h", "hidden_size": 4480, "intermediate_size": 15680,
     "num_hidden_layers": 56, "num_attention_heads": 40, "num_key_value_heads": 8,
     "head_dim": 128, "vocab_size": 131072, "max_position_embeddings": 131072,
@@ -50,14 +51,14 @@ NEMOTRON_NANO_9B_V2 = {
 NEMOTRON_PARAMS = 8_890_000_000
 
 
-def mamba2_state_bytes(config: dict[str, object], dtype_bytes: int = 2, ssm_bytes: int = 4) -> int:
+def mamba2_state_bytes(config: dict[str, Any], dtype_bytes: int = 2, ssm_bytes: int = 4) -> int:
     """One Mamba-2 layer's state as vLLM stores it (``mamba2_state_shape``): a conv state of
     ``(conv_kernel - 1) x (heads x head_dim + 2 x n_groups x d_state)`` in the model dtype
     and an SSM state of ``heads x head_dim x d_state`` in fp32 (vLLM's NemotronH default)."""
-    heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])  # type: ignore[call-overload]
-    d_state, groups = int(config["ssm_state_size"]), int(config["n_groups"])  # type: ignore[call-overload]
+    heads, head_dim = int(config["mamba_num_heads"]), int(config["mamba_head_dim"])
+    d_state, groups = int(config["ssm_state_size"]), int(config["n_groups"])
     conv_dim = heads * head_dim + 2 * groups * d_state
-    conv = (int(config["conv_kernel"]) - 1) * conv_dim * dtype_bytes  # type: ignore[call-overload]
+    conv = (int(config["conv_kernel"]) - 1) * conv_dim * dtype_bytes
     return conv + heads * head_dim * d_state * ssm_bytes
 
 
@@ -72,13 +73,13 @@ def nemotron_nano_9b_v2() -> ModelSpec:
     return ModelSpec(
         name="nemotron-nano-9b-v2",
         groups=group_layers(layers),
-        max_model_len=int(cfg["max_position_embeddings"]),  # type: ignore[call-overload]
+        max_model_len=int(cfg["max_position_embeddings"]),
         weight_bytes=NEMOTRON_PARAMS * 2,
     )
 
 
 _SIM_MODELS: dict[str, Callable[[], ModelSpec]] = {"nemotron-nano-9b-v2": nemotron_nano_9b_v2}
-_SIM_CONFIGS: dict[str, dict[str, object]] = {"nemotron-nano-9b-v2": NEMOTRON_NANO_9B_V2}
+_SIM_CONFIGS: dict[str, dict[str, Any]] = {"nemotron-nano-9b-v2": NEMOTRON_NANO_9B_V2}
 
 
 def get_model(name: str) -> ModelSpec:
@@ -106,7 +107,7 @@ def with_block_size(model: ModelSpec, block_size: int) -> ModelSpec:
     return replace(model, groups=groups)
 
 
-def _hf_text_config(name: str) -> dict[str, object] | None:
+def _hf_text_config(name: str) -> dict[str, Any] | None:
     if name in _SIM_CONFIGS:
         return _SIM_CONFIGS[name]
     try:
@@ -127,9 +128,9 @@ class ComputeShape:
     def of(cls, model: ModelSpec) -> ComputeShape:
         text = _hf_text_config(model.name)
         if text is not None and "num_attention_heads" in text:
-            heads = int(text["num_attention_heads"])  # type: ignore[call-overload]
-            hidden = int(text.get("hidden_size", 0))  # type: ignore[call-overload]
-            head_dim = int(text.get("head_dim") or hidden // heads)  # type: ignore[call-overload]
+            heads = int(text["num_attention_heads"])
+            hidden = int(text.get("hidden_size", 0))
+            head_dim = int(text.get("head_dim") or hidden // heads)
             return cls(heads * head_dim)
         kv = [g.spec for g in model.groups if g.spec.kind is not Kind.MAMBA]
         return cls(4 * max((s.num_kv_heads * s.head_dim for s in kv), default=0))

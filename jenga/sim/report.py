@@ -39,7 +39,6 @@ from jenga.sim.scenarios import HEADLINE_METRICS, JENGA_NAMES, Scenario
 from jenga.sim.seeds import LOWER_IS_BETTER, PerSeed, Spread, spreads
 from jenga.sim.seeds import ratios as seed_ratios
 
-
 TABLE_COLUMNS = (
     "allocator",
     "steps",
@@ -77,7 +76,9 @@ def table(scenario: Scenario, summaries: list[Summary], missing: dict[str, str])
             str(s.preemptions),
             f"{s.peak_live_gib:.1f}",
             f"{s.mean_committed_gib:.1f}",
-            f"{100 * s.self_share_min:.0f}-{100 * s.self_share_max:.0f}" if s.self_share_max else "-",
+            f"{100 * s.self_share_min:.0f}-{100 * s.self_share_max:.0f}"
+            if s.self_share_max
+            else "-",
             f"{s.alloc_us_avg:.0f}/{s.alloc_us_p99:.0f}",
         )
     for name in missing:
@@ -247,7 +248,9 @@ def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
         labels=["needed", "waste", "cached", "free"],
         colors=["#4c72b0", "#c44e52", "#8c8c8c", "#e8e8e8"],
     )
-    full = [n for n, kind in result.group_kinds.items() if kind == "full" and n in result.group_live]
+    full = [
+        n for n, kind in result.group_kinds.items() if kind == "full" and n in result.group_live
+    ]
     if full and len(result.group_live) > 1:
         held = [sum(result.group_live[n][i] for n in full) / GiB for i in range(len(steps))]
         ax.plot(steps, held, color="white", lw=1.2, ls="--", label="full-attention groups")
@@ -272,8 +275,9 @@ def _decode_plot(plt: Any, results: list[RunResult], path: Path) -> None:
         mean = statistics.fmean([b for b in batch if b > 0] or [0])
         ax.step(r.timeline["step"], batch, where="post", lw=1, color=f"C{i}")
         ax.axhline(mean, color=f"C{i}", lw=0.8, ls="--")
-        ax.text(0.99, 0.78, f"{r.allocator}: mean {mean:.2f}", transform=ax.transAxes,
-                ha="right", fontsize=7, bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})  # fmt: skip
+        label = f"{r.allocator}: mean {mean:.2f}"
+        box_style = {"facecolor": "white", "alpha": 0.8, "lw": 0}
+        ax.text(0.99, 0.78, label, transform=ax.transAxes, ha="right", fontsize=7, bbox=box_style)
         ax.tick_params(labelsize=7)
     axes[-1, 0].set_xlabel("engine step")
     fig.supylabel("decode batch size", fontsize=8)

@@ -110,7 +110,9 @@ def sweep_table(scenario: Scenario, key: str, sweep: Sweep, metric: str = "hit_r
     t.add_column(f"best Jenga / {baseline}", justify="right", no_wrap=True)
     for value, (per_seed, _) in sweep.items():
         best = best_jenga_ratio(per_seed, metric, baseline)
-        ratio = "n/a" if best is None else f"{best[1].mean:.2f}x ({best[1].lo:.2f}-{best[1].hi:.2f})"
+        ratio = (
+            "n/a" if best is None else f"{best[1].mean:.2f}x ({best[1].lo:.2f}-{best[1].hi:.2f})"
+        )
         t.add_row(f"{value:g}", *(_cell(per_seed, n, metric) for n in names), ratio)
     return t
 

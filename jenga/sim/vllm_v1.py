@@ -178,7 +178,7 @@ class _Entry:
     """A bucket block held by requests (``ref > 0``) or cached in the free queue (``ref == 0``,
     hashed). Free blocks without a hash are not entries, only counts in the queue."""
 
-    __slots__ = ("bucket", "block_hash", "ref")
+    __slots__ = ("block_hash", "bucket", "ref")
 
     def __init__(self, bucket: int) -> None:
         self.bucket = bucket
@@ -215,7 +215,9 @@ class VllmV1Allocator:
         self._next_run = -1
         # the free queue, head = next to reuse: entry id (> 0, cached) or run id (< 0,
         # unhashed) -> pool blocks; one block is vLLM's null block, never in the pool
-        self._free: OrderedDict[int, int] = OrderedDict({self._run_id(): self.layout.num_blocks - 1})
+        self._free: OrderedDict[int, int] = OrderedDict(
+            {self._run_id(): self.layout.num_blocks - 1}
+        )
         self._free_units = self.layout.num_blocks - 1
         self._cached_units = 0
         self._live_units = [0] * len(self._buckets)

@@ -110,9 +110,10 @@ def _positive(name: str, value: float) -> None:
 
 
 def _make(
-    req_id: str, prompt: tuple[int, ...], out_len: int, rng: random.Random, **kw: int
+    req_id: str, prompt: tuple[int, ...], out_len: int, rng: random.Random, image_tokens: int = 0
 ) -> Request:
-    return Request(req_id=req_id, prompt=prompt, output=random_ids(rng, out_len), **kw)
+    output = random_ids(rng, out_len)
+    return Request(req_id=req_id, prompt=prompt, output=output, image_tokens=image_tokens)
 
 
 # --- the papers' traces ------------------------------------------------------------------

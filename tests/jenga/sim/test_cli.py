@@ -157,19 +157,22 @@ def test_sweep_over_articles(tmp_path):
     ]
     assert main(args) == 0
     points = json.loads(out.read_text())["sweep"]
-    assert [(p["key"], p["value"]) for p in points] == [("num_articles", 1.0), ("num_articles", 3.0)]
+    assert [(p["key"], p["value"]) for p in points] == [
+        ("num_articles", 1.0),
+        ("num_articles", 3.0),
+    ]
     one = points[0]["per_seed"]["0"]["uniform"]
     assert one["hit_rate"] == 2000 / (2 * 2064)  # the second question hits the whole article
     assert (tmp_path / "hit_rate_vs_num_articles.png").stat().st_size > 1000
 
 
 def test_seed_lists_parse_and_reject_nonsense():
-    from jenga.sim.seeds import parse_seeds
-    from jenga.sim.protocol import SimError
     import pytest
+    from jenga.sim.protocol import SimError
+    from jenga.sim.seeds import parse_seeds
 
     assert parse_seeds("0-2,5") == [0, 1, 2, 5]
     with pytest.raises(SimError, match="distinct"):
         parse_seeds("1,1")
-    with pytest.raises(SimError, match="expects e.g. 0-9"):
+    with pytest.raises(SimError, match=r"expects e\.g\. 0-9"):
         parse_seeds("a-b")

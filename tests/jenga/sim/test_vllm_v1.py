@@ -3,7 +3,7 @@
 import pytest
 from jenga.sim.engine import Engine, EngineConfig
 from jenga.sim.hardware import get_gpu
-from jenga.sim.models import get_model, mamba2_state_bytes, NEMOTRON_NANO_9B_V2
+from jenga.sim.models import NEMOTRON_NANO_9B_V2, get_model, mamba2_state_bytes
 from jenga.sim.protocol import RequestState, SimError
 from jenga.sim.scenarios import make_allocator
 from jenga.sim.vllm_v1 import VllmV1Allocator, attention_block_size, v1_layout
