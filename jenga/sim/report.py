@@ -253,7 +253,7 @@ def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
     ]
     if full and len(result.group_live) > 1:
         held = [sum(result.group_live[n][i] for n in full) / GiB for i in range(len(steps))]
-        ax.plot(steps, held, color="white", lw=1.2, ls="--", label="full-attention groups")
+        ax.plot(steps, held, color="#ffbf00", lw=1.2, ls="--", label="full-attention groups")
     committed = [c / GiB for c in tl["committed_bytes"]]
     ax.plot(steps, committed, color="black", lw=1, ls=":", label="committed")
     ax.set(xlabel="engine step", ylabel="KV memory (GiB)", title=f"memory: {result.allocator}")
@@ -267,7 +267,7 @@ def _memory_plot(plt: Any, result: RunResult, path: Path) -> None:
 def _decode_plot(plt: Any, results: list[RunResult], path: Path) -> None:
     """One panel per allocator (identical series cannot hide each other), shared axes."""
     fig, axes = plt.subplots(
-        len(results), 1, figsize=(7, 0.2 + 1.05 * len(results)), sharex=True, sharey=True,
+        len(results), 1, figsize=(7, 0.3 + 1.15 * len(results)), sharex=True, sharey=True,
         squeeze=False,
     )  # fmt: skip
     for i, (ax, r) in enumerate(zip(axes[:, 0], results, strict=True)):
@@ -275,9 +275,7 @@ def _decode_plot(plt: Any, results: list[RunResult], path: Path) -> None:
         mean = statistics.fmean([b for b in batch if b > 0] or [0])
         ax.step(r.timeline["step"], batch, where="post", lw=1, color=f"C{i}")
         ax.axhline(mean, color=f"C{i}", lw=0.8, ls="--")
-        label = f"{r.allocator}: mean {mean:.2f}"
-        box_style = {"facecolor": "white", "alpha": 0.8, "lw": 0}
-        ax.text(0.99, 0.78, label, transform=ax.transAxes, ha="right", fontsize=7, bbox=box_style)
+        ax.set_title(f"{r.allocator}: mean {mean:.2f}", fontsize=7, loc="right", pad=2)
         ax.tick_params(labelsize=7)
     axes[-1, 0].set_xlabel("engine step")
     fig.supylabel("decode batch size", fontsize=8)

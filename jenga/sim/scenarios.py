@@ -198,7 +198,7 @@ SCENARIOS: dict[str, Scenario] = {
             rate=0.1,
             reserved_gib=12.0,
             engine=PAPER_ENGINE,
-            allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),
+            allocators=("uniform", "vllm_v1", "jenga_vmm", "jenga_vmm_demote"),
             headline=("hit_rate", "uniform"),
             note="Jenga paper Fig. 17: N arXiv-length articles x 4 questions, Ministral 8B",
         ),

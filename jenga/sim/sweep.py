@@ -144,6 +144,8 @@ def sweep_json(key: str, sweep: Sweep, metric: str, baseline: str) -> list[dict[
 def plot_sweep(
     scenario: Scenario, key: str, sweep: Sweep, plot_dir: str, metric: str = "hit_rate"
 ) -> Path:
+    """Means with min-max bars per allocator; series are dodged sideways and marked
+    differently so equal values stay visible; a log2 x axis for doubling sweeps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,19 +153,27 @@ def plot_sweep(
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     scale = 100.0 if metric in ("hit_rate", "waste") else 1.0
-    for i, name in enumerate(_names(scenario, sweep)):
+    values = list(sweep)
+    log_x = min(values) > 0 and max(values) >= 8 * min(values)
+    names = _names(scenario, sweep)
+    for i, name in enumerate(names):
+        dodge = 2 ** (0.04 * (i - (len(names) - 1) / 2)) if log_x else 1.0
         xs, mid, low, high = [], [], [], []
         for value, (per_seed, _) in sweep.items():
             got = [float(getattr(r[name], metric)) for r in per_seed.values() if name in r]
             if got:
                 s = seeds.Spread.of(got)
-                xs.append(value)
+                xs.append(value * dodge)
                 mid.append(scale * s.mean)
                 low.append(scale * (s.mean - s.lo))
                 high.append(scale * (s.hi - s.mean))
         ax.errorbar(xs, mid, yerr=[low, high], marker=MARKERS[i % len(MARKERS)], capsize=3,
-                    label=name, alpha=0.85)  # fmt: skip
-    ax.set(xlabel=key, ylabel=f"{metric}{' (%)' if scale == 100.0 else ''}", title=scenario.name)
+                    label=name, alpha=0.85, ms=6 - 0.5 * (i % 3))  # fmt: skip
+    if log_x:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [f"{v:g}" for v in values])
+    unit = " (%)" if scale == 100.0 else ""
+    ax.set(xlabel=key, ylabel=f"{metric}{unit}", title=scenario.name)
     ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(plot_dir)
