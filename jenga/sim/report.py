@@ -284,35 +284,39 @@ def _decode_plot(plt: Any, results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+def _share_points(r: RunResult) -> list[tuple[float, float]]:
+    """(step, full-attention % of held KV) over steps holding >= 10 % of the KV memory."""
+    full = [n for n, k in r.group_kinds.items() if k == "full" and n in r.group_live]
+    if not full or len(r.group_live) < 2:
+        return []
+    floor = SELF_SHARE_FLOOR * r.capacity_bytes
+    steps, live = r.timeline["step"], r.timeline["live_bytes"]
+    return [
+        (step, 100 * sum(r.group_live[n][j] for n in full) / total)
+        for j, (step, total) in enumerate(zip(steps, live, strict=True))
+        if total >= floor and total > 0
+    ]
+
+
 def _share_plot(plt: Any, results: list[RunResult], path: Path) -> bool:
-    """Full-attention share of held KV per step (Fig. 16c/d's used-self); False if none."""
+    """Full-attention share of held KV per step (Fig. 16c/d's used-self); False if none.
+    Equal series stay visible: each has its own line style and markers at its own steps."""
+    series = [(i, r, pts) for i, r in enumerate(results) if (pts := _share_points(r))]
+    if not series:
+        return False
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    drawn = 0
-    for i, r in enumerate(results):
-        full = [n for n, k in r.group_kinds.items() if k == "full" and n in r.group_live]
-        if not full or len(r.group_live) < 2:
-            continue
-        live = r.timeline["live_bytes"]
-        floor = SELF_SHARE_FLOOR * r.capacity_bytes
-        pts = [
-            (step, 100 * sum(r.group_live[n][j] for n in full) / total)
-            for j, (step, total) in enumerate(zip(r.timeline["step"], live, strict=True))
-            if total >= floor and total > 0
-        ]
-        if pts:  # equal series stay visible: own line style, markers at staggered steps
-            every = max(1, len(pts) // 10)
-            ax.plot(*zip(*pts, strict=True), lw=1.2, ls=STYLES[drawn % len(STYLES)],
-                    marker=MARKERS[i % len(MARKERS)], ms=5, label=r.allocator,
-                    markevery=(drawn * every // 4 % every, every))  # fmt: skip
-            drawn += 1
-    if drawn:
-        ax.set(xlabel="engine step", ylabel="full-attention share (%)",
-               title="full-attention share of held KV (steps holding >= 10 %)")  # fmt: skip
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+    for k, (i, r, pts) in enumerate(series):
+        every = max(len(series), len(pts) // 10)
+        ax.plot(*zip(*pts, strict=True), lw=1.2, ls=STYLES[k % len(STYLES)],
+                marker=MARKERS[i % len(MARKERS)], ms=5, label=r.allocator,
+                markevery=(k * every // len(series), every))  # fmt: skip
+    ax.set(xlabel="engine step", ylabel="full-attention share (%)",
+           title="full-attention share of held KV (steps holding >= 10 %)")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return bool(drawn)
+    return True
 
 
 def _hit_plot(plt: Any, summaries: list[Summary], path: Path) -> bool:

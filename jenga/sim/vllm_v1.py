@@ -5,7 +5,7 @@ Rationale
     hybrid KV cache manager, so "Jenga vs vLLM" today means Jenga against *that*. Its
     choices differ from Jenga's where it matters: one page size for every layer (the
     attention block size of a Mamba hybrid is raised until one attention page holds a
-    Mamba state), equal-sized KV cache groups (padding layers), one LRU free queue for
+    Mamba state), equal-sized KV cache groups (padding layers), one free queue for
     every group, and sparse retention of sliding-window and Mamba prefix-cache entries.
     This module follows those rules as vLLM 0.32's code states them (read from the
     installed package; no code copied) so the comparison is with the real engine's
@@ -39,8 +39,9 @@ Approach
     - One free queue holds every free block: allocation pops the head and evicts its
       hash; freed blocks with a hash join the tail in the order freed (a request's blocks
       tail first, group by group: LRU), freed blocks without one go to the head (reused
-      first). [vllm/v1/core/block_pool.py ``free_blocks``, ``get_new_blocks``;
-      single_type_kv_cache_manager.py ``free``]
+      first). Cached blocks are not de-duplicated: two requests computing the same block
+      both cache it, a lookup takes either. [vllm/v1/core/block_pool.py ``free_blocks``,
+      ``get_new_blocks``, ``BlockHashToBlockMap``; single_type_kv_cache_manager.py ``free``]
     - Full attention hashes every full computed block. Sliding window frees blocks
       before ``computed - w + 1``; Mamba keeps one state block (plus the next while a
       step crosses a block boundary) and frees the rest.

@@ -4,6 +4,7 @@ no prefix cache, block size, closed-loop turns, device memory and attention FLOP
 import pytest
 from jenga.sim.engine import Engine, EngineConfig
 from jenga.sim.hardware import GiB, MiB, get_gpu
+from jenga.sim.metrics import summarize
 from jenga.sim.models import ComputeShape, get_model, with_block_size
 from jenga.sim.protocol import SimError
 from jenga.sim.scenarios import get_scenario, make_allocator
@@ -125,3 +126,32 @@ def test_attention_flops_count_attended_pairs():
     assert shape.attention_flops(gemma, 0, n, 0) == 4 * 4096 * 21 * (full + window)
     # a decode token at position 9,999 attends 10,000 keys (full) and 4,096 (window)
     assert shape.attention_flops(gemma, 9999, 10000, 0) == 4 * 4096 * 21 * (10000 + 4096)
+
+
+def test_full_attention_share_ignores_steps_below_ten_percent():
+    from jenga.sim.engine import RunResult
+    from jenga.sim.metrics import self_share_range
+
+    result = RunResult(
+        "x",
+        {"live_bytes": [5, 40, 100, 60]},
+        {"full": [5, 10, 50, 15], "sliding_window": [0, 30, 50, 45]},
+        capacity_bytes=100,
+        group_kinds={"full": "full", "sliding_window": "sliding_window"},
+    )
+    assert self_share_range(result) == (0.25, 0.5)  # step 0 holds 5 % of the KV: skipped
+
+
+def test_separate_prefill_dynamic_share_runs_from_window_to_long():
+    """Ministral, one 12K then one 100K request: while the short one runs every layer
+    holds all of it (9 of 36 layers full: 25 %); the long one holds 9 x 100K beside
+    27 x 32K (the paper's Fig. 16c/d: 27.8 % to 54.5 %)."""
+    trace = Trace("t", (req("short", 12_000, 3), req("long", 100_000, 3, base=10**6)))
+    spec = get_model("ministral-8b")
+    alloc = make_allocator("jenga_vmm", spec, 16 << 30)
+    config = EngineConfig(131_072, max_num_seqs=1, admission="whole-prompt", prefill="separate")
+    result = Engine(spec, get_gpu("h100-80gb"), alloc, config).run(trace)
+    s = summarize(result)
+    assert s.self_share_min == pytest.approx(0.25, abs=0.001)
+    assert s.self_share_max == pytest.approx(9 * 100_003 / (9 * 100_003 + 27 * 32_768), abs=0.01)
+    assert s.waste < 0.001
