@@ -169,11 +169,11 @@ def headline_line(scenario: Scenario, summaries: list[Summary]) -> str | None:
     mine = next(s for s in summaries if s.allocator == name)
     base = next(s for s in summaries if s.allocator == baseline)
     fmt = (lambda v: f"{100 * v:.1f} %") if metric in ("hit_rate", "waste") else "{:.2f}".format
-    verb = "beats" if x > 1 else "does not beat"
-    return (
-        f"{name} {verb} {baseline} by {x:.2f}x on {HEADLINE_METRICS.get(metric, metric)} "
-        f"({fmt(getattr(mine, metric))} vs {fmt(getattr(base, metric))})."
-    )
+    label = HEADLINE_METRICS.get(metric, metric)
+    values = f"({fmt(getattr(mine, metric))} vs {fmt(getattr(base, metric))})"
+    if x > 1:
+        return f"{name} beats {baseline} by {x:.2f}x on {label} {values}."
+    return f"No Jenga row beats {baseline} on {label}: best {name} at {x:.2f}x {values}."
 
 
 def print_report(

@@ -19,8 +19,10 @@ Approach
        multiple, or the user's ``--block-size`` when larger), the Mamba page padded to
        ``B * a``, and in "align" mode (the default with prefix caching) the Mamba block
        size set to ``B``. [vllm/platforms/interface.py
-       ``Platform._align_hybrid_block_size``; vllm/model_executor/models/config.py
-       ``MambaModelConfig.verify_and_update_config``]
+       ``Platform._align_hybrid_block_size``, which 0.32's
+       ``HybridAttentionMambaModelConfig.verify_and_update_config`` defers to (earlier
+       releases computed it there); vllm/model_executor/models/config.py
+       ``MambaModelConfig.verify_and_update_config`` for "align" mode]
     2. Pages unified: a smaller attention page gets ``block_size x ratio`` when the
        largest page is a multiple of it, else is padded. [vllm/v1/core/kv_cache_utils.py
        ``unify_kv_cache_spec_page_size``]
