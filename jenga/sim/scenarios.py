@@ -9,12 +9,12 @@ Rationale
 
 Approach
     `ALLOCATORS` maps a CLI name to ``factory(model, kv_bytes) -> SimAllocator``. The
-    Jenga entries come from `jenga.sim.jenga_adapter` and appear only when the real
-    allocator core is importable. `run_scenario` builds the trace once and runs every
-    allocator on it with a fresh engine; ``prefix_cache=False`` turns every allocator's
-    lookups off and ``block_size`` rewrites the model's tokens per block first.
-    A scenario's ``headline`` names the metric and the baseline its one-line verdict
-    under the table compares against (`report.headline_line`).
+    Jenga entries come from `jenga.sim.jenga_adapter` (its `VARIANTS` table).
+    `run_scenario` builds the trace once and runs every allocator on it with a fresh
+    engine; ``prefix_cache=False`` turns every allocator's lookups off and
+    ``block_size`` rewrites the model's tokens per block first. A scenario's
+    ``headline`` names the metric and the baseline its one-line verdict under the table
+    compares against (`report.headline_line`).
 
 Limitations
     Scenarios run sequentially in one process (the machine has two cores).
@@ -26,7 +26,8 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from jenga.sim import baselines, vllm_v1
+from jenga.errors import AllocatorError
+from jenga.sim import baselines, jenga_adapter, vllm_v1
 from jenga.sim.engine import Engine, EngineConfig, RunResult
 from jenga.sim.hardware import GiB, get_gpu
 from jenga.sim.models import get_model, with_block_size
@@ -41,31 +42,10 @@ ALLOCATORS: dict[str, AllocatorFactory] = {
     "static_partition": baselines.static_partition,
     "vllm_hybrid": baselines.vllm_hybrid,
     "vllm_v1": vllm_v1.vllm_v1,
+    **jenga_adapter.FACTORIES,
 }
 
-
-def _register_jenga() -> None:
-    try:
-        from jenga.sim import jenga_adapter
-    except ImportError:
-        return
-    ALLOCATORS.update(jenga_adapter.FACTORIES)
-
-
-_register_jenga()
-
-JENGA_NAMES = frozenset(
-    {
-        "max_page",
-        "jenga_static",
-        "jenga_vmm",
-        "jenga_vmm_group",
-        "jenga_vmm_compact",
-        "jenga_static_demote",
-        "jenga_vmm_demote",
-        "jenga_vmm_single_pass",
-    }
-)
+JENGA_NAMES = frozenset(jenga_adapter.VARIANTS)
 PAPER_ALLOCATORS = (
     "uniform",
     "max_page",
@@ -265,23 +245,11 @@ def get_scenario(name: str) -> Scenario:
     return SCENARIOS[name]
 
 
-def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Split ``names`` into (known here, missing); raise for names nobody knows."""
-    unknown = [n for n in names if n not in ALLOCATORS and n not in JENGA_NAMES]
+def check_allocators(names: tuple[str, ...]) -> None:
+    """Raise `SimError` for names no allocator has."""
+    unknown = [n for n in names if n not in ALLOCATORS]
     if unknown:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")
-    return (
-        tuple(n for n in names if n in ALLOCATORS),
-        tuple(n for n in names if n not in ALLOCATORS),
-    )
-
-
-def _core_errors() -> tuple[type[Exception], ...]:
-    try:
-        from jenga.allocator import AllocatorError
-    except ImportError:
-        return ()
-    return (AllocatorError,)
 
 
 def make_allocator(
@@ -293,7 +261,7 @@ def make_allocator(
     page larger than the whole KV memory: "does not fit") or model ("not modelled")."""
     try:
         allocator = ALLOCATORS[name](model, kv_bytes)
-    except _core_errors() as exc:
+    except AllocatorError as exc:
         raise SimError(f"{name}: does not fit: {exc}") from exc
     allocator.use_prefix_cache = prefix_cache
     return allocator
@@ -310,18 +278,18 @@ def run_scenario(
 ) -> tuple[list[RunResult], dict[str, str]]:
     """Run every allocator of ``scenario`` on one trace.
 
-    Returns the results and, for each allocator that produced none, why: its core is not
-    importable here, or the run raised `SimError` (e.g. a request that never fits under
-    that allocator's page layout, or a layer kind the baseline does not model).
+    Returns the results and, for each allocator that produced none, why: the run raised
+    `SimError` (a request that never fits under that allocator's page layout, a large
+    page bigger than the KV memory, a layer kind the baseline does not model).
     """
     model = scenario.model_spec()
     gpu = get_gpu(scenario.gpu)
     kv_bytes = scenario.kv_bytes(model)
-    present, missing = available(scenario.allocators)
-    not_run = {name: "allocator core not importable here" for name in missing}
+    check_allocators(scenario.allocators)
+    not_run: dict[str, str] = {}
     trace = build_trace(scenario)
     results = []
-    for name in present:
+    for name in scenario.allocators:
         callback = None if on_step is None else (lambda d, t, n=name: on_step(n, d, t))
         try:
             allocator = make_allocator(name, model, kv_bytes, scenario.prefix_cache)
