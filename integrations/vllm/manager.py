@@ -265,7 +265,7 @@ class JengaKVCacheManager:
         return self.identity.verify(request, tables)
 
     def get_computed_blocks_for_connector(
-        self, request: Request
+        self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
         raise UnsupportedFeature("KV connectors are not supported by the jenga manager")
 
