@@ -71,6 +71,7 @@ LAYER_TYPE_KINDS: dict[str, tuple[Kind, ...]] = {
     "hybrid_sliding": (Kind.SLIDING_WINDOW, Kind.MAMBA),
 }
 NO_CACHE_LAYER_TYPES = frozenset({"moe", "mlp", "dummy"})
+_LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,10 @@ def layer_types(text: Config) -> list[str]:
     """Every layer's type: ``layer_types`` if the config lists them, else transformers'
     inference (`sliding_window` set: sliding; `attention_chunk_size` set: chunked)."""
     n = _require_int(text, "num_hidden_layers")
-    types = text.get("layer_types")
+    types = text.get("layer_types") or text.get("layers_block_type")
+    if types is None and text.get("attn_layer_indices") is not None:  # Bamba
+        attention = set(text["attn_layer_indices"])
+        types = ["full_attention" if i in attention else "linear_attention" for i in range(n)]
     if types is None:
         if text.get("sliding_window") is not None:
             return ["sliding_attention"] * n
@@ -238,7 +242,7 @@ def layer_types(text: Config) -> list[str]:
         return ["full_attention"] * n
     if len(types) != n:
         raise SpecError(f"layer_types has {len(types)} entries, num_hidden_layers is {n}")
-    return [str(t) for t in types]
+    return [_LEGACY_TYPES.get(str(t), str(t)) for t in types]
 
 
 def _read_layer_types(config: Config, options: HfOptions, max_len: int) -> LayerList:
@@ -466,13 +470,20 @@ def _read_jamba(config: Config, options: HfOptions, max_len: int) -> LayerList:
     is_attention = _jamba_is_attention(config, n)
     dtype = _dtype_bytes(config, options)
     attention = _attention_layer(Kind.FULL, _attention_shape(config), dtype, options)
-    mamba = LayerSpec(
-        Kind.MAMBA,
-        state_bytes=mamba_state_bytes(config, dtype, options.ssm_dtype_bytes),
-        block_size=options.block_size,
-        checkpoint_interval=options.mamba_checkpoint_interval,
-    )
+    mamba = _state_spec(config, options)
+    if not options.conv_full_kernel:  # the published vLLM-style figure, unpadded
+        state_bytes = mamba_state_bytes(config, dtype, options.ssm_dtype_bytes)
+        mamba = dataclasses.replace(mamba, state_bytes=state_bytes)
     return [(i, attention if attn else mamba) for i, attn in enumerate(is_attention)]
+
+
+def _read_falcon_h1(config: Config, options: HfOptions, max_len: int) -> LayerList:
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer."""
+    text = _text_config(config)
+    if text.get("layer_types") is None:
+        n = _require_int(text, "num_hidden_layers")
+        config = {**config, "layer_types": ["hybrid"] * n}
+    return _read_layer_types(config, options, max_len)
 
 
 _READERS: dict[str, Callable[[Config, HfOptions, int], LayerList]] = {
@@ -486,6 +497,7 @@ _READERS: dict[str, Callable[[Config, HfOptions, int], LayerList]] = {
     "llama4_text": _read_llama4,
     "mllama": _read_mllama,
     "jamba": _read_jamba,
+    "falcon_h1": _read_falcon_h1,
     "qwen2": _read_qwen2,
     "llava_onevision": _read_llava_onevision,
 }

@@ -41,7 +41,7 @@ from jenga.allocator import ImageSpan
 from jenga.hf import HfOptions, model_spec_from_config
 from jenga.hf_states import STATE_ALIGN, linear_state
 from jenga.pages import vmm_page_table
-from jenga.specs import Kind, ModelSpec
+from jenga.specs import Kind, KVGroup, ModelSpec
 from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
 
 import vmm
@@ -66,6 +66,17 @@ _LAYER_CLASSES: dict[str, Callable[..., Any]] = {
     "hybrid_sliding": VmmHybridSlidingLayer,
     "dummy": lambda store, layer_idx, **kwargs: DummyLayer(),
 }
+
+
+def _config_dict(config: Any, text: Any) -> dict[str, Any]:
+    """``config.to_dict()`` with the decoder's ``layer_types`` written in: several configs
+    compute them in a property (Bamba, Falcon-H1) that ``to_dict`` leaves out."""
+    out = config.to_dict()
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        target = out["text_config"] if isinstance(out.get("text_config"), dict) else out
+        target["layer_types"] = list(types)
+    return out
 
 
 class RowStore:
@@ -198,6 +209,18 @@ class RowStore:
                 layer.repoint()
 
 
+def _chunk_as_window(group: KVGroup) -> KVGroup:
+    """A chunked-attention group kept as a window of `chunk` tokens. transformers aligns
+    each row's chunks to its first unpadded token (left padding), which a cache cannot
+    see; the last ``chunk - 1`` positions hold every alignment's chunk, which is what
+    transformers' own cache keeps for these layers."""
+    spec = group.spec
+    if spec.kind is not Kind.CHUNKED_LOCAL:
+        return group
+    window = dataclasses.replace(spec, kind=Kind.SLIDING_WINDOW, window=spec.chunk, chunk=None)
+    return dataclasses.replace(group, spec=window)
+
+
 def default_budget_bytes(
     spec: ModelSpec,
     *,
@@ -262,7 +285,7 @@ class VmmCache(Cache):
         checkpoint_interval: int = 512,
     ) -> None:
         text = config.get_text_config(decoder=True)
-        self._config = config.to_dict()
+        self._config = _config_dict(config, text)
         self._options = HfOptions(
             block_size=block_size,
             mamba_checkpoint_interval=checkpoint_interval,
@@ -293,7 +316,7 @@ class VmmCache(Cache):
         """The decoder's groups (an encoder's cache is recomputed by transformers)."""
         options = dataclasses.replace(self._options, dtype_bytes=itemsize)
         spec = model_spec_from_config(self._config, options=options)
-        groups = tuple(g for g in spec.groups if g.spec.model == "target")
+        groups = tuple(_chunk_as_window(g) for g in spec.groups if g.spec.model == "target")
         return dataclasses.replace(spec, groups=groups)
 
     def _open(self, dtype: torch.dtype, num_rows: int) -> KVCache:
