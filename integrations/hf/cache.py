@@ -107,6 +107,7 @@ class RowStore:
         self.row_lengths: list[int] = []  # tokens allocated per row
         self.state_layers: list[Any] = []
         self.state_blocks: dict[int, list[int]] = {}
+        self.state_moves = 0  # rows' state blocks copied to a new checkpoint block
 
     @property
     def kv(self) -> KVCache:
@@ -202,6 +203,7 @@ class RowStore:
                 base = geo.layer_offset(layer)
                 for src, dst in zip(old, blocks, strict=True):
                     if src != dst:
+                        self.state_moves += 1
                         target = rng.tensor(size, torch.uint8, base + geo.block_offset(dst))
                         target.copy_(rng.tensor(size, torch.uint8, base + geo.block_offset(src)))
         if moved:
