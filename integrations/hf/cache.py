@@ -57,7 +57,7 @@ from integrations.hf.layers import (
 )
 from integrations.kvcache import KVCache, KVCacheConfig
 
-_LAYER_CLASSES: dict[str, Callable[..., Any]] = {
+LAYER_CLASSES: dict[str, Callable[..., Any]] = {
     "full_attention": VmmLayer,
     "sliding_attention": VmmSlidingLayer,
     "chunked_attention": VmmChunkedLayer,
@@ -68,7 +68,7 @@ _LAYER_CLASSES: dict[str, Callable[..., Any]] = {
 }
 
 
-def _config_dict(config: Any, text: Any) -> dict[str, Any]:
+def config_dict(config: Any, text: Any) -> dict[str, Any]:
     """``config.to_dict()`` with the decoder's ``layer_types`` written in: several configs
     compute them in a property (Bamba, Falcon-H1) that ``to_dict`` leaves out."""
     out = config.to_dict()
@@ -173,6 +173,13 @@ class RowStore:
             raise
         self.num_rows = num_rows
         self.row_lengths = [0] * num_rows
+
+    def request(self, row: int) -> int:
+        """The allocator request of batch row `row`."""
+        return row
+
+    def table(self, row: int, group: int) -> list[int]:
+        return self.kv.block_table(row, group)
 
     def attention_group(self, layer: int) -> int:
         return self.kv.group_of(layer).index
@@ -287,7 +294,7 @@ class VmmCache(Cache):
         checkpoint_interval: int = 512,
     ) -> None:
         text = config.get_text_config(decoder=True)
-        self._config = _config_dict(config, text)
+        self._config = config_dict(config, text)
         self._options = HfOptions(
             block_size=block_size,
             mamba_checkpoint_interval=checkpoint_interval,
@@ -341,11 +348,11 @@ class VmmCache(Cache):
         kinds = {g.spec.kind for g in spec.groups if layer in g.layer_ids}
         if Kind.CROSS_ATTENTION in kinds:
             return VmmCrossLayer(self.store, layer)
-        make = _LAYER_CLASSES.get(kind)
+        make = LAYER_CLASSES.get(kind)
         if make is None:
             raise UnsupportedLayer(
                 f"layer {layer}: type {kind!r} is not stored by VmmCache "
-                f"(stored: {sorted(_LAYER_CLASSES)})"
+                f"(stored: {sorted(LAYER_CLASSES)})"
             )
         return make(self.store, layer, **kwargs)
 

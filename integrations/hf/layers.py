@@ -84,7 +84,8 @@ class _AttentionPart:
         kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
         keys, values = [], []
         for row in range(rows):
-            new = token_slots(kv, row, group, past, stop)
+            rid, table = self.store.request(row), self.store.table(row, group)
+            new = token_slots(kv, rid, group, past, stop, table)
             write_kv(kv, self.layer_idx, new, key_states[row].transpose(0, 1),
                      value_states[row].transpose(0, 1))  # fmt: skip
             k, v = self._read(row, group, self._window_start(past), stop)
@@ -96,13 +97,14 @@ class _AttentionPart:
     def _read(self, row: int, group: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
         """Positions [start, stop); those whose block jenga released read as zeros."""
         kv = self.store.kv
-        table = kv.block_table(row, group)
+        table = self.store.table(row, group)
         t = kv.model.groups[group].spec.block_size
         first = start // t
         while first < len(table) and table[first] == NULL_BLOCK:
             first += 1
         live = max(start, first * t)
-        k, v = read_kv(kv, self.layer_idx, token_slots(kv, row, group, live, stop))
+        slots = token_slots(kv, self.store.request(row), group, live, stop, table)
+        k, v = read_kv(kv, self.layer_idx, slots)
         if live == start:
             return k, v
         pad = k.new_zeros((live - start, *k.shape[1:]))
@@ -167,7 +169,7 @@ class _StatePart:
         store.ensure(rows, max(store.length, 1), dtype, check_dtype=False)
         kv, group = store.kv, store.state_group(self.layer_idx)
         geo = kv.geometries[group]
-        blocks = [kv.block_table(r, group)[-1] for r in range(rows)]
+        blocks = [self.store.table(r, group)[-1] for r in range(rows)]
         itemsize = torch.empty((), dtype=dtype).element_size()
         end = offset + itemsize * int(torch.tensor(shape).prod())
         if end > geo.layer_block_bytes:
@@ -210,6 +212,32 @@ class _StatePart:
                 view = self._state_view(old.shape[0], old.dtype, start, tuple(old.shape[1:]))
                 view._vmm_view = True  # type: ignore[attr-defined]
                 states[idx] = view
+
+    def state_layout(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+        """(dtype, per-row shape) of the conv and recurrent states, once initialized."""
+        out = []
+        for states in (self.conv_states, self.recurrent_states):
+            state = states.get(0)
+            if state is None:
+                raise UnsupportedLayer(f"layer {self.layer_idx}: state 0 was never initialized")
+            out.append((state.dtype, tuple(state.shape[1:])))
+        return tuple(out)
+
+    def resume(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+        """Point state 0 at the rows' live blocks as they are (a request that continues:
+        its state is in memory, transformers must read it, not start from zeros)."""
+        (conv_dtype, conv_shape), (rec_dtype, rec_shape) = layout
+        rows = self.store.num_rows
+        conv = self._state_view(rows, conv_dtype, 0, conv_shape)
+        recurrent = self._state_view(rows, rec_dtype, self.store.recurrent_offset, rec_shape)
+        for view in (conv, recurrent):
+            view._vmm_view = True  # type: ignore[attr-defined]
+        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
+        self.conv_kernel_size[0] = conv_shape[-1]
+        self.dtype, self.device = conv_dtype, conv.device  # type: ignore[assignment]
+        for flags in (self.is_conv_states_initialized, self.is_recurrent_states_initialized,
+                      self.has_previous_state):  # fmt: skip
+            flags[0] = True
 
     def _init_states(self, base: Any, *args: Any, **kwargs: Any) -> None:
         base.lazy_initialization(self, *args, **kwargs)
