@@ -191,7 +191,11 @@ def _layer_kinds_from_types(text: Config, num_layers: int) -> list[Kind] | None:
         )
     unknown = sorted(set(layer_types) - set(_LAYER_TYPE_KINDS))
     if unknown:
-        raise SpecError(f"unknown layer_types {unknown}; known: {sorted(_LAYER_TYPE_KINDS)}")
+        layers = [i for i, t in enumerate(layer_types) if t not in _LAYER_TYPE_KINDS]
+        raise SpecError(
+            f"unknown layer_types {unknown} (layers {layers}) for a "
+            f"{text.get('model_type')!r} config; known: {sorted(_LAYER_TYPE_KINDS)}"
+        )
     return [_LAYER_TYPE_KINDS[t] for t in layer_types]
 
 
