@@ -110,8 +110,9 @@ class ModelForward:
 
             state = linear_state(text.to_dict())
             if state.family == "mamba":
+                layers = kv.model.groups[self.state_groups[0]].layer_ids
                 raise UnsupportedLayer(
-                    f"{model.config.model_type}: Mamba (v1) layers {kv.model.groups[self.state_groups[0]].layer_ids}"
+                    f"{model.config.model_type}: Mamba (v1) layers {layers}"
                     " start every multi-token forward from a zero SSM state in transformers (no "
                     "initial state), so a chunked prefill or a prefix hit cannot continue a request"
                 )

@@ -267,7 +267,8 @@ def test_any_model_type_is_read_from_its_layer_types():
 def test_unstorable_layer_types_are_refused_naming_type_and_layers():
     types = ["full_attention", "indexed_attention", "moe", "indexed_attention"]
     with pytest.raises(
-        SpecError, match=r"layer 1: layer type 'indexed_attention' has no jenga kind \(layers \[1, 3\]\)"
+        SpecError,
+        match=r"layer 1: layer type 'indexed_attention' has no jenga kind \(layers \[1, 3\]\)",
     ):
         model_spec_from_config({**LLAMA_LIKE, "layer_types": types})
     with pytest.raises(SpecError, match="K head dim 128 and V head dim 64 differ"):

@@ -14,10 +14,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integrations.engine import EngineConfig, MiniEngine  # noqa: E402
-from integrations.hf import UnsupportedLayer  # noqa: E402
-
-from tests.integrations.hf.families import FAMILIES, tiny_model  # noqa: E402
+from integrations.engine import EngineConfig, MiniEngine
+from integrations.hf import UnsupportedLayer
+from tests.integrations.hf.families import FAMILIES, tiny_model
 
 CHUNK = 4096
 

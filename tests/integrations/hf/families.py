@@ -91,7 +91,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                     "shared_expert_intermediate_size": 32}),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                {"num_hidden_layers": 4, "head_dim": 16, "attention_chunk_size": WINDOW,
-                "intermediate_size_mlp": 96, "num_local_experts": 1, "interleave_moe_layer_step": 2}),
+                "intermediate_size_mlp": 96, "num_local_experts": 1,
+                "interleave_moe_layer_step": 2}),
 }  # fmt: skip
 
 

@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integrations.hf import VmmCache  # noqa: E402
-from jenga.specs import Kind  # noqa: E402
+from jenga.specs import Kind
 
-from tests.integrations.hf.families import CHECKPOINT, FAMILIES, text_inputs, tiny_model  # noqa: E402
+from integrations.hf import VmmCache
+from tests.integrations.hf.families import CHECKPOINT, FAMILIES, text_inputs, tiny_model
 
 GENERATE = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
             "output_logits": True, "return_dict_in_generate": True}  # fmt: skip

@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 Image = pytest.importorskip("PIL.Image")
 
-from integrations.hf import VmmCache  # noqa: E402
-from integrations.kvcache import KVCache  # noqa: E402
 from jenga.hf import model_spec_from_config  # noqa: E402
 
 import vmm  # noqa: E402
+from integrations.hf import VmmCache  # noqa: E402
+from integrations.kvcache import KVCache  # noqa: E402
 
 IMAGE = 127
 TEXT = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,

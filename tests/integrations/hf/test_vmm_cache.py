@@ -12,8 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from integrations.hf import VmmCache  # noqa: E402
 from jenga.specs import SpecError  # noqa: E402
+
+from integrations.hf import VmmCache  # noqa: E402
 
 SMALL = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -142,7 +143,9 @@ def test_unstorable_layer_types_are_refused_naming_the_layer():
     config = transformers.LlamaConfig(
         **SMALL, num_hidden_layers=2, layer_types=["full_attention", "indexed_attention"]
     )
-    with pytest.raises(SpecError, match=r"unknown layer_types \['indexed_attention'\] \(layers \[1\]\)"):
+    with pytest.raises(
+        SpecError, match=r"unknown layer_types \['indexed_attention'\] \(layers \[1\]\)"
+    ):
         VmmCache(config)
 
 
@@ -160,7 +163,7 @@ def test_default_pool_holds_max_length_and_dtype_comes_from_the_model():
     # chunks holding 16 blocks; 8192 tokens + 1 block = 513 blocks -> 33 pages, + 1 spare
     assert cache.kv.pool.budget_bytes == 30 * 34 * 3 * (64 << 10) >= 8192 * 23_040
     cache.close()
-    with pytest.raises(TypeError, match="VmmCache\\(dtype=torch.float16\\) but the model hands"):
+    with pytest.raises(TypeError, match=r"VmmCache\(dtype=torch.float16\) but the model hands"):
         VmmCache(config, dtype=torch.float16).update(keys, keys, 0)
 
 
