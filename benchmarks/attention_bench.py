@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec
+from vmm.bench.stats import Summary, timed_once
 
 import vmm
 from integrations.kvcache import KVCache, KVCacheConfig
@@ -58,16 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def summarize(samples: list[float]) -> dict[str, float]:
+def summarize(samples_ns: list[int]) -> dict[str, float]:
     """avg / p50 / p99 / max in microseconds."""
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return {
-        "avg_us": statistics.fmean(ordered) * 1e6,
-        "p50_us": statistics.median(ordered) * 1e6,
-        "p99_us": p99 * 1e6,
-        "max_us": ordered[-1] * 1e6,
-    }
+    s = Summary.of(samples_ns).scaled(1e-3)
+    return {"avg_us": s.avg, "p50_us": s.p50, "p99_us": s.p99, "max_us": s.max}
 
 
 def build_cache(args: argparse.Namespace) -> tuple[KVCache, list[list[int]]]:
@@ -123,9 +116,7 @@ def time_pair(
             else ((run_base, base), (run_ours, ours))
         )
         for fn, out in order:
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
+            out.append(timed_once(fn)[0])
     return ours, base
 
 

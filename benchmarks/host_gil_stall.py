@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import threading
 import time
 
+from vmm.bench.stats import Summary
 from vmm.host import HostBackend
 
 
@@ -69,15 +69,15 @@ def run_phase(backend: HostBackend, va: int, size: int, seconds: float, query: b
         for t in threads:
             t.join()
     backend.release(handles)
-    gaps.sort()
+    s = Summary.of(gaps)
     return {
         "phase": "query" if query else "baseline",
-        "ticks": len(gaps),
+        "ticks": s.n,
         "queries": calls,
-        "avg_ms": statistics.fmean(gaps),
-        "p50_ms": gaps[len(gaps) // 2],
-        "p99_ms": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
-        "max_ms": gaps[-1],
+        "avg_ms": s.avg,
+        "p50_ms": s.p50,
+        "p99_ms": s.p99,
+        "max_ms": s.max,
     }
 
 

@@ -16,8 +16,9 @@ Approach
                   pool stays full and every op evicts.
       prefill     one 1M-token request: allocate, hash+cache, free (62,500 blocks).
     Per op, the time divided by its block count gives ns/block; the table reports avg,
-    p50, p99 and max over ops, and each row's p50 over the best jenga p50 (the median
-    resists the scheduler stalls of a shared machine; the averages are printed too).
+    p50, p99 and max over ops (`vmm.bench.stats`: interpolated percentiles), and each
+    row's p50 over the best jenga p50 (the median resists the scheduler stalls of a
+    shared machine; the averages are printed too).
 
 Limitations
     Single-threaded, CPU only; wall-clock timings on a shared machine are noisy (run it
@@ -28,13 +29,10 @@ Limitations
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -43,6 +41,7 @@ from pathlib import Path
 import numpy as np
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.specs import Kind
+from vmm.bench.stats import Summary, time_calls
 
 from jenga import _core as J
 
@@ -65,26 +64,9 @@ class Row:
 
 
 def summarize(trace: str, impl: str, pool: int, per_op: int, samples: list[int]) -> Row:
-    per_block = sorted(s / per_op for s in samples)
-    p99 = per_block[min(len(per_block) - 1, int(0.99 * len(per_block)))]
-    return Row(
-        trace, impl, pool, per_op, len(samples),
-        statistics.fmean(per_block), statistics.median(per_block), p99, per_block[-1],
-    )  # fmt: skip
-
-
-def timed(op: Callable[[int], None], ops: int) -> list[int]:
-    gc.collect()
-    gc.disable()
-    try:
-        samples = []
-        for i in range(ops):
-            t0 = time.perf_counter_ns()
-            op(i)
-            samples.append(time.perf_counter_ns() - t0)
-        return samples
-    finally:
-        gc.enable()
+    """One table row from the ns of each op (`samples`), per block."""
+    s = Summary.of([t / per_op for t in samples])
+    return Row(trace, impl, pool, per_op, s.n, s.avg, s.p50, s.p99, s.max)
 
 
 # -- jenga ---------------------------------------------------------------------------------
@@ -104,7 +86,7 @@ def core_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
         core.release(0, live.pop(0), base + i)
         core.drain_plan()
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def api_config(pool: int) -> AllocatorConfig:
@@ -130,7 +112,7 @@ def api_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
         live.append(rid)
         alloc.free(live.pop(0))
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def core_match(pool: int, per_op: int, ops: int) -> list[int]:
@@ -146,7 +128,7 @@ def core_match(pool: int, per_op: int, ops: int) -> list[int]:
         found = core.lookup(0, J.hash_blocks(tokens, BLOCK_TOKENS, 0))
         assert found[-1] >= 0
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def api_match(pool: int, per_op: int, ops: int) -> list[int]:
@@ -160,7 +142,7 @@ def api_match(pool: int, per_op: int, ops: int) -> list[int]:
     def op(i: int) -> None:
         assert alloc.match_prefix(prompt) == per_op * BLOCK_TOKENS
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def core_evict(pool: int, per_op: int, ops: int) -> list[int]:
@@ -180,7 +162,7 @@ def core_evict(pool: int, per_op: int, ops: int) -> list[int]:
         core.release(0, new[0], i + 2)
         core.drain_plan()
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def api_prefill(pool: int, per_op: int, ops: int) -> list[int]:
@@ -195,7 +177,7 @@ def api_prefill(pool: int, per_op: int, ops: int) -> list[int]:
         alloc.cache(rid, tokens)
         alloc.free(rid)
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 # -- baseline: a pure-Python free-list pool (vLLM-like, no C++) ----------------------------
@@ -245,7 +227,7 @@ def py_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
         live.append(p.allocate(per_op))
         p.release(live.pop(0))
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def py_match(pool: int, per_op: int, ops: int) -> list[int]:
@@ -266,7 +248,7 @@ def py_match(pool: int, per_op: int, ops: int) -> list[int]:
     def op(i: int) -> None:
         assert all(h in p.index for h in hashes())
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def py_evict(pool: int, per_op: int, ops: int) -> list[int]:
@@ -280,7 +262,7 @@ def py_evict(pool: int, per_op: int, ops: int) -> list[int]:
         p.commit(new, range(pool + i * per_op, pool + (i + 1) * per_op))  # type: ignore[arg-type]
         p.release(new)
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 def py_prefill(pool: int, per_op: int, ops: int) -> list[int]:
@@ -295,7 +277,7 @@ def py_prefill(pool: int, per_op: int, ops: int) -> list[int]:
             p.index.pop(p.hash_of.pop(b), None)
             p.free.append(b)
 
-    return timed(op, ops)
+    return time_calls(op, ops)
 
 
 TRACES: dict[str, dict[str, Callable[[int, int, int], list[int]]]] = {
@@ -309,7 +291,8 @@ TRACES: dict[str, dict[str, Callable[[int, int, int], list[int]]]] = {
 
 
 def run_vllm(python: str, jobs: list[dict[str, int | str]]) -> list[Row]:
-    """Replay the traces through vLLM's BlockPool in ``python`` (see vllm_replay.py)."""
+    """Replay the traces through vLLM's BlockPool in ``python`` (see vllm_replay.py); its
+    per-op samples are summarized here, like every other row."""
     script = HERE / "vllm_replay.py"
     out = subprocess.run(
         [python, str(script)], input=json.dumps(jobs), capture_output=True, text=True, check=False
@@ -317,7 +300,10 @@ def run_vllm(python: str, jobs: list[dict[str, int | str]]) -> list[Row]:
     if out.returncode != 0:
         print(f"vLLM replay failed ({python}):\n{out.stderr[-2000:]}", file=sys.stderr)
         return []
-    return [Row(**r) for r in json.loads(out.stdout)]
+    return [
+        summarize(job["trace"], "vllm", job["pool"], job["per_op"], samples)
+        for job, samples in zip(jobs, json.loads(out.stdout), strict=True)
+    ]
 
 
 def find_vllm_python(explicit: str | None) -> str | None:

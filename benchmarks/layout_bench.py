@@ -32,13 +32,13 @@ import argparse
 import gc
 import json
 import random
-import statistics
 from collections.abc import Callable
 
 import torch
 from integrations.kvcache.rows import RowKVCache, RowShape
 from jenga.pages import tokens_needed
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec
+from vmm.bench.stats import Summary
 
 import vmm
 from integrations.kvcache import KVCache, KVCacheConfig
@@ -147,11 +147,10 @@ def replay(layout: str, model: ModelSpec, args: argparse.Namespace, budget: int)
         if need:
             ratios.append(mapped / need - 1)
     rep.pool.close()
-    ordered = sorted(ratios)
+    s = Summary.of(ratios)
     return {
-        "layout": layout, "steps": len(ratios),
-        "overhead_avg": statistics.fmean(ordered), "overhead_p50": statistics.median(ordered),
-        "overhead_p99": ordered[round(0.99 * (len(ordered) - 1))], "overhead_max": ordered[-1],
+        "layout": layout, "steps": s.n,
+        "overhead_avg": s.avg, "overhead_p50": s.p50, "overhead_p99": s.p99, "overhead_max": s.max,
         "peak_mapped_bytes": peak_mapped, "peak_needed_bytes": peak_needed,
     }  # fmt: skip
 

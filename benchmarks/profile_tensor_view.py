@@ -11,20 +11,16 @@ Python-level `from_dlpack` wrapper.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
+from vmm.bench.stats import Summary, time_calls
 
-def median_ns(fn: Callable[[], Any], calls: int) -> int:
+
+def median_ns(fn: Callable[[], Any], calls: int) -> float:
+    """Median ns of `calls` calls of `fn` (after one untimed warm-up call)."""
     fn()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return Summary.of(time_calls(lambda _: fn(), calls)).p50
 
 
 def main() -> None:
@@ -35,7 +31,7 @@ def main() -> None:
     import torch
     from torch._C import _from_dlpack as c_from_dlpack
     from vmm._core import bench
-    from vmm.tensor import _dtype_info, view
+    from vmm.tensor import dtype_info, view
 
     import vmm
 
@@ -43,7 +39,7 @@ def main() -> None:
     pool = vmm.ChunkPool(vmm.HostBackend(), size)
     rng = pool.reserve(size)
     rng.map([0])
-    factory = rng._views  # the range's C++ DLPack factory
+    factory = rng.view_factory  # the range's C++ DLPack factory
 
     def capsule() -> object:
         return factory.capsule(0, (size,), (), 1, 8, 1)
@@ -54,9 +50,9 @@ def main() -> None:
     stages = {
         "VirtualRange.tensor": lambda: rng.tensor((size,), torch.uint8),
         "  a function-level `from vmm.tensor import view` (for scale)": import_view,
-        "  VirtualRange._check_open": rng._check_open,
+        "  VirtualRange.check_open": rng.check_open,
         "  vmm.tensor.view (the general path)": lambda: view(rng, (size,), torch.uint8, 0, None),
-        "    _dtype_info": lambda: _dtype_info(torch.uint8),
+        "    dtype_info": lambda: dtype_info(torch.uint8),
         "    factory.capsule": capsule,
         "    torch.from_dlpack(capsule)": lambda: torch.from_dlpack(capsule()),
         "    torch._C._from_dlpack(capsule)": lambda: c_from_dlpack(capsule()),
@@ -67,7 +63,7 @@ def main() -> None:
     }
     try:
         for name, fn in stages.items():
-            print(f"{median_ns(fn, calls):>7} ns  {name}")
+            print(f"{median_ns(fn, calls):>7.0f} ns  {name}")
     finally:
         rng.unmap([0])
         pool.close()

@@ -1,20 +1,21 @@
 """Replay jenga_bench's traces through vLLM's own v1 `BlockPool` (run by jenga_bench).
 
 Reads a JSON list of jobs ``{"trace", "pool", "per_op", "ops"}`` on stdin and prints a
-JSON list of rows in jenga_bench's `Row` schema. Runs in an interpreter that has vLLM
-(``--vllm-python``) and needs nothing from jenga. The ops mirror jenga_bench's:
+JSON list with, per job, the nanoseconds of each op (jenga_bench summarizes them). Runs
+in an interpreter that has vLLM (``--vllm-python``) and needs no jenga-vmm install: the
+timing loop is `vmm/bench/stats.py`, loaded from its file (it imports only the standard
+library). The ops mirror jenga_bench's:
 ``get_new_blocks`` / ``free_blocks`` (tail first, as vLLM's KV cache manager frees) /
 ``cache_full_blocks`` / ``get_cached_block`` with vLLM's default sha256 block hashes.
 """
 
 from __future__ import annotations
 
-import gc
+import importlib.util
 import json
-import statistics
 import sys
-import time
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.block_pool import BlockPool
@@ -25,18 +26,18 @@ HASH = get_hash_fn_by_name("sha256")
 init_none_hash(HASH)
 
 
-def timed(op, ops: int) -> list[int]:
-    gc.collect()
-    gc.disable()
-    try:
-        out = []
-        for i in range(ops):
-            t0 = time.perf_counter_ns()
-            op(i)
-            out.append(time.perf_counter_ns() - t0)
-        return out
-    finally:
-        gc.enable()
+def _load_stats() -> ModuleType:
+    """`vmm.bench.stats` from its source file (this interpreter may lack jenga-vmm)."""
+    path = Path(__file__).resolve().parents[1] / "vmm" / "bench" / "stats.py"
+    spec = importlib.util.spec_from_file_location("jenga_vmm_bench_stats", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+timed = _load_stats().time_calls
 
 
 def hashes_of(tokens: list[int], n: int, salt: int = 0) -> list:
@@ -114,24 +115,10 @@ TRACES = {"alloc_free": alloc_free, "match": match, "evict": evict, "prefill": p
 
 
 def main() -> int:
-    rows = []
-    for job in json.load(sys.stdin):
-        samples = TRACES[job["trace"]](job["pool"], job["per_op"], job["ops"])
-        per_block = sorted(s / job["per_op"] for s in samples)
-        rows.append(
-            {
-                "trace": job["trace"],
-                "impl": "vllm",
-                "pool_blocks": job["pool"],
-                "blocks_per_op": job["per_op"],
-                "ops": len(samples),
-                "avg_ns": statistics.fmean(per_block),
-                "p50_ns": statistics.median(per_block),
-                "p99_ns": per_block[min(len(per_block) - 1, int(0.99 * len(per_block)))],
-                "max_ns": per_block[-1],
-            }
-        )
-    json.dump(rows, sys.stdout)
+    samples = [
+        TRACES[job["trace"]](job["pool"], job["per_op"], job["ops"]) for job in json.load(sys.stdin)
+    ]
+    json.dump(samples, sys.stdout)
     return 0
 
 

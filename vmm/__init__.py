@@ -8,8 +8,31 @@
     vmm.MappingPlan().unmap(k, [1]).map(k, [5, 6]).apply()  # atomic batch
     pool.stats()["bytes.mapped.current"]
 
+Rationale
+---------
+Callers need five names (a backend, a pool, its ranges, plans, the errors); the pieces
+behind them are small modules with one job each, so this facade re-exports the public
+names and nothing inside `vmm` imports it.
+
+Approach
+--------
+Modules, each importing at run time only modules listed before it (no import circle;
+checked by `tests/test_layout.py`):
+
+    errors, stats, backend        exceptions, the stats key scheme, the backend contract
+    host, cuda_driver, cuda       the two backends (cuda imported only when asked for)
+    selection                     get_backend("host" | "cuda" | "auto")
+    ledger                        ChunkLedger: free heap, refcounts, budget, counters, state
+    tensor                        zero-copy torch views (torch imported on first view)
+    range                         VirtualRange: slot table over one reservation
+    plan                          MappingPlan: ops over ranges, all or nothing
+    pool                          ChunkPool: the user's handle (owns backend and ledger)
+    bench/                        vmm-bench (cli, host, cuda, report, stats)
+
+Limitations
+-----------
 Importing this package never imports torch and never touches a GPU driver; tensors and
-the CUDA backend load them lazily, so `jenga` (integers only) can share the extension.
+the CUDA backend load them lazily. It does load the compiled `vmm._core` (host backend).
 """
 
 from vmm.backend import Backend, ViewFactory

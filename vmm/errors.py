@@ -1,7 +1,24 @@
 """Exceptions raised by `vmm`. Every message carries the numbers that explain it.
 
+Rationale
+---------
+Callers must tell "this request does not fit" (OutOfMemory: evict, preempt, retry) from
+"this call is wrong" (alignment, slot state, range bounds: a bug) from "the device
+failed" (BackendError), without parsing messages.
+
+Approach
+--------
+One base class, `VmmError`; each subclass names one kind of failure and, where a
+builtin fits, also derives from it (`AlignmentError` is a `ValueError`, `RangeError` an
+`IndexError`), so generic handlers keep working. `OutOfMemory` carries `needed`, `free`
+and `total` (chunks); `BackendError` carries the failing `op` and its errno / CUresult.
 Each error is raised either before any state changed or after a full rollback, so
 catching one never leaves a pool, range or plan half-applied.
+
+Limitations
+-----------
+A pool marked broken (a rollback that failed) raises `BackendError(op="broken")` on
+every later call: that state is not recoverable, only closable.
 """
 
 from __future__ import annotations

@@ -15,19 +15,20 @@ Approach
     done:     undo_0       undo_1             undo_2       (op 3 fails, undoes itself)
     rollback: undo_2, undo_1, undo_0   then counters restored, plans.rolled_back += 1
 
-Each op is one atomic `VirtualRange` method (validate, one batched backend call, update
-tables). After it succeeds, its inverse is pushed on an undo log: map -> unmap (and
-release the chunks it had to create), unmap -> map the same handles back (their data is
-intact: unmapped chunks are never released during a plan), remap -> remap back,
+Each op is one atomic public `VirtualRange` method (validate, one batched backend call,
+update tables). After it succeeds, its inverse is pushed on an undo log: map -> unmap
+(and release the chunks it had to create), unmap -> map the same handles back (their
+data is intact: unmapped chunks are never released during a plan), remap -> remap back,
 share -> unmap the copy. On failure the log runs in reverse; event counters are then
-restored from a snapshot taken at the start, so `stats()` reads as before.
+restored from a snapshot taken at the start, so `stats()` reads as before. Counters,
+snapshots and the broken mark all go through the pool's `ChunkLedger` (`vmm.ledger`).
 
 Limitations
 -----------
 Rollback retries each undo step (they are atomic) a few times; if one still fails the
 pool is marked broken (every later call raises `BackendError`), since its state can no
-longer be vouched for. Ops run in order: an op
-may depend on an earlier one (remap into a slot an earlier op unmapped).
+longer be vouched for. Ops run in order: an op may depend on an earlier one (remap into
+a slot an earlier op unmapped).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vmm.errors import BackendError, MappingError
+from vmm.errors import MappingError
 
 if TYPE_CHECKING:
+    from vmm.ledger import ChunkLedger
     from vmm.pool import ChunkPool
     from vmm.range import VirtualRange
 
@@ -120,8 +122,9 @@ class MappingPlan:
         for op in self.ops:
             if op.dst.pool is not pool or (op.src is not None and op.src.pool is not pool):
                 raise MappingError(f"plan op {op.kind} touches a range of another pool")
-        pool._check_open()
-        counters = dict(pool._counters)
+        ledger = pool.ledger
+        ledger.check_usable()
+        counters = ledger.counters()
         undo_log: list[Undo] = []
         results: list[list[int]] = []
         try:
@@ -130,11 +133,11 @@ class MappingPlan:
                 results.append(handles)
                 undo_log.extend(reversed(undo_steps))
         except BaseException:
-            _roll_back(pool, undo_log)
-            pool._counters = counters
-            pool._counters["plans.rolled_back"] += 1
+            _roll_back(ledger, undo_log)
+            ledger.restore_counters(counters)
+            ledger.count("plans.rolled_back")
             raise
-        pool._counters["plans.applied"] += 1
+        ledger.count("plans.applied")
         return results
 
 
@@ -142,11 +145,11 @@ def _run(op: PlanOp) -> tuple[list[int], list[Undo]]:
     """Run one op atomically; return its handles and its inverse as atomic steps."""
     dst, slots = op.dst, op.dst_slots
     if op.kind == "map":
-        handles, num_created = dst._map_new(slots)
+        handles, num_created = dst.map_new(slots)
         created = handles[len(handles) - num_created :]
         steps: list[Undo] = [lambda: _unshare(dst, slots)]
         if created:
-            steps.append(lambda: dst.pool._forget_created(created))
+            steps.append(lambda: dst.pool.ledger.forget_created(created))
         return handles, steps
     if op.kind == "unmap":
         handles = dst.unmap(slots)
@@ -155,11 +158,11 @@ def _run(op: PlanOp) -> tuple[list[int], list[Undo]]:
     assert src is not None
     src_slots = op.src_slots
     if op.kind == "remap":
-        handles = src._mapped_handles(src_slots, "remap")
+        handles = src.mapped_handles(src_slots, "remap")
         dst.remap_from(src, src_slots, slots)
         return handles, [lambda: src.remap_from(dst, slots, src_slots)]
     if op.kind == "share":
-        handles = src._mapped_handles(src_slots, "share")
+        handles = src.mapped_handles(src_slots, "share")
         dst.share_from(src, src_slots, slots)
         return handles, [lambda: _unshare(dst, slots)]
     raise MappingError(f"unknown plan op {op.kind!r}")
@@ -174,7 +177,7 @@ def _unshare(dst: VirtualRange, slots: Sequence[int]) -> None:
 UNDO_ATTEMPTS = 3
 
 
-def _roll_back(pool: ChunkPool, undo_log: list[Undo]) -> None:
+def _roll_back(ledger: ChunkLedger, undo_log: list[Undo]) -> None:
     """Run the undo log in reverse; a step that keeps failing marks the pool broken.
 
     Every step is atomic on its own (one range method), so retrying one is safe."""
@@ -186,5 +189,6 @@ def _roll_back(pool: ChunkPool, undo_log: list[Undo]) -> None:
             except Exception as exc:
                 if attempt < UNDO_ATTEMPTS:
                     continue
-                pool._broken = f"rollback of a mapping plan failed {attempt} times: {exc}"
-                raise BackendError(pool._broken, op="rollback") from exc
+                raise ledger.mark_broken(
+                    f"rollback of a mapping plan failed {attempt} times: {exc}"
+                ) from exc

@@ -18,7 +18,12 @@ Approach
 `_slot_to_handle` is a flat list (fast index, no hashing). Every state-changing method is
 atomic on its own: it validates first, then makes one batched backend call, then updates
 the tables; a failing backend call (all-or-nothing by contract) leaves nothing to undo.
-`MappingPlan` composes these methods and undoes them in reverse on failure.
+`MappingPlan` composes these methods (`map_new` and `mapped_handles` are public for it)
+and undoes them in reverse on failure.
+
+The pool's chunk accounting is the `ChunkLedger` at `pool.ledger` (`vmm.ledger`): a
+range takes chunks from it, reports what it mapped and unmapped, and registers itself
+there while open; it never touches the ledger's tables.
 
 Invariants (`check_invariants`): `num_mapped` equals the slots whose handle is not -1;
 every mapped handle has a pool refcount >= 1; a closed range maps nothing.
@@ -35,11 +40,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vmm import tensor as _tensor
-from vmm.errors import BackendError, ClosedError, MappingError, RangeError
+from vmm.errors import ClosedError, MappingError, RangeError
 
 if TYPE_CHECKING:
     import torch
 
+    from vmm.backend import ViewFactory
     from vmm.pool import ChunkPool
 
 
@@ -56,6 +62,7 @@ class VirtualRange:
             raise MappingError(f"backend {backend.name!r} has no zero chunk for zero_backed")
         gran = pool.granularity
         self.pool = pool
+        self._ledger = ledger = pool.ledger
         self.granularity = gran
         self.size = size
         self.name = name
@@ -67,7 +74,7 @@ class VirtualRange:
         self._closed = False
         self._views = backend.view_factory(self.va, size)
         self.device = backend.device
-        pool._ranges[id(self)] = self
+        ledger.add_range(self)
 
     def __repr__(self) -> str:
         return (
@@ -97,21 +104,29 @@ class VirtualRange:
             return None
         return int(holders) - 2  # minus this range's factory and the backend's table
 
+    @property
+    def view_factory(self) -> ViewFactory | None:
+        """The backend's DLPack factory over this range (None on CUDA, or once closed)."""
+        return self._views
+
     def address(self, slot: int) -> int:
         """Virtual address of `slot`."""
         self._check_slots((slot,), "address")
         return self.va + slot * self.granularity
 
     # ---- validation -------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed or self.pool._closed:
-            what = "pool" if self.pool._closed else "range"
+    def check_open(self) -> None:
+        """Raise ClosedError if this range or its pool is closed, BackendError if the pool
+        is broken."""
+        ledger = self._ledger
+        if self._closed or ledger.closed:
+            what = "pool" if ledger.closed else "range"
             raise ClosedError(f"virtual range {self.name!r} used after its {what} was closed")
-        if self.pool._broken:
-            self.pool._check_open()
+        if ledger.broken:
+            ledger.check_usable()
 
     def _check_slots(self, slots: Sequence[int], op: str) -> None:
-        self._check_open()
+        self.check_open()
         n = self.num_slots
         for slot in slots:
             if not 0 <= slot < n:
@@ -120,9 +135,9 @@ class VirtualRange:
     def _validate(self, slots: Sequence[int], mapped: bool, op: str) -> list[int]:
         """Check that the range is open and every slot exists, is listed once and is mapped
         (or not, per `mapped`); return the slots' addresses. One pass: this is the hot path."""
-        pool = self.pool
-        if self._closed or pool._closed or pool._broken:
-            self._check_open()
+        ledger = self._ledger
+        if self._closed or ledger.closed or ledger.broken:
+            self.check_open()
         table, n, va, gran = self._slot_to_handle, self.num_slots, self.va, self.granularity
         vas = []
         for slot in slots:
@@ -139,21 +154,22 @@ class VirtualRange:
     # ---- atomic slot operations -------------------------------------------------------
     def map(self, slots: Sequence[int]) -> list[int]:
         """Map a free (or new) chunk at each slot; returns the handles, in slot order."""
-        handles, _ = self._map_new(slots)
+        handles, _ = self.map_new(slots)
         return handles
 
-    def _map_new(self, slots: Sequence[int]) -> tuple[list[int], int]:
+    def map_new(self, slots: Sequence[int]) -> tuple[list[int], int]:
+        """`map`, also returning how many of the handles were created for it (the last
+        ones): a plan's rollback releases those."""
         vas = self._validate(slots, False, "map")
-        pool = self.pool
-        handles, num_created = pool._take(len(vas))
+        ledger = self._ledger
+        handles, num_created = ledger.take(len(vas))
         try:
-            pool.backend.map(vas, handles)
+            self.pool.backend.map(vas, handles)
         except BaseException:
-            pool._untake(handles, num_created)
+            ledger.untake(handles, num_created)
             raise
         self._set(slots, handles)
-        pool._retain_taken(handles)
-        pool._counters["ops.map"] += len(vas)
+        ledger.retain_taken(handles)
         return handles, num_created
 
     def map_handles(self, slots: Sequence[int], handles: Sequence[int]) -> None:
@@ -161,46 +177,44 @@ class VirtualRange:
         vas = self._validate(slots, False, "map")
         if len(handles) != len(slots):
             raise MappingError(f"map: {len(slots)} slots but {len(handles)} handles")
-        pool = self.pool
+        ledger = self._ledger
         for handle in handles:
-            if handle not in pool._refcount and handle not in pool._free:
+            if not ledger.owns(handle):
                 raise MappingError(f"map: handle {handle} is no chunk of this pool")
-        pool.backend.map(vas, handles)
+        self.pool.backend.map(vas, handles)
         self._set(slots, handles)
-        pool._retain(handles)
-        pool._counters["ops.map"] += len(slots)
+        ledger.retain(handles)
 
     def unmap(self, slots: Sequence[int]) -> list[int]:
         """Unmap the chunks at `slots` (they become free once mapped nowhere); returns them.
 
         A zero-backed range backs the slots with the zero chunk again."""
         vas = self._validate(slots, True, "unmap")
-        table, pool = self._slot_to_handle, self.pool
+        table = self._slot_to_handle
         handles = [table[slot] for slot in slots]
-        pool.backend.unmap(vas, to_zero=self.zero_backed)
+        self.pool.backend.unmap(vas, to_zero=self.zero_backed)
         for slot in slots:
             table[slot] = -1
         self.num_mapped -= len(vas)
-        pool._drop(handles)
-        pool._counters["ops.unmap"] += len(vas)
+        self._ledger.drop(handles)
         return handles
 
     def share_from(self, src: VirtualRange, src_slots: Sequence[int], slots: Sequence[int]) -> None:
         """Map the chunks at `src_slots` of `src` also at `slots` of this range (no copy)."""
-        handles = src._mapped_handles(src_slots, "share")
+        handles = src.mapped_handles(src_slots, "share")
         self.map_handles(slots, handles)
-        self.pool._counters["ops.share"] += len(slots)
+        self._ledger.count("ops.share", len(slots))
 
     def remap_from(self, src: VirtualRange, src_slots: Sequence[int], slots: Sequence[int]) -> None:
         """Move the chunks at `src_slots` of `src` to `slots` of this range (no copy)."""
-        handles = src._mapped_handles(src_slots, "remap")
+        handles = src.mapped_handles(src_slots, "remap")
         self.map_handles(slots, handles)
         try:
             src.unmap(src_slots)
         except BaseException as exc:
             self._undo_remap_target(slots, exc)
             raise
-        self.pool._counters["ops.remap"] += len(slots)
+        self._ledger.count("ops.remap", len(slots))
 
     def _undo_remap_target(self, slots: Sequence[int], cause: BaseException) -> None:
         """Compensate a remap whose source unmap failed; if that fails too the chunks are
@@ -208,13 +222,14 @@ class VirtualRange:
         try:
             self.unmap(slots)
         except Exception as exc:
-            self.pool._broken = (
+            raise self._ledger.mark_broken(
                 f"remap of {len(slots)} slots into {self.name!r} could not be undone after the "
                 f"source unmap failed ({cause}): {exc}"
-            )
-            raise BackendError(self.pool._broken, op="rollback") from exc
+            ) from exc
 
-    def _mapped_handles(self, slots: Sequence[int], op: str) -> list[int]:
+    def mapped_handles(self, slots: Sequence[int], op: str = "handles") -> list[int]:
+        """The chunks at `slots`, each of which must be mapped (`op` names the caller in
+        errors)."""
         self._validate(slots, True, op)
         table = self._slot_to_handle
         return [table[slot] for slot in slots]
@@ -238,13 +253,13 @@ class VirtualRange:
         Any sub-span may be viewed, mapped or not: the tensor sees slots as they are mapped
         later (reading an unmapped, non-zero-backed slot faults). The tensor keeps the
         address range reserved while it lives. Raises RangeError past the range."""
-        views, info, pool = self._views, _tensor.DTYPES.get(dtype), self.pool
+        views, info, ledger = self._views, _tensor.DTYPES.get(dtype), self._ledger
         if (
             views is not None
             and info is not None
             and info[3] is None
             and type(shape) is tuple
-            and not (pool._broken or pool._closed)
+            and not (ledger.broken or ledger.closed)
         ):
             try:  # fast path (~1.5 µs): C++ capsule, torch adopts it; errors take the slow one
                 capsule = views.capsule(offset, shape, strides or (), info[0], info[1], 1)
@@ -252,7 +267,7 @@ class VirtualRange:
                 pass  # the slow path re-raises it as the matching vmm error
             else:
                 return _tensor.adopt_capsule(capsule)
-        self._check_open()
+        self.check_open()
         return _tensor.view(self, shape, dtype, offset, strides)
 
     # ---- checks and lifetime ----------------------------------------------------------
@@ -265,9 +280,9 @@ class VirtualRange:
             return
         mapped = [h for h in self._slot_to_handle if h >= 0]
         assert len(mapped) == self.num_mapped, f"{len(mapped)} mapped != {self.num_mapped}"
-        refcount = self.pool._refcount
+        ledger = self._ledger
         for handle in mapped:
-            assert refcount.get(handle, 0) >= 1, f"mapped handle {handle} has no refcount"
+            assert ledger.refcount(handle) >= 1, f"mapped handle {handle} has no refcount"
         backend_slots: Any = getattr(self.pool.backend, "slot_table", None)
         if backend_slots is not None and not self._closed:
             assert backend_slots(self.va, self.size) == self._slot_to_handle, "backend disagrees"
@@ -280,9 +295,13 @@ class VirtualRange:
         """Unmap every slot (chunks go back to the pool) and free the reservation.
 
         Idempotent. Tensors still viewing the range keep its addresses reserved (host) but
-        must not be used: their slots are no longer backed."""
-        if self._closed or self.pool._closed:
-            self._closed = True
+        must not be used: their slots are no longer backed. Once the pool is closed this
+        makes no backend call (the pool's backend tore everything down): the range only
+        forgets its slots."""
+        if self._closed:
+            return
+        if self._ledger.closed:
+            self._forget()
             return
         mapped = [s for s, h in enumerate(self._slot_to_handle) if h >= 0]
         if mapped:
@@ -290,10 +309,10 @@ class VirtualRange:
         self.pool.backend.free_reservation(self.va, self.size)
         self._closed = True
         self._views = None
-        del self.pool._ranges[id(self)]
+        self._ledger.remove_range(self)
 
     def _forget(self) -> None:
-        """Mark closed without backend calls (the pool's backend tore everything down)."""
+        """Mark closed without backend calls."""
         self._slot_to_handle = [-1] * self.num_slots
         self.num_mapped = 0
         self._closed = True

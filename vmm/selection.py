@@ -1,8 +1,20 @@
 """Backend selection: `get_backend("host" | "cuda" | "auto", **opts)`.
 
+Rationale
+---------
+The same program runs on a GPU machine and on a laptop; choosing the backend should be
+one argument, and falling back should say why instead of failing silently.
+
+Approach
+--------
 `auto` picks the CUDA backend when torch sees a device and cuda-python imports, else the
 host backend, and logs which it chose and why. The CUDA backend (`vmm.cuda.CudaBackend`)
 is imported only when asked for, so importing `vmm` never needs a driver.
+
+Limitations
+-----------
+`auto` trusts torch's view of the devices; it does not probe the driver's VMM support
+(`CudaBackend` checks that when constructed and raises `BackendUnavailable`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """The one dotted-key scheme of `ChunkPool.stats()` — every key is documented here.
 
+Rationale: monitoring and tests read one flat dict whose keys say what they count, like
+`torch.cuda.memory_stats()`, instead of a different attribute per fact.
+Approach: the key lists below are the contract; `ChunkLedger` keeps the event counters,
+`ChunkPool.stats()` adds the gauges and the backend's own gauges.
+Limitations: gauges are computed on each call (O(open ranges)); not meant for a hot loop.
+
 Keys are `<what>.<which>[.current]`: a `.current` key is a gauge (state now), a key
 without it under `ops.` / `plans.` is a cumulative event count. Counts are in chunks
 or slots, `bytes.*` in bytes. A plan that rolls back leaves every key exactly as it was

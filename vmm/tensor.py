@@ -78,20 +78,22 @@ def resolve_dtype(name: str) -> torch.dtype:
     return resolved
 
 
-def _dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
+def dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
+    """(DLPack code, bits, itemsize, reinterpret-as dtype or None) of `dtype`; a dtype
+    DLPack cannot name travels as the unsigned int of its width."""
     info = DTYPES.get(dtype)
     if info is not None:
         return info
     if not DTYPES:
         _init_dtypes()
-        return _dtype_info(dtype)
+        return dtype_info(dtype)
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(itemsize)
     if carrier is None:
         raise TypeError(f"no zero-copy view for dtype {dtype} of {itemsize} bytes")
-    code, bits, _, _ = _dtype_info(carrier)
+    code, bits, _, _ = dtype_info(carrier)
     DTYPES[dtype] = info = (code, bits, itemsize, dtype)
     return info
 
@@ -108,8 +110,8 @@ def view(
         shape = (shape,)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
-    code, bits, itemsize, reinterpret = _dtype_info(dtype)
-    factory = rng._views
+    code, bits, itemsize, reinterpret = dtype_info(dtype)
+    factory = rng.view_factory
     if factory is None:
         return _cuda_view(rng, shape, dtype, itemsize, offset, strides)
     try:

@@ -11,10 +11,13 @@ Approach
     Per layer one virtual range (`vmm.ChunkPool.reserve`, zero-backed where the backend
     has a zero chunk) holding ``capacity + 1`` blocks of the group's *unpadded* page:
     block ``b`` at byte ``b * page`` — the layout vLLM's views expect — and the last
-    block is the group's null block. Large page ``P`` of group ``g`` is chunks
-    ``[P*k, (P+1)*k)`` of each of the group's ranges (``k`` = chunks per range, page
-    tail 0). The per-layer tensors come from vLLM's own `create_kv_cache_views` over a
-    flat int8 view of the range, so shapes and strides are exactly vLLM's.
+    block is the group's null block. Where a block and a large page live in the ranges
+    is `integrations.kvcache.geometry.GroupGeometry` (built by
+    `integrations.vllm.layout.JengaLayout.geometries`), and page plans become range
+    plans through `integrations.kvcache.translate` — the one translator of the project,
+    so an evicted page's chunks are remapped to the page that reuses them. The
+    per-layer tensors come from vLLM's own `create_kv_cache_views` over a flat int8 view
+    of the range, so shapes and strides are exactly vLLM's.
 
     Two ways to drive the mapping (`apply_scheduler_output` picks):
 
@@ -41,9 +44,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from jenga.plan import MapPage, MappingPlan, UnmapPage
+from jenga.plan import MapPage, MappingPlan
 
 import vmm
+from integrations.kvcache.geometry import GroupGeometry
+from integrations.kvcache.translate import page_units, translate
+from integrations.vllm.compat import KVCacheTensor, create_kv_cache_views
 from integrations.vllm.layout import GroupLayout, JengaLayout, JengaVllmError
 
 _LAYER_COMPACT = ("LBHNC", "LBNHC")
@@ -91,6 +97,7 @@ class VmmKVCache:
                 )
         self.layout = layout
         self.pool = pool
+        self.geometries: tuple[GroupGeometry, ...] = layout.geometries()
         self.ranges: dict[str, vmm.VirtualRange] = {}
         self.kv_caches: dict[str, Any] = {}
         self.mapped_pages: list[set[int]] = [set() for _ in layout.groups]
@@ -101,10 +108,9 @@ class VmmKVCache:
 
     def _build_group(self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None) -> None:
         import torch
-        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
 
-        pages = g.capacity // g.pages.blocks_per_large_page + 1  # + the null block's page
-        size = pages * g.pages.chunks_per_range * self.pool.granularity
+        geometry = self.geometries[g.index]
+        size = geometry.range_bytes + geometry.page_bytes  # + the null block's page
         num_blocks = g.capacity + 1
         dense = replace(spec, page_size_padded=None)
         zero = self.pool.backend.zero_handle is not None
@@ -118,26 +124,19 @@ class VmmKVCache:
             self.ranges[name] = rng
             self.kv_caches[name] = view
 
-    # -- mapping ----------------------------------------------------------------------
-    def _slots(self, g: GroupLayout, page: int) -> list[int]:
-        k = g.pages.chunks_per_range
-        return list(range(page * k, (page + 1) * k))
+    # -- mapping ---------------------------------------------------------------------
+    def _group_ranges(self, g: GroupLayout) -> list[vmm.VirtualRange]:
+        return [self.ranges[name] for name in g.layer_names]
 
     def apply_plan(self, plan: MappingPlan) -> None:
         """Carry out one scheduler plan atomically; an empty plan unmaps every page."""
         if not plan:
             self._unmap_all()
             return
-        batch = vmm.MappingPlan()
+        ranges = [self._group_ranges(g) for g in self.layout.groups]
+        batch, _ = translate(plan, self.geometries, ranges)
         mapped = [set(s) for s in self.mapped_pages]
         for op in plan.ops:
-            g = self.layout.groups[op.group]
-            slots = self._slots(g, op.page)
-            for name in g.layer_names:
-                if isinstance(op, MapPage):
-                    batch.map(self.ranges[name], slots)
-                elif isinstance(op, UnmapPage):
-                    batch.unmap(self.ranges[name], slots)
             if isinstance(op, MapPage):
                 mapped[op.group].add(op.page)
             else:
@@ -149,8 +148,9 @@ class VmmKVCache:
         batch = vmm.MappingPlan()
         for g, pages in zip(self.layout.groups, self.mapped_pages, strict=True):
             for page in sorted(pages):
-                for name in g.layer_names:
-                    batch.unmap(self.ranges[name], self._slots(g, page))
+                units = page_units(self.geometries[g.index], self._group_ranges(g), page)
+                for rng, slot in units:
+                    batch.unmap(rng, [slot])
         batch.apply(self.pool)
         self.mapped_pages = [set() for _ in self.layout.groups]
 
@@ -162,11 +162,11 @@ class VmmKVCache:
         batch = vmm.MappingPlan()
         added: list[tuple[int, int]] = []
         for g, ids in zip(self.layout.groups, block_ids, strict=True):
-            per_page = g.pages.blocks_per_large_page
-            want = {b // per_page for b in ids if 0 <= b < g.capacity}
+            geometry = self.geometries[g.index]
+            want = {b // geometry.blocks_per_page for b in ids if 0 <= b < g.capacity}
             for page in sorted(want - self.mapped_pages[g.index]):
-                for name in g.layer_names:
-                    batch.map(self.ranges[name], self._slots(g, page))
+                for rng in self._group_ranges(g):
+                    batch.map(rng, list(geometry.page_slots(page)))
                 added.append((g.index, page))
         if added:
             batch.apply(self.pool)
@@ -206,7 +206,7 @@ class VmmKVCache:
         for g, pages in zip(self.layout.groups, self.mapped_pages, strict=True):
             for name in g.layer_names:
                 rng = self.ranges[name]
-                slots = {s for p in pages for s in self._slots(g, p)}
+                slots = {s for p in pages for s in self.geometries[g.index].page_slots(p)}
                 mapped = {s for s, h in rng.slot_to_handle().items() if h >= 0}
                 assert mapped == slots, f"{name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
 

@@ -52,6 +52,8 @@ from jenga.pages import (
 )
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
+from integrations.kvcache.geometry import GroupGeometry
+
 OPTIONS_KEY = "jenga_vmm"
 """Key of our options inside ``VllmConfig.additional_config``."""
 
@@ -187,6 +189,24 @@ class JengaLayout:
 
     def new_allocator(self) -> JengaAllocator:
         return JengaAllocator(self.allocator_config)
+
+    def geometries(self) -> tuple[GroupGeometry, ...]:
+        """Where each group's blocks and large pages live in its per-layer VMM ranges.
+
+        The KV cache's own record (`integrations.kvcache.geometry`), so the vLLM tensors
+        and `integrations.kvcache.KVCache` share one arithmetic and one plan translator.
+        """
+        if self.options.page_geometry != "vmm":
+            raise JengaVllmError(
+                f"pages={self.options.page_geometry!r} has no VMM range geometry "
+                "(block ids are vLLM's shared slots); use kv_tensors='vmm'"
+            )
+        return tuple(
+            GroupGeometry.from_row(
+                i, kg, row, self.options.chunk_bytes, self.allocator_config.total_units
+            )
+            for i, (kg, row) in enumerate(zip(self.model.groups, self.table.groups, strict=True))
+        )
 
 
 def kv_cache_memory_bytes(kv_cache_config: Any) -> int:

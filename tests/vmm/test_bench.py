@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from vmm._core import bench as raw
 from vmm.bench import cli as bench
+from vmm.bench import stats
 from vmm.bench.host import HOST_OPS, chunk_order
-from vmm.bench.report import Bar, OpResult, Report, Summary
+from vmm.bench.report import Bar, OpResult, Report
+from vmm.bench.stats import Summary
 
 TINY = ["--backend", "host", "--chunk-sizes", "64K", "--counts", "8", "--rounds", "2",
         "--map-rounds", "3", "--create-count", "4", "--views", "20", "--no-progress"]  # fmt: skip
@@ -28,7 +33,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_json_schema(tiny_run: dict) -> None:
     assert tiny_run["schema"] == "vmm-bench/1"
-    assert set(tiny_run) == {"schema", "machine", "args", "results", "bars", "passed"}
+    assert set(tiny_run) == {"schema", "machine", "args", "results", "bars", "skipped", "passed"}
+    assert tiny_run["skipped"] == [] and "device" not in tiny_run["machine"]
     assert {"nproc", "kernel", "python", "date"} <= set(tiny_run["machine"])
     assert tiny_run["args"]["backend"] == "host"
     for r in tiny_run["results"]:
@@ -129,6 +135,37 @@ def test_summary_percentiles_are_exact() -> None:
     assert s.p99 == pytest.approx(4.96)  # numpy's linear interpolation: 4 + 0.96
     with pytest.raises(ValueError):
         Summary.of([])
+
+
+def test_summary_scaled_changes_the_unit_only() -> None:
+    s = Summary.of([1000, 3000, 2000, 4000]).scaled(1e-3)
+    assert (s.n, s.avg, s.p50, s.max) == (4, 2.5, 2.5, 4.0)
+    assert s.p99 == pytest.approx(3.97)
+
+
+def test_time_calls_passes_the_index_and_pauses_the_collector() -> None:
+    seen: list[tuple[int, bool]] = []
+    times = stats.time_calls(lambda i: seen.append((i, gc.isenabled())), 4)
+    assert seen == [(0, False), (1, False), (2, False), (3, False)]
+    assert len(times) == 4 and all(isinstance(t, int) and t >= 0 for t in times)
+    assert gc.isenabled()
+
+
+def test_stats_loads_from_its_file_without_the_package(tmp_path: Path) -> None:
+    # benchmarks/vllm_replay.py loads it this way in an interpreter without jenga-vmm;
+    # -S (no site-packages) and a foreign cwd: neither vmm nor torch is importable
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('s', {stats.__file__!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['s'] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "print(m.Summary.of([3, 1, 2]).p50, len(m.time_calls(lambda i: None, 5)),"
+        " sorted(n for n in sys.modules if n.split('.')[0] in ('vmm', 'torch')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "2.0 5 []"), out.stderr
 
 
 def _result(op: str, ours: float, raw: float, **kw: object) -> OpResult:

@@ -56,7 +56,7 @@ def break_pool() -> tuple[vmm.ChunkPool, vmm.VirtualRange, vmm.VirtualRange]:
     with pytest.raises(vmm.BackendError, match="rollback of a mapping plan failed 3 times"):
         plan.apply(pool)
     assert (calls, attempts) == ([2, 1], [2, 2, 2])
-    assert pool._broken
+    assert pool.broken
     return pool, first, second
 
 
@@ -94,11 +94,11 @@ def test_huge_strides_and_offsets_raise_range_error():
 def test_view_factory_rejects_a_non_positive_item_size():
     pool = make_pool()
     rng = pool.reserve(4 * G)
-    assert rng._views is not None
+    assert rng.view_factory is not None
     with pytest.raises(_h.HostArgError, match="0 bits x 1 lanes has no positive item size"):
-        rng._views.capsule(4, (4,), (), 2, 0, 1)
+        rng.view_factory.capsule(4, (4,), (), 2, 0, 1)
     with pytest.raises(_h.HostArgError, match="32 bits x 0 lanes"):
-        rng._views.capsule(4, (4,), (), 2, 32, 0)
+        rng.view_factory.capsule(4, (4,), (), 2, 32, 0)
     pool.close()
 
 
@@ -179,7 +179,7 @@ def test_remap_whose_undo_fails_marks_the_pool_broken():
     with pytest.raises(vmm.BackendError, match="remap of 2 slots into 'dst' could not be undone"):
         dst.remap_from(src, [0, 1], [2, 3])
     assert attempts == [2, 2]  # the source unmap, then the compensating one
-    assert "source unmap failed" in pool._broken
+    assert "source unmap failed" in pool.broken
     with pytest.raises(vmm.BackendError, match="chunk pool is broken"):
         dst.map([0])
     pool.close()
@@ -195,6 +195,6 @@ def test_remap_whose_source_unmap_fails_once_is_undone():
     backend.inject_fault(1, errno.EIO)  # the source unmap; the compensation succeeds
     with pytest.raises(vmm.BackendError, match="errno 5"):
         dst.remap_from(src, [0, 1], [2, 3])
-    assert (src.slot_to_handle(), dst.slot_to_handle(), pool._broken) == ({0: 0, 1: 1}, {}, "")
+    assert (src.slot_to_handle(), dst.slot_to_handle(), pool.broken) == ({0: 0, 1: 1}, {}, "")
     pool.check_invariants(expensive=True)
     pool.close()

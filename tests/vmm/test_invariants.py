@@ -22,10 +22,10 @@ def small_pool(**opts: object) -> vmm.ChunkPool:
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
-        (lambda p, r: p._free.append(p._free[0]), "created 3 != free 2"),
-        (lambda p, r: p._refcount.__setitem__(1, 2), r"refcounts .* != slots"),
+        (lambda p, r: p.ledger._free.append(p.ledger._free[0]), "created 3 != free 2"),
+        (lambda p, r: p.ledger._refcount.__setitem__(1, 2), r"refcounts .* != slots"),
         (lambda p, r: r._slot_to_handle.__setitem__(5, 0), r"mapped != 2"),
-        (lambda p, r: setattr(p, "_budget_chunks", 2), "created 3 > budget 2"),
+        (lambda p, r: setattr(p.ledger, "_budget_chunks", 2), "created 3 > budget 2"),
     ],
 )
 def test_check_invariants_catches_corruption(corrupt, message):
@@ -37,7 +37,7 @@ def test_check_invariants_catches_corruption(corrupt, message):
     corrupt(pool, rng)
     with pytest.raises(AssertionError, match=message):
         pool.check_invariants(expensive=True)
-    pool._free, pool._refcount, pool._budget_chunks = [2], {0: 1, 1: 1}, 8
+    pool.ledger._free, pool.ledger._refcount, pool.ledger._budget_chunks = [2], {0: 1, 1: 1}, 8
     rng._slot_to_handle[5] = -1
     check(pool)
     pool.close()

@@ -43,12 +43,12 @@ def test_shared_chunk_is_refcounted(make_pool):
     b = pool.reserve(4 * pool.granularity, name="b")
     (h,) = a.map([0])
     b.share_from(a, [0], [3])
-    assert pool._refcount[h] == 2
+    assert pool.ledger.refcounts()[h] == 2
     assert pool.stats()["chunks.shared.current"] == 1
     a.unmap([0])
-    assert pool._refcount[h] == 1 and pool.num_free == 0
+    assert pool.ledger.refcounts()[h] == 1 and pool.num_free == 0
     b.unmap([3])
-    assert h not in pool._refcount and pool.num_free == 1
+    assert h not in pool.ledger.refcounts() and pool.num_free == 1
     check(pool)
 
 

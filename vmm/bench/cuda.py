@@ -23,20 +23,21 @@ Per round, on one device, for N chunks of G bytes:
 
 Limitations
 -----------
-Needs a GPU, its driver and cuda-python; written against the documented driver API and
-not run in the session that wrote it (docs/vmm-bench.md says where figures came from).
+Needs a CUDA driver and cuda-python. On the test suite's driver emulator (device name
+"... emulator ...") it runs end to end, and every figure is labelled "cuda-emulated":
+host mmap/mprotect costs, not GPU latencies (docs/vmm-bench.md says where GPU figures
+came from).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
-from vmm.bench.host import Case, Samples, _per_chunk, _timed_calls, _timed_once, gc_paused
-from vmm.bench.report import OpResult, Summary
+from vmm.bench.host import Case, Samples, add_per_chunk
+from vmm.bench.report import OpResult
+from vmm.bench.stats import Summary, gc_paused, timed_calls, timed_once
 
-_clock = time.perf_counter_ns
 CUDA_OPS = ("create", "reserve", "map", "set_access", "unmap", "release", "free_reservation")
 
 
@@ -76,27 +77,27 @@ class RawCuda:
 def raw_round(raw: RawCuda, case: Case, samples: Samples) -> None:
     """One raw cycle: create, reserve, map (+ set access), unmap, release, free."""
     d, g, n = raw.d, case.chunk_size, case.num_chunks
-    t_create, handles = _timed_calls(lambda _: _ok(d.cuMemCreate(g, raw.prop, 0)), [0] * n)
-    t, va = _timed_once(lambda: _ok(d.cuMemAddressReserve(n * g, g, 0, 0)))
+    t_create, handles = timed_calls(lambda _: _ok(d.cuMemCreate(g, raw.prop, 0)), [0] * n)
+    t, va = timed_once(lambda: _ok(d.cuMemAddressReserve(n * g, g, 0, 0)))
     samples.setdefault("reserve", []).append(float(t))
     vas = [int(va) + i * g for i in range(n)]
     pairs = list(zip(vas, handles, strict=True))
-    t_map, _ = _timed_calls(lambda p: _ok(d.cuMemMap(p[0], g, 0, p[1], 0)), pairs)
+    t_map, _ = timed_calls(lambda p: _ok(d.cuMemMap(p[0], g, 0, p[1], 0)), pairs)
     if case.mode == "one_by_one":
-        t_access, _ = _timed_calls(lambda v: _ok(d.cuMemSetAccess(v, g, raw.rw, 1)), vas)
+        t_access, _ = timed_calls(lambda v: _ok(d.cuMemSetAccess(v, g, raw.rw, 1)), vas)
     else:
-        t, _ = _timed_once(lambda: _ok(d.cuMemSetAccess(vas[0], n * g, raw.rw, 1)))
+        t, _ = timed_once(lambda: _ok(d.cuMemSetAccess(vas[0], n * g, raw.rw, 1)))
         t_access = [t // n] * n
-    t_unmap, _ = _timed_calls(lambda v: _ok(d.cuMemUnmap(v, g)), vas)
-    t_release, _ = _timed_calls(lambda h: _ok(d.cuMemRelease(h)), handles)
-    t, _ = _timed_once(lambda: _ok(d.cuMemAddressFree(va, n * g)))
+    t_unmap, _ = timed_calls(lambda v: _ok(d.cuMemUnmap(v, g)), vas)
+    t_release, _ = timed_calls(lambda h: _ok(d.cuMemRelease(h)), handles)
+    t, _ = timed_once(lambda: _ok(d.cuMemAddressFree(va, n * g)))
     samples.setdefault("free_reservation", []).append(float(t))
     both = [a + b for a, b in zip(t_map, t_access, strict=True)]
     for op, values in (("create", t_create), ("map", both), ("set_access", t_access)):
-        _per_chunk(samples, op, values, case.mode)
+        add_per_chunk(samples, op, values, case.mode)
     for op, values in (("unmap", t_unmap), ("release", t_release)):
-        _per_chunk(samples, op, values, case.mode)
-    _per_chunk(samples, "apply_plan", both, "batched")
+        add_per_chunk(samples, op, values, case.mode)
+    add_per_chunk(samples, "apply_plan", both, "batched")
 
 
 def ours_round(backend: Any, case: Case, samples: Samples) -> None:
@@ -109,27 +110,27 @@ def ours_round(backend: Any, case: Case, samples: Samples) -> None:
     va = backend.reserve(n * g)
     vas = [va + i * g for i in range(n)]
     timings: dict[str, list[int]] = {}
-    backend._drv.timings = timings
+    backend.driver.timings = timings
     try:
         if case.mode == "one_by_one":
-            t_map, _ = _timed_calls(
+            t_map, _ = timed_calls(
                 lambda p: backend.map([p[0]], [p[1]]), list(zip(vas, handles, strict=True))
             )
-            t_unmap, _ = _timed_calls(lambda v: backend.unmap([v]), vas)
+            t_unmap, _ = timed_calls(lambda v: backend.unmap([v]), vas)
         else:
-            t, _ = _timed_once(lambda: backend.map(vas, handles))
+            t, _ = timed_once(lambda: backend.map(vas, handles))
             t_map = [t // n] * n
-            t, _ = _timed_once(lambda: backend.unmap(vas))
+            t, _ = timed_once(lambda: backend.unmap(vas))
             t_unmap = [t // n] * n
     finally:
-        backend._drv.timings = None
+        backend.driver.timings = None
         backend.free_reservation(va, n * g)
         backend.release(handles)
     access = timings.get("cuMemSetAccess", [0])
     t_access = [int(t) for t in access] if case.mode == "one_by_one" else [sum(access) // n] * n
-    _per_chunk(samples, "map", t_map, case.mode)
-    _per_chunk(samples, "set_access", t_access, case.mode)
-    _per_chunk(samples, "unmap", t_unmap, case.mode)
+    add_per_chunk(samples, "map", t_map, case.mode)
+    add_per_chunk(samples, "set_access", t_access, case.mode)
+    add_per_chunk(samples, "unmap", t_unmap, case.mode)
 
 
 def run_case(
@@ -138,9 +139,11 @@ def run_case(
     apply_plan: Callable[[Case, Samples], None] | None,
     ordinal: int,
     driver: Any = None,
+    label: str = "cuda",
 ) -> list[OpResult]:
     """All CUDA ops of one case, `rounds` rounds of raw and ours interleaved (`driver`:
-    an initialised `vmm.cuda_driver.Driver` for the raw loop; default cuda-python's)."""
+    an initialised `vmm.cuda_driver.Driver` for the raw loop, default cuda-python's;
+    `label`: the results' backend, "cuda-emulated" on the test suite's driver emulator)."""
     raw = RawCuda(ordinal, driver)
     ours: Samples = {}
     raw_samples: Samples = {}
@@ -161,7 +164,7 @@ def run_case(
     return [
         OpResult(
             op=op,
-            backend="cuda",
+            backend=label,
             chunk_size=case.chunk_size,
             num_chunks=case.num_chunks,
             mode=case.mode,

@@ -31,17 +31,14 @@ machine); the JSON records the machine facts with the figures.
 
 from __future__ import annotations
 
-import gc
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vmm.bench.report import OpResult, Summary
+from vmm.bench.report import OpResult
+from vmm.bench.stats import Summary, gc_paused, timed_calls, timed_once
 
 Samples = dict[str, list[float]]
-_clock = time.perf_counter_ns
 #: ops measured per case, in table order; tensor_view is per chunk size (see tensor_view_case)
 HOST_OPS = ("create", "reserve", "map", "unmap", "release", "free_reservation", "apply_plan")
 
@@ -66,20 +63,7 @@ def chunk_order(layout: str, num_chunks: int) -> list[int]:
     raise ValueError(f"unknown layout {layout!r} (contiguous or scattered)")
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No garbage collection while timing; a full collection after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.collect()
-
-
-def _per_chunk(samples: Samples, op: str, values: list[int], mode: str) -> None:
+def add_per_chunk(samples: Samples, op: str, values: list[int], mode: str) -> None:
     """One_by_one keeps every call; batched keeps the round's mean per chunk."""
     if mode == "one_by_one":
         samples.setdefault(op, []).extend(float(v) for v in values)
@@ -96,7 +80,7 @@ def raw_lifecycle_round(case: Case, samples: Samples) -> None:
         case.chunk_size, chunk_order("contiguous", case.num_chunks)
     )
     for op in ("create", "release"):
-        _per_chunk(samples, op, times[op], case.mode)
+        add_per_chunk(samples, op, times[op], case.mode)
     for op in ("reserve", "free_reservation"):
         samples.setdefault(op, []).extend(float(v) for v in times[op])
 
@@ -109,52 +93,36 @@ def raw_map_rounds(case: Case, samples: Samples) -> None:
     times = bench.raw_host_map_rounds(case.chunk_size, chunk_order(case.layout, n), case.rounds)
     for r in range(case.rounds):
         for op in ("map", "unmap"):
-            _per_chunk(samples, op, times[op][r * n : (r + 1) * n], case.mode)
-        _per_chunk(samples, "apply_plan", times["map"][r * n : (r + 1) * n], "batched")
+            add_per_chunk(samples, op, times[op][r * n : (r + 1) * n], case.mode)
+        add_per_chunk(samples, "apply_plan", times["map"][r * n : (r + 1) * n], "batched")
 
 
 # ---- ours ------------------------------------------------------------------------------
-def _timed_calls(fn: Callable[[Any], Any], args: list[Any]) -> tuple[list[int], list[Any]]:
-    times, outs = [], []
-    for a in args:
-        t0 = _clock()
-        out = fn(a)
-        times.append(_clock() - t0)
-        outs.append(out)
-    return times, outs
-
-
-def _timed_once(fn: Callable[[], Any]) -> tuple[int, Any]:
-    t0 = _clock()
-    out = fn()
-    return _clock() - t0, out
-
-
 def ours_lifecycle(backend: Any, case: Case, samples: Samples) -> None:
     """The raw cycle's steps through `backend`: create and reserve (timed), map and unmap
     every slot (untimed: measured by the map rounds), release and free (timed), so each
     timed step does the same work as its raw counterpart."""
     n, g = case.num_chunks, case.chunk_size
     if case.mode == "one_by_one":
-        t_create, outs = _timed_calls(backend.create, [1] * n)
+        t_create, outs = timed_calls(backend.create, [1] * n)
         handles = [out[0] for out in outs]
     else:
-        t, handles = _timed_once(lambda: backend.create(n))
+        t, handles = timed_once(lambda: backend.create(n))
         t_create = [t // n] * n
-    t, va = _timed_once(lambda: backend.reserve(n * g))
+    t, va = timed_once(lambda: backend.reserve(n * g))
     samples.setdefault("reserve", []).append(float(t))
     vas = [va + i * g for i in range(n)]
     backend.map(vas, handles)
     backend.unmap(vas)
     if case.mode == "one_by_one":
-        t_release, _ = _timed_calls(lambda h: backend.release([h]), handles)
+        t_release, _ = timed_calls(lambda h: backend.release([h]), handles)
     else:
-        t, _ = _timed_once(lambda: backend.release(handles))
+        t, _ = timed_once(lambda: backend.release(handles))
         t_release = [t // n] * n
-    t, _ = _timed_once(lambda: backend.free_reservation(va, n * g))
+    t, _ = timed_once(lambda: backend.free_reservation(va, n * g))
     samples.setdefault("free_reservation", []).append(float(t))
-    _per_chunk(samples, "create", t_create, case.mode)
-    _per_chunk(samples, "release", t_release, case.mode)
+    add_per_chunk(samples, "create", t_create, case.mode)
+    add_per_chunk(samples, "release", t_release, case.mode)
 
 
 def ours_map_rounds(backend: Any, case: Case, samples: Samples) -> None:
@@ -170,14 +138,14 @@ def ours_map_rounds(backend: Any, case: Case, samples: Samples) -> None:
     try:
         for _ in range(case.rounds):
             if case.mode == "one_by_one":
-                t_map, _ = _timed_calls(lambda p: backend.map([p[0]], [p[1]]), pairs)
-                t_unmap, _ = _timed_calls(lambda v: backend.unmap([v]), vas)
-                _per_chunk(samples, "map", t_map, "one_by_one")
-                _per_chunk(samples, "unmap", t_unmap, "one_by_one")
+                t_map, _ = timed_calls(lambda p: backend.map([p[0]], [p[1]]), pairs)
+                t_unmap, _ = timed_calls(lambda v: backend.unmap([v]), vas)
+                add_per_chunk(samples, "map", t_map, "one_by_one")
+                add_per_chunk(samples, "unmap", t_unmap, "one_by_one")
             else:
-                t, _ = _timed_once(lambda: backend.map(vas, handles))
+                t, _ = timed_once(lambda: backend.map(vas, handles))
                 samples.setdefault("map", []).append(t / n)
-                t, _ = _timed_once(lambda: backend.unmap(vas))
+                t, _ = timed_once(lambda: backend.unmap(vas))
                 samples.setdefault("unmap", []).append(t / n)
     finally:
         backend.free_reservation(va, g * n)
@@ -249,8 +217,8 @@ def tensor_view_case(
             rng = pool.reserve(chunk_size)
             rng.map([0])
             shape = (chunk_size,)
-            ours, _ = _timed_calls(lambda _: rng.tensor(shape, torch.uint8), [0] * num_views)
-            raw, _ = _timed_calls(
+            ours, _ = timed_calls(lambda _: rng.tensor(shape, torch.uint8), [0] * num_views)
+            raw, _ = timed_calls(
                 lambda _: torch.from_dlpack(capsule(rng.va, chunk_size, cuda_device)),
                 [0] * num_views,
             )
@@ -296,7 +264,7 @@ def ours_apply_plan(make_pool: Callable[[int, int], Any], case: Case, samples: S
         slots = list(range(n))
         for _ in range(case.rounds):
             plan = MappingPlan().map(target, slots)
-            t, _ = _timed_once(lambda: pool.apply(plan))  # noqa: B023 - called at once
+            t, _ = timed_once(lambda: pool.apply(plan))  # noqa: B023 - called at once
             samples.setdefault("apply_plan", []).append(t / n)
             target.unmap(slots)
     finally:

@@ -20,7 +20,8 @@ CASES = ("llama", "gemma2", "ministral", "jamba")
 def layer_specs(case: str, *, block_size: int = 16, window: int = 64) -> dict[str, Any]:
     """``{layer name: vLLM KVCacheSpec}`` for one case."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from integrations.vllm.compat import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     attn = {"block_size": block_size, "num_kv_heads": 8, "head_size": 128, "dtype": torch.float16}
     full = FullAttentionSpec(**attn)

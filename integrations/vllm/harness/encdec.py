@@ -29,6 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from integrations.vllm import compat
+from integrations.vllm.harness import replay
+from integrations.vllm.harness.side_by_side import summarize
+
 WHISPER_SPECIALS = (
     "<|endoftext|>",
     "<|startoftranscript|>",
@@ -77,10 +81,6 @@ def write_tiny_whisper(folder: Path, *, decoder_layers: int = 2) -> Path:
     return folder
 
 
-def is_encoder_decoder_folder(folder: Path) -> bool:
-    return (folder / "preprocessor_config.json").exists()
-
-
 def make_encoder_requests(
     prompts: Sequence[Sequence[int]],
     clips: Sequence[str],
@@ -95,27 +95,15 @@ def make_encoder_requests(
 
     ``offset`` > 0 places the input inside the prompt instead (a decoder-only model's
     image placeholders at ``[offset, offset + encoder_tokens)``)."""
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(block_size, sha256)
+    hasher = compat.request_block_hasher(block_size, "sha256")
     out = []
     for i, (prompt, clip, n) in enumerate(zip(prompts, clips, max_tokens, strict=True)):
-        feature = MultiModalFeatureSpec(
-            data=None,
-            modality="audio",
-            identifier=clip,
-            mm_position=PlaceholderRange(offset=offset, length=encoder_tokens),
-        )
+        feature = compat.multimodal_feature(clip, offset, encoder_tokens, "audio")
         out.append(
-            Request(
+            compat.Request(
                 request_id=f"{prefix}{i}",
                 prompt_token_ids=list(prompt),
-                sampling_params=SamplingParams(max_tokens=n, ignore_eos=True),
+                sampling_params=compat.sampling_params(max_tokens=n, ignore_eos=True),
                 pooling_params=None,
                 mm_features=[feature],
                 block_hasher=hasher,
@@ -127,13 +115,12 @@ def make_encoder_requests(
 def layer_specs(*, block_size: int = 16, decoder_layers: int = 2) -> dict[str, Any]:
     """Per-layer vLLM specs of the tiny Whisper decoder: self attention + cross attention."""
     import torch
-    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec
 
     attn = {"block_size": block_size, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float16}
     specs: dict[str, Any] = {}
     for i in range(decoder_layers):
-        specs[f"model.decoder.layers.{i}.self_attn.attn"] = FullAttentionSpec(**attn)
-        specs[f"model.decoder.layers.{i}.encoder_attn.attn"] = CrossAttentionSpec(**attn)
+        specs[f"model.decoder.layers.{i}.self_attn.attn"] = compat.FullAttentionSpec(**attn)
+        specs[f"model.decoder.layers.{i}.encoder_attn.attn"] = compat.CrossAttentionSpec(**attn)
     return specs
 
 
@@ -146,8 +133,6 @@ def make_scheduler(folder: Path, memory_mb: int, *, jenga: bool) -> Any:
     """vLLM's scheduler or ours on the tiny Whisper folder. vLLM's runs with prefix
     caching off: its `CrossAttentionManager` raises when caching is on; ours caches."""
     from dataclasses import replace
-
-    from integrations.vllm.harness import replay
 
     setup = replay.SchedulerSetup(**WHISPER_SETUP_LIMITS)
     if not jenga:
@@ -171,9 +156,6 @@ def side_by_side(memory_mb: int = 32, requests: int = 16, clips: int = 4) -> lis
     sharing prompts and audio clips; one `side_by_side.Row` per manager."""
     import tempfile
     import time
-
-    from integrations.vllm.harness import replay
-    from integrations.vllm.harness.side_by_side import summarize
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

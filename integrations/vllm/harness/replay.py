@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from integrations.vllm.harness.encdec import is_encoder_decoder_folder
+from integrations.vllm import compat
+from integrations.vllm.scheduler import JengaAsyncScheduler, JengaScheduler
 
 _TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -71,18 +72,17 @@ def write_tiny_model(folder: Path) -> Path:
     return folder
 
 
-def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+def is_encoder_decoder_folder(folder: Path) -> bool:
+    """A model folder written by `integrations.vllm.harness.encdec` (it has a feature
+    extractor, so vLLM sizes the encoder budget from it)."""
+    return (folder / "preprocessor_config.json").exists()
 
+
+def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
+    classes = compat.config_classes()
     encdec = is_encoder_decoder_folder(model_dir)  # needs its tokenizer (see encdec.py)
     extra: dict[str, Any] = {"mm_hasher_algorithm": "sha256"} if encdec else {}
-    model_config = ModelConfig(
+    model_config = classes["ModelConfig"](
         model=str(model_dir),
         skip_tokenizer_init=not encdec,
         dtype="float16",
@@ -90,7 +90,7 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
         max_model_len=setup.max_model_len,
         **extra,
     )
-    scheduler_config = SchedulerConfig(
+    scheduler_config = classes["SchedulerConfig"](
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_model_len,
@@ -98,14 +98,14 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
         is_encoder_decoder=model_config.is_encoder_decoder,
         async_scheduling=setup.async_scheduling,
     )
-    cache_config = CacheConfig(
+    cache_config = classes["CacheConfig"](
         block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
     )
-    config = VllmConfig(
+    config = classes["VllmConfig"](
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
-        device_config=DeviceConfig(device="cpu"),
+        device_config=classes["DeviceConfig"](device="cpu"),
         additional_config={"jenga_vmm": dict(setup.jenga_options)},
     )
     # As on a GPU platform: hybrid groups, a resolved layout, Mamba "align" caching.
@@ -117,29 +117,21 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
 
 def kv_cache_config_for(vllm_config: Any, layer_specs: Mapping[str, Any], memory_bytes: int) -> Any:
     """vLLM's own grouping and block count for these per-layer specs and bytes."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-    return get_kv_cache_configs(vllm_config, [dict(layer_specs)], [memory_bytes])[0]
+    return compat.get_kv_cache_configs(vllm_config, [dict(layer_specs)], [memory_bytes])[0]
 
 
 def make_scheduler(vllm_config: Any, kv_cache_config: Any, *, jenga: bool) -> Any:
     """vLLM's `Scheduler` (``jenga=False``) or ours, on the same configs."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from integrations.vllm.scheduler import JengaAsyncScheduler, JengaScheduler
-
     is_async = bool(vllm_config.scheduler_config.async_scheduling)
     if jenga:
         cls: Any = JengaAsyncScheduler if is_async else JengaScheduler
     else:
-        cls = AsyncScheduler if is_async else Scheduler
+        cls = compat.AsyncScheduler if is_async else compat.Scheduler
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
+        structured_output_manager=compat.structured_output_manager(vllm_config),
         block_size=vllm_config.cache_config.block_size,
         log_stats=True,
     )
@@ -148,19 +140,13 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any, *, jenga: bool) -> An
 def make_requests(
     prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], block_size: int, prefix: str = "r"
 ) -> list[Any]:
-    """vLLM `Request` s with block hashes (vLLM's manager needs them; ours ignores them)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(block_size, sha256)
+    """vLLM `Request` s with vLLM's sha256 block hashes (both managers key blocks by them)."""
+    hasher = compat.request_block_hasher(block_size, "sha256")
     return [
-        Request(
+        compat.Request(
             request_id=f"{prefix}{i}",
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=n, ignore_eos=True),
+            sampling_params=compat.sampling_params(max_tokens=n, ignore_eos=True),
             pooling_params=None,
             block_hasher=hasher,
         )
@@ -227,15 +213,13 @@ def replay(
 def fake_model_output(out: Any, by_id: Mapping[str, Any], step: int) -> Any:
     """The `ModelRunnerOutput` of a step: one token for every request whose prompt (and
     any recomputation) this step completes, a deterministic id of (request, step)."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
     ids = list(out.num_scheduled_tokens)
     sampled = []
     for rid in ids:
         req = by_id[rid]
         done = req.num_computed_tokens + out.num_scheduled_tokens[rid] >= req.num_tokens
         sampled.append([1000 + (hash(rid) + step) % 20000] if done else [])
-    return ModelRunnerOutput(
+    return compat.model_runner_output(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
     )
 

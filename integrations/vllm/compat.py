@@ -1,0 +1,194 @@
+"""Every import from vLLM, and every version-dependent signature, in one module.
+
+Rationale
+    vLLM's scheduler/manager surface changes between releases (module moves, new
+    arguments). With the imports spread over the product and the harness, supporting
+    the next release was a search; here it is one file, and `tests/test_layout.py`
+    (`test_vllm_is_imported_only_through_compat`) keeps it that way.
+
+Approach
+    - Module-level imports of what the product uses on every path (the scheduler side:
+      blocks, requests, stats, events, the scheduler classes).
+    - Lazy accessors (functions) for what only some paths need, or what is costly or
+      version-specific to import: the worker's model-runner modules, the harness's
+      configuration and request builders, kv-cache planning.
+    - Version-dependent signatures are wrapped here (`get_kv_cache_configs`, ...): a
+      caller never branches on the version itself. ``VLLM_VERSION`` is the installed
+      version; `integrations.vllm.version.check_vllm_version` refuses others.
+
+Limitations
+    Importing this module imports vLLM (it needs vLLM installed); `integrations.vllm`
+    and `integrations.vllm.version` do not import it.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+    create_kv_cache_views,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+import vllm
+
+VLLM_VERSION = str(vllm.__version__)
+
+__all__ = [
+    "VLLM_VERSION",
+    "AllBlocksCleared",
+    "AsyncScheduler",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
+    "FullAttentionSpec",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheEvent",
+    "KVCacheTensor",
+    "MambaSpec",
+    "PrefixCacheStats",
+    "Request",
+    "Scheduler",
+    "SlidingWindowSpec",
+    "create_kv_cache_views",
+]
+
+
+# -- worker side ------------------------------------------------------------------------
+def gpu_model_runner_module() -> ModuleType:
+    """The module of vLLM's V1 ``GPUModelRunner`` (its ``allocate_kv_cache`` is swapped)."""
+    from vllm.v1.worker import gpu_model_runner
+
+    return gpu_model_runner
+
+
+def v2_model_runner_module() -> ModuleType:
+    """The module of vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner``)."""
+    from vllm.v1.worker.gpu import model_runner
+
+    return model_runner
+
+
+def v2_attn_utils_module() -> ModuleType:
+    """The V2 runner's attention utilities (holds its KV-cache allocation)."""
+    from vllm.v1.worker.gpu import attn_utils
+
+    return attn_utils
+
+
+def use_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether vLLM builds its V2 model runner for this config (vLLM's own rule)."""
+    from vllm.v1.worker.gpu_worker import use_v2_model_runner as rule
+
+    return bool(rule(vllm_config))
+
+
+# -- configuration and requests (harness, tests) ------------------------------------------
+def config_classes() -> dict[str, Any]:
+    """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
+    from vllm import config
+
+    names = ("CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "VllmConfig")
+    return {name: getattr(config, name) for name in names}
+
+
+def get_kv_cache_configs(
+    vllm_config: Any, layer_specs: list[dict[str, Any]], memory_bytes: list[int]
+) -> list[Any]:
+    """vLLM's grouping and block count per worker (0.32: ``kv_cache_utils``)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as build
+
+    return list(build(vllm_config, layer_specs, memory_bytes))
+
+
+def structured_output_manager(vllm_config: Any) -> Any:
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return StructuredOutputManager(vllm_config)
+
+
+def sampling_params(**kwargs: Any) -> Any:
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+def request_block_hasher(block_size: int, algorithm: str = "sha256") -> Any:
+    """vLLM's per-request block hasher with the named algorithm (as the engine builds it)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(algorithm)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def multimodal_feature(identifier: str, offset: int, length: int, modality: str) -> Any:
+    """A `MultiModalFeatureSpec` with no data (vLLM's "already cached" form)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return MultiModalFeatureSpec(
+        data=None,
+        modality=modality,
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
+
+
+def model_runner_output(**kwargs: Any) -> Any:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(**kwargs)
+
+
+# -- engine (harness, tests) -------------------------------------------------------------
+def engine_core_class() -> type:
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
+
+
+def executor_base_class() -> type:
+    from vllm.v1.executor.abstract import Executor
+
+    return Executor
+
+
+def engine_core_request(**kwargs: Any) -> Any:
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(**kwargs)
+
+
+def lora_request(name: str, adapter_id: int) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=adapter_id, lora_path="/nonexistent")
+
+
+def kv_cache_layout(name: str) -> Any:
+    """vLLM's `KVCacheLayout` member of this name (e.g. "LBNHC")."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return KVCacheLayout[name]
