@@ -190,28 +190,33 @@ class _StatePart:
         rng = kv.ranges[group][geo.range_index(self.layer_idx)]
         return rng.tensor((rows, *shape), dtype, offsets[0], (row_stride, *inner))
 
+    def _views(self) -> dict[tuple[int, int], torch.Tensor]:
+        """(0 conv / 1 recurrent, state index) -> the view of our blocks we handed out."""
+        return self.__dict__.setdefault("_state_views", {})
+
+    def _offset(self, which: int) -> int:
+        return 0 if which == 0 else self.store.recurrent_offset
+
+    def _point(self, which: int, idx: int, rows: int, dtype: torch.dtype, shape: tuple) -> None:
+        view = self._state_view(rows, dtype, self._offset(which), tuple(shape))
+        (self.conv_states, self.recurrent_states)[which][idx] = view
+        self._views()[(which, idx)] = view
+
     def _take_states(self, state_idx: int) -> None:
         """Replace transformers' fresh zero tensors of `state_idx` by zeroed views."""
-        for states, offset in ((self.conv_states, 0), (self.recurrent_states, None)):
+        for which, states in enumerate((self.conv_states, self.recurrent_states)):
             fresh = states.get(state_idx)
-            if fresh is None or getattr(fresh, "_vmm_view", False):
+            if fresh is None or fresh is self._views().get((which, state_idx)):
                 continue
-            start = self.store.recurrent_offset if offset is None else offset
-            view = self._state_view(fresh.shape[0], fresh.dtype, start, tuple(fresh.shape[1:]))
-            view.zero_()
-            view._vmm_view = True  # type: ignore[attr-defined]
-            states[state_idx] = view
+            self._point(which, state_idx, fresh.shape[0], fresh.dtype, fresh.shape[1:])
+            self._views()[(which, state_idx)].zero_()
 
     def repoint(self) -> None:
         """Rebuild every state view over the rows' current live blocks (after a move)."""
-        for states, offset in ((self.conv_states, 0), (self.recurrent_states, None)):
-            for idx, old in states.items():
-                if old is None:
-                    continue
-                start = self.store.recurrent_offset if offset is None else offset
-                view = self._state_view(old.shape[0], old.dtype, start, tuple(old.shape[1:]))
-                view._vmm_view = True  # type: ignore[attr-defined]
-                states[idx] = view
+        for which, states in enumerate((self.conv_states, self.recurrent_states)):
+            for idx, old in list(states.items()):
+                if old is not None:
+                    self._point(which, idx, old.shape[0], old.dtype, old.shape[1:])
 
     def state_layout(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
         """(dtype, per-row shape) of the conv and recurrent states, once initialized."""
@@ -226,15 +231,12 @@ class _StatePart:
     def resume(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
         """Point state 0 at the rows' live blocks as they are (a request that continues:
         its state is in memory, transformers must read it, not start from zeros)."""
-        (conv_dtype, conv_shape), (rec_dtype, rec_shape) = layout
-        rows = self.store.num_rows
-        conv = self._state_view(rows, conv_dtype, 0, conv_shape)
-        recurrent = self._state_view(rows, rec_dtype, self.store.recurrent_offset, rec_shape)
-        for view in (conv, recurrent):
-            view._vmm_view = True  # type: ignore[attr-defined]
-        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
-        self.conv_kernel_size[0] = conv_shape[-1]
-        self.dtype, self.device = conv_dtype, conv.device  # type: ignore[assignment]
+        for which, (dtype, shape) in enumerate(layout):
+            self._point(which, 0, self.store.num_rows, dtype, shape)
+        conv = self.conv_states[0]
+        assert conv is not None
+        self.conv_kernel_size[0] = conv.shape[-1]
+        self.dtype, self.device = conv.dtype, conv.device  # type: ignore[assignment]
         for flags in (self.is_conv_states_initialized, self.is_recurrent_states_initialized,
                       self.has_previous_state):  # fmt: skip
             flags[0] = True

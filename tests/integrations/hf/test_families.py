@@ -10,6 +10,8 @@ by family, so both appear without doubling the matrix's time).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -30,9 +32,14 @@ CASES = [
 ]
 
 
+@functools.lru_cache(maxsize=2)  # the fp32 batch-1 and batch-2 cases share one model
+def _model(name: str, dtype: torch.dtype):
+    return tiny_model(name, dtype)
+
+
 @pytest.mark.parametrize(("name", "dtype", "batch"), CASES)
 def test_family_logits_bitwise_equal_to_transformers_cache(name, dtype, batch):
-    model = tiny_model(name, dtype)
+    model = _model(name, dtype)
     inputs = text_inputs(batch)
     ref = model.generate(**inputs, **GENERATE)
     cache = VmmCache(model.config, chunk_bytes=4096, block_size=4, checkpoint_interval=CHECKPOINT)
