@@ -20,6 +20,12 @@ so callers (mapping plans) only ever roll back whole calls.
     va       an int virtual address, aligned to `granularity`
     slot     one granularity-sized piece of a reservation
 
+Sharing between processes (optional): `export_handles` describes chunks as file
+descriptors + byte offsets (`SharedChunks`) that another process receives over a Unix
+socket (SCM_RIGHTS) and passes to its own backend's `import_handles`. Releasing an
+imported handle drops this process's reference only; the memory returns to the device
+when the exporter releases it too (the CUDA rule for `cuMemImportFromShareableHandle`).
+
 Limitations
 -----------
 Single device per backend instance. The zero chunk is optional (`zero_handle` None
@@ -30,7 +36,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
+
+from vmm.errors import BackendError
+
+
+@dataclass(frozen=True)
+class SharedChunks:
+    """Chunks exported for another process: chunk i lives in ``fds[where[i][0]]`` at byte
+    offset ``where[i][1]``. Host: one memfd for all chunks; CUDA: one POSIX fd per chunk
+    (offset 0). The fds are new descriptors: whoever holds this closes them (after sending
+    them, or after `import_handles`)."""
+
+    fds: tuple[int, ...]
+    where: tuple[tuple[int, int], ...]
 
 
 class ViewFactory(Protocol):
@@ -136,6 +156,16 @@ class Backend(ABC):
         calling Python. With None, `vmm.tensor` uses `__cuda_array_interface__` on CUDA.
         """
         return None
+
+    # ---- sharing between processes (optional) --------------------------------------
+    def export_handles(self, handles: Sequence[int]) -> SharedChunks:
+        """Describe created chunks for another process (nothing changes here)."""
+        raise BackendError(f"the {self.name} backend cannot export chunks", op="export")
+
+    def import_handles(self, shared: SharedChunks) -> list[int]:
+        """Adopt chunks another process exported; returns local handles (all or nothing).
+        `release` of them drops this process's reference only."""
+        raise BackendError(f"the {self.name} backend cannot import chunks", op="import")
 
     # ---- accounting / lifetime ----------------------------------------------------
     @abstractmethod

@@ -46,11 +46,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vmm.backend import Backend
+from vmm.backend import Backend, SharedChunks
 from vmm.cuda_driver import Driver, load_driver
 from vmm.errors import (
     AlignmentError,
@@ -121,11 +122,13 @@ class CudaBackend(Backend):
         zero_chunk: bool = True,
         zero_fill: bool = True,
         driver: Driver | None = None,
+        shareable: bool = False,
     ):
         self._drv: Driver = load_driver() if driver is None else driver
         self._ordinal = _current_torch_device() if device is None else int(device)
         self.device = f"cuda:{self._ordinal}"
         self._zero_fill = zero_fill
+        self._shareable = shareable  # chunks exportable as POSIX fds (vmm.shared)
         self._lock = threading.RLock()
         self._closed = False
         self._reservations: dict[int, int] = {}  # base va -> size
@@ -147,7 +150,7 @@ class CudaBackend(Backend):
 
     # ---- set-up -------------------------------------------------------------------
     def _set_up(self, granularity: int | None, zero_chunk: bool) -> None:
-        self._prop = self._allocation_prop()
+        self._prop = self._allocation_prop(self._shareable)
         self._granularity = self._choose_granularity(granularity)
         self._rw = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
         self._ro = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READ")
@@ -175,13 +178,14 @@ class CudaBackend(Backend):
         if not int(self._drv.call("cuDeviceGetAttribute", attr, self._dev)):
             raise BackendUnavailable(f"device {self._ordinal} does not support CUDA VMM")
 
-    def _allocation_prop(self) -> Any:
+    def _allocation_prop(self, shareable: bool = False) -> Any:
         mod = self._drv.mod
         prop = mod.CUmemAllocationProp()
         prop.type = mod.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = mod.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = self._ordinal
-        prop.requestedHandleTypes = mod.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        kind = "CU_MEM_HANDLE_TYPE_" + ("POSIX_FILE_DESCRIPTOR" if shareable else "NONE")
+        prop.requestedHandleTypes = getattr(mod.CUmemAllocationHandleType, kind)
         return prop
 
     def _access_desc(self, flag: str) -> list[Any]:
@@ -365,6 +369,45 @@ class CudaBackend(Backend):
                 self._drv.call("cuMemRelease", h)
             self._map_count.pop(h, None)
             self._handle_obj.pop(h, None)
+
+    # ---- sharing between processes (written against the driver docs; not run: no GPU) ----
+    def export_handles(self, handles: Sequence[int]) -> SharedChunks:
+        """One POSIX fd per chunk (`cuMemExportToShareableHandle`); needs `shareable=True`.
+        The fds are new: the caller sends and closes them."""
+        if not self._shareable:
+            raise BackendError("export needs CudaBackend(shareable=True)", op="export")
+        kind = self._drv.mod.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        fds: list[int] = []
+        with self._context():
+            try:
+                for h in handles:
+                    self._check_live(h, "export")
+                    fds.append(int(self._drv.call("cuMemExportToShareableHandle", h, kind, 0)))
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+        return SharedChunks(tuple(fds), tuple((i, 0) for i in range(len(fds))))
+
+    def import_handles(self, shared: SharedChunks) -> list[int]:
+        """`cuMemImportFromShareableHandle` per chunk (offsets must be 0); all or nothing.
+        `release` of an imported handle drops this process's reference (`cuMemRelease`)."""
+        bad = [off for _, off in shared.where if off]
+        if bad:
+            raise AlignmentError(f"import: CUDA chunks are whole allocations, offset {bad[0]}")
+        kind = self._drv.mod.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        made: list[int] = []
+        with self._context():
+            try:
+                for i, _ in shared.where:
+                    obj = self._drv.call("cuMemImportFromShareableHandle", shared.fds[i], kind)
+                    made.append(int(obj))
+                    self._handle_obj[int(obj)] = obj
+                    self._map_count[int(obj)] = 0
+            except BaseException:
+                self._release_quietly(made)
+                raise
+        return made
 
     def reserve(self, size: int, *, zero: bool = False) -> int:
         g = self._granularity

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import errno as errno_codes
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from vmm._core import host as _h
-from vmm.backend import Backend, ViewFactory
+from vmm.backend import Backend, SharedChunks, ViewFactory
 from vmm.errors import (
     AlignmentError,
     BackendError,
@@ -120,6 +121,8 @@ class HostBackend(Backend):
         capacity: memfd size in bytes (sparse upper bound on physical memory).
         vma_budget: most VMAs this backend may hold (default: half of vm.max_map_count).
         collapse: best-effort MADV_COLLAPSE of mapped chunks into huge pages.
+        import_fd: build over a memfd another host backend exported (`export_handles`);
+            such a backend cannot `create`, only `import_handles` (capacity: the memfd's).
     """
 
     name = "host"
@@ -132,10 +135,12 @@ class HostBackend(Backend):
         capacity: int = DEFAULT_CAPACITY,
         vma_budget: int | None = None,
         collapse: bool = False,
+        import_fd: int | None = None,
     ) -> None:
         budget = default_vma_budget() if vma_budget is None else vma_budget
+        fd = -1 if import_fd is None else import_fd
         try:
-            self._vmm = _h.HostVmm(granularity, capacity, budget, collapse)
+            self._vmm = _h.HostVmm(granularity, capacity, budget, collapse, fd)
         except _h.HostError as exc:
             translate_host_error(exc)
         self._granularity = granularity
@@ -190,6 +195,37 @@ class HostBackend(Backend):
         except _h.HostError as exc:
             translate_host_error(exc)
         return factory
+
+    def export_handles(self, handles: Sequence[int]) -> SharedChunks:
+        try:
+            fd = int(self._vmm.fd)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        gran = self._granularity
+        return SharedChunks((os.dup(fd),), tuple((0, int(h) * gran) for h in handles))
+
+    def import_handles(self, shared: SharedChunks) -> list[int]:
+        try:
+            own = os.fstat(int(self._vmm.fd))
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        for i, fd in enumerate(shared.fds):
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
+                raise MappingError(
+                    f"import: fd {i} (inode {st.st_ino}) is not this backend's memfd "
+                    f"(inode {own.st_ino}); build the backend with import_fd"
+                )
+        gran = self._granularity
+        bad = [off for _, off in shared.where if off % gran]
+        if bad:
+            raise AlignmentError(f"import: offset {bad[0]} is not a multiple of {gran} bytes")
+        handles = [off // gran for _, off in shared.where]
+        try:
+            self._vmm.import_handles(handles)
+        except _h.HostError as exc:
+            translate_host_error(exc)
+        return handles
 
     def stats(self) -> dict[str, int]:
         vmm: Any = self._vmm

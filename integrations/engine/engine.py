@@ -66,6 +66,12 @@ class EngineConfig:
     # "flash": the packed Llama-style forward with flash_attn_with_kvcache (CUDA only, untested)
     attention: str = "sdpa"
     checkpoint_interval: int = 16  # tokens per recurrent-state block (prefix hits on Mamba)
+    # Join the shared pool of this name (`vmm-pool start NAME`) instead of owning a pool;
+    # budget_bytes is then ignored: the tenant's max (tenant_max_bytes, None: the budget).
+    shared_pool: str = ""
+    tenant_name: str = ""  # default: "engine-<pid>"
+    tenant_min_bytes: int = 0
+    tenant_max_bytes: int | None = None
 
 
 _PACKED_TYPES = frozenset({"llama", "mistral"})
@@ -134,13 +140,10 @@ class MiniEngine:
                 f"attention='flash' runs the packed Llama-style forward: model_type "
                 f"{model.config.model_type!r} is not one of {sorted(_PACKED_TYPES)}"
             )
-        if cfg.backend == "host":
-            backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
-        else:
-            backend = vmm.get_backend(cfg.backend)
-        self.pool = vmm.ChunkPool(backend, cfg.budget_bytes)
+        self.pool = _make_pool(cfg)
         self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype, kv_split=use_flash))
         try:
+            self.gate = _shared_gate(self.kv, self.pool)
             self.forward: Any = (
                 PackedForward(model, self.kv, use_flash=True)
                 if use_flash
@@ -206,7 +209,7 @@ class MiniEngine:
             n = self._segment_tokens(req.num_computed, len(req.sequence), budget)
             if self._ahead.get(req.request_id) == n:
                 del self._ahead[req.request_id]  # allocated (and mapped) last step
-            elif self.kv.allocate(req.request_id, n) is None:
+            elif self._allocate(req.request_id, n) is None:
                 if self._preempt_newest() is req:
                     continue  # the request itself was the newest: it waits
                 continue  # retry the same request with more room
@@ -222,7 +225,7 @@ class MiniEngine:
             seq = req.sequence
             hit = self.kv.add_request(req.request_id, seq, use_cache=self.config.use_prefix_cache)
             n = self._segment_tokens(hit, len(seq), budget)
-            if self.kv.allocate(req.request_id, n) is None:
+            if self._allocate(req.request_id, n) is None:
                 self.kv.free(req.request_id)
                 break
             self.waiting.popleft()
@@ -233,9 +236,27 @@ class MiniEngine:
             budget -= n
         return segments
 
+    def _allocate(self, request_id: Hashable, n: int) -> Any:
+        """`kv.allocate`, or None ("no room") when a shared pool cannot lend the chunks."""
+        if self.gate is None:
+            return self.kv.allocate(request_id, n)
+        if not self.gate.allow(n):
+            return None
+        try:
+            return self.kv.allocate(request_id, n)
+        finally:
+            self.gate.done()
+
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> int:
         """One scheduling + forward step; returns the number of segments computed."""
+        computed = self._step()
+        if self.gate is not None:
+            self.kv.sync()
+            self.gate.after_step()
+        return computed
+
+    def _step(self) -> int:
         self.kv.sync()  # the worker's maps for this step are done (a stall if not)
         self._arrivals()
         segments, budget = self._schedule_running(self.config.token_budget)
@@ -301,3 +322,40 @@ class MiniEngine:
         self.kv.sync()
         self.kv.close()
         self.pool.close()
+
+
+def _make_pool(cfg: EngineConfig) -> vmm.ChunkPool:
+    """The engine's own pool, or a tenant's pool on the shared pool `cfg.shared_pool`."""
+    if cfg.shared_pool:
+        import os
+
+        if cfg.overlap:
+            raise ValueError("overlap=True is not supported on a shared pool (shared_pool=...)")
+
+        from vmm.shared import join_pool
+
+        name = cfg.tenant_name or f"engine-{os.getpid()}"
+        backend = join_pool(
+            cfg.shared_pool, name, min_bytes=cfg.tenant_min_bytes, max_bytes=cfg.tenant_max_bytes
+        )
+        if backend.granularity != cfg.chunk_bytes:
+            backend.close()
+            raise ValueError(
+                f"shared pool {cfg.shared_pool!r} lends {backend.granularity}-byte chunks, "
+                f"the engine is configured for chunk_bytes={cfg.chunk_bytes}"
+            )
+        return vmm.ChunkPool(backend, backend.tenant.max_bytes)
+    if cfg.backend == "host":
+        backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
+    else:
+        backend = vmm.get_backend(cfg.backend)
+    return vmm.ChunkPool(backend, cfg.budget_bytes)
+
+
+def _shared_gate(kv: KVCache, pool: vmm.ChunkPool) -> Any:
+    tenant = getattr(pool.backend, "tenant", None)
+    if tenant is None:
+        return None
+    from integrations.kvcache.shared_pool import SharedPoolGate
+
+    return SharedPoolGate(kv, tenant)

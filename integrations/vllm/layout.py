@@ -105,7 +105,10 @@ class JengaVllmOptions:
     pages before using free slots in other requests' pages; pinned keeps more requests
     running under memory pressure (both measured in `docs/vllm.md`). ``kv_tensors``:
     "vmm" makes the worker plugin put the KV cache on VMM ranges
-    (`integrations.vllm.plugin`); "torch" leaves vLLM's.
+    (`integrations.vllm.plugin`); "torch" leaves vLLM's. ``shared_pool``: with
+    ``kv_tensors="vmm"``, draw the chunks from the shared pool of that name (`vmm-pool
+    start NAME`, docs/multi-tenant.md) as tenant ``tenant_name`` with byte limits
+    ``tenant_min_bytes`` / ``tenant_max_bytes`` instead of a private pool (host backend).
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -114,8 +117,14 @@ class JengaVllmOptions:
     kv_tensors: str = "torch"
     pages: str = "auto"
     junctions: bool = True
+    shared_pool: str = ""
+    tenant_name: str = ""
+    tenant_min_bytes: int = 0
+    tenant_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.shared_pool and self.kv_tensors != "vmm":
+            raise InvalidOptions("shared_pool needs kv_tensors='vmm' (chunks come from the pool)")
         if self.kv_tensors not in ("torch", "vmm"):
             raise InvalidOptions(f"kv_tensors must be 'torch' or 'vmm', got {self.kv_tensors!r}")
         if self.pages not in ("auto", "vllm", "vmm"):

@@ -112,11 +112,35 @@ def vmm_allocate_kv_cache(
     """Reserve ranges and build vLLM's per-layer views for ``kv_cache_config``."""
     options = JengaVllmOptions.from_vllm_config(vllm_config)
     layout = build_layout(kv_cache_config, vllm_config.model_config.max_model_len, options)
+    budget = layout.total_units * options.chunk_bytes
+    if backend is None and options.shared_pool:
+        backend = _join_shared_pool(options, budget)
     if backend is None:
         backend = vmm.get_backend("auto", granularity=options.chunk_bytes)
-    budget = layout.total_units * options.chunk_bytes
     pool = vmm.ChunkPool(backend, budget_bytes=budget)
     return VmmKVCache(kv_cache_config, layout, pool, kv_cache_layout, kernel_block_sizes)
+
+
+def _join_shared_pool(options: JengaVllmOptions, budget: int) -> vmm.Backend:
+    """A tenant backend of the shared pool `options.shared_pool` (max: the KV budget)."""
+    import os
+
+    from vmm.shared import join_pool
+
+    hi = budget if options.tenant_max_bytes is None else options.tenant_max_bytes
+    backend = join_pool(
+        options.shared_pool,
+        options.tenant_name or f"vllm-{os.getpid()}",
+        min_bytes=options.tenant_min_bytes,
+        max_bytes=hi,
+    )
+    if backend.granularity != options.chunk_bytes:
+        backend.close()
+        raise ValueError(
+            f"shared pool {options.shared_pool!r} lends {backend.granularity}-byte chunks, "
+            f"jenga_vmm chunk_bytes is {options.chunk_bytes}"
+        )
+    return backend
 
 
 @contextlib.contextmanager

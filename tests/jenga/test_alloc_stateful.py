@@ -9,7 +9,8 @@ after every rule the invariants are checked on both sides:
   pages whose blocks are all free (checked by replaying the plan on a page map),
 - eviction orders (blocks per group, pages) equal between core and model, with early
   releases drawn per group (allocate's releases: head-first ties) and demotion on or off
-  (early blocks rank below every block cached by release).
+  (early blocks rank below every block cached by release), and the frugal retry on or off
+  (the rules value both sides read).
 
 Budget: 600 examples of up to 250 steps; Hypothesis ends some early, measured ~175 steps
 per example, so ~105k rule steps (about a minute on one core).
@@ -34,6 +35,7 @@ class CoreVsModel(RuleBasedStateMachine):
         compact=st.booleans(),
         early=st.lists(st.booleans(), min_size=3, max_size=3),
         demote=st.booleans(),
+        frugal=st.booleans(),
     )
     def setup(
         self,
@@ -42,15 +44,18 @@ class CoreVsModel(RuleBasedStateMachine):
         compact: bool,
         early: list[bool],
         demote: bool,
+        frugal: bool,
     ) -> None:
         bpp = [b for b, _ in shape]
         upp = [min(u, total) for _, u in shape]
-        self.core = J.Core(bpp, upp, total, compact)
-        self.model = CoreModel(bpp, upp, total, compact)
-        self.core.early_release_groups = early[: len(shape)]
-        self.core.demote_early_releases = demote
-        self.model.early = early[: len(shape)]
-        self.model.demote_early = demote
+        rules = J.Rules(
+            order=J.AllocationOrder.COMPACT if compact else J.AllocationOrder.PAPER,
+            early_release_groups=early[: len(shape)],
+            demote_window_releases=demote,
+            frugal_retry=frugal,
+        )
+        self.core = J.Core(bpp, upp, total, rules)
+        self.model = CoreModel(bpp, upp, total, rules)
         self.G = len(shape)
         self.upp = upp
         self.total = total
@@ -64,7 +69,7 @@ class CoreVsModel(RuleBasedStateMachine):
         return self.now
 
     def _check_plan(self) -> None:
-        core_ops = list(zip(*self.core.drain_plan(), strict=True))
+        core_ops = self.core.drain_plan()
         model_ops = self.model.drain_plan()
         assert core_ops == model_ops
         for kind, g, p, reused in core_ops:

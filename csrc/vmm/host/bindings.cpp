@@ -70,8 +70,12 @@ void register_vmm(py::module_& m) {
       .def_property_readonly("size", &ViewFactory::size)
       .def_property_readonly("holders", &ViewFactory::holders);
   py::class_<HostVmm>(m, "HostVmm", "memfd-backed chunks mapped into anonymous reservations")
-      .def(py::init<size_t, size_t, int64_t, bool>(), py::arg("granularity"), py::arg("capacity"),
-           py::arg("vma_budget"), py::arg("collapse") = false)
+      .def(py::init<size_t, size_t, int64_t, bool, int>(), py::arg("granularity"),
+           py::arg("capacity"), py::arg("vma_budget"), py::arg("collapse") = false,
+           py::arg("import_fd") = -1)
+      .def("import_handles", &HostVmm::import_handles, py::arg("handles"), Release())
+      .def_property_readonly("fd", &HostVmm::fd)
+      .def_property_readonly("imported", &HostVmm::imported)
       .def_property_readonly("granularity", &HostVmm::granularity)
       .def_property_readonly("capacity", &HostVmm::capacity)
       .def("create", &HostVmm::create, py::arg("count"), Release())

@@ -40,13 +40,18 @@ int Reservation::boundary_cost(size_t i) const {
   return handle[i] == handle[i - 1] + 1 ? 0 : 1;
 }
 
-HostVmm::HostVmm(size_t granularity, size_t capacity, int64_t vma_budget, bool collapse)
+HostVmm::HostVmm(size_t granularity, size_t capacity, int64_t vma_budget, bool collapse,
+                 int import_fd)
     : gran_(granularity), capacity_(capacity), vma_budget_(vma_budget), collapse_(collapse) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   if (gran_ < page || (gran_ & (gran_ - 1)) != 0) {
     throw HostArgError("granularity " + std::to_string(gran_) +
                            " must be a power of two >= the page size " + std::to_string(page),
                        "init", 0);
+  }
+  if (import_fd >= 0) {
+    open_imported(import_fd);
+    return;
   }
   if (capacity_ == 0 || capacity_ % gran_ != 0) {
     throw HostArgError("capacity " + std::to_string(capacity_) +
@@ -68,7 +73,65 @@ HostVmm::HostVmm(size_t granularity, size_t capacity, int64_t vma_budget, bool c
   }
 }
 
+void HostVmm::open_imported(int import_fd) {
+  struct stat st;
+  if (fstat(import_fd, &st) != 0) {
+    throw HostOsError(os_message("fstat", errno, "imported fd " + std::to_string(import_fd)),
+                      "init", errno);
+  }
+  const auto size = static_cast<size_t>(st.st_size);
+  if (size == 0 || size % gran_ != 0) {
+    throw HostArgError("imported memfd of " + std::to_string(size) +
+                           " bytes is not a positive multiple of the granularity " +
+                           std::to_string(gran_),
+                       "init", 0);
+  }
+  fd_ = fcntl(import_fd, F_DUPFD_CLOEXEC, 0);
+  if (fd_ < 0) throw HostOsError(os_message("fcntl(F_DUPFD)", errno, "imported fd"), "init", errno);
+  capacity_ = size;
+  imported_ = true;
+}
+
 HostVmm::~HostVmm() { close(); }
+
+int HostVmm::fd() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("fd");
+  return fd_;
+}
+
+void HostVmm::import_handles(const std::vector<int64_t>& handles) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("import_handles");
+  if (!imported_) {
+    throw HostStateError("import_handles on a backend that owns its memfd", "import", 0);
+  }
+  const auto limit = static_cast<int64_t>(capacity_ / gran_);
+  std::vector<int64_t> sorted(handles);
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const int64_t h = sorted[i];
+    if (h < 0 || h >= limit) {
+      throw HostArgError("import of chunk " + std::to_string(h) + " outside the memfd's " +
+                             std::to_string(limit) + " chunks",
+                         "import", 0);
+    }
+    if ((i > 0 && sorted[i - 1] == h) || (h < high_water_ && map_count_[h] >= 0)) {
+      throw HostStateError("import of chunk " + std::to_string(h) + " already held", "import", 0);
+    }
+  }
+  for (const int64_t h : sorted) {
+    if (h >= high_water_) {
+      if (map_count_.size() <= static_cast<size_t>(h)) map_count_.resize(h * 2 + 64, -1);
+      for (int64_t i = high_water_; i < h; ++i) free_below_.insert(i);
+      high_water_ = h + 1;
+    } else {
+      free_below_.erase(h);
+    }
+    map_count_[h] = 0;
+  }
+  num_chunks_ += static_cast<int64_t>(sorted.size());
+}
 
 bool HostVmm::fault_now() {
   ++syscalls_;
@@ -148,6 +211,10 @@ void HostVmm::give_index(int64_t h) {
 std::vector<int64_t> HostVmm::create(size_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open("create");
+  if (imported_) {
+    throw HostStateError("create on a backend over an imported memfd (chunks come from import)",
+                         "create", 0);
+  }
   if (count == 0) throw HostArgError("create needs count >= 1, got 0", "create", 0);
   std::vector<int64_t> hs;
   hs.reserve(count);
@@ -208,7 +275,7 @@ void HostVmm::release(const std::vector<int64_t>& handles) {
                            "release", 0);
     }
   }
-  for (size_t i = 0; i < sorted.size();) {
+  for (size_t i = 0; i < sorted.size() && !imported_;) {  // imported: the exporter punches
     size_t j = i + 1;
     while (j < sorted.size() && sorted[j] == sorted[j - 1] + 1) ++j;
     const off_t off = static_cast<off_t>(sorted[i] * static_cast<int64_t>(gran_));

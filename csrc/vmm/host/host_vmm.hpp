@@ -23,6 +23,10 @@
 //             syscall (at vm.max_map_count even munmap fails with ENOMEM).
 //   atomic    each public call is all-or-nothing: a failing syscall mid-batch undoes the
 //             runs already done, restores the tables, then throws.
+//   sharing   `fd()` exports the memfd (another process receives it over a Unix socket);
+//             a backend built over a received fd (`import_fd` >= 0) never creates or punches
+//             chunks: `import_handles` adopts indices the exporter created, and `release`
+//             only forgets them (the exporter's release returns the memory to the OS).
 //   faults    `inject_fault(k, err)` makes the k-th counted syscall from now fail with
 //             errno `err` (one shot), so callers can prove their rollback at every k.
 //
@@ -91,7 +95,9 @@ struct Reservation {
 
 class HostVmm {
  public:
-  HostVmm(size_t granularity, size_t capacity, int64_t vma_budget, bool collapse);
+  // import_fd >= 0: build over a memfd another backend exported (dup'ed; capacity = its size).
+  HostVmm(size_t granularity, size_t capacity, int64_t vma_budget, bool collapse,
+          int import_fd = -1);
   ~HostVmm();
   HostVmm(const HostVmm&) = delete;
   HostVmm& operator=(const HostVmm&) = delete;
@@ -100,6 +106,10 @@ class HostVmm {
   size_t capacity() const { return capacity_; }
 
   std::vector<int64_t> create(size_t count);
+  // Adopt chunks (memfd indices) the exporter created; all-or-nothing, no syscall.
+  void import_handles(const std::vector<int64_t>& handles);
+  int fd() const;
+  bool imported() const { return imported_; }
   void release(const std::vector<int64_t>& handles);
   uint64_t reserve(size_t size, bool zero);
   void free_reservation(uint64_t va, size_t size);
@@ -126,6 +136,7 @@ class HostVmm {
     int64_t handle;
   };
   bool fault_now();
+  void open_imported(int import_fd);
   void check_open(const char* op) const;
   Reservation* find(uint64_t va, const char* op) const;
   std::vector<Target> resolve(const std::vector<uint64_t>& vas, const char* op) const;
@@ -145,6 +156,7 @@ class HostVmm {
   size_t capacity_;
   int64_t vma_budget_;
   bool collapse_;
+  bool imported_ = false;
   int fd_ = -1;
   mutable std::mutex mu_;
   std::map<uint64_t, std::shared_ptr<Reservation>> res_;  // by base address

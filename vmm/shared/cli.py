@@ -1,0 +1,178 @@
+"""`vmm-pool`: run a shared pool's owner and watch / steer it.
+
+Rationale
+---------
+An operator sharing one device between engines needs to start the owner, see who holds
+what (held / limits / cached bytes per tenant), and move limits while engines run, from a
+shell or a script (``--json``).
+
+Approach
+--------
+``start NAME --budget SIZE`` runs `PoolOwner` in the foreground. ``ls NAME`` asks the owner
+for its state over the pool's socket (as an ``operator`` peer) and prints a table, or the
+state as JSON with ``--json``, or refreshes it live with ``--watch`` (a `rich` live view).
+``limits NAME TENANT --min/--max`` changes a tenant's limits at run time. Sizes accept
+K/M/G suffixes (powers of 1024).
+
+Limitations
+-----------
+The owner serves one operator request at a time within its loop (fine for a few per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+from vmm.shared.protocol import connect, recv, send
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864; plain integers are bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size {text!r}: expected e.g. 512M, 8G, 4096") from None
+
+
+def fmt_size(n: int) -> str:
+    for unit in ("G", "M", "K"):
+        if abs(n) >= _UNITS[unit]:
+            return f"{n / _UNITS[unit]:.1f}{unit}"
+    return str(n)
+
+
+def _request(pool: str, msg: dict[str, Any]) -> dict[str, Any]:
+    sock = connect(pool, timeout=5.0)
+    try:
+        send(sock, {"op": "hello", "role": "operator"})
+        recv(sock)
+        send(sock, msg)
+        reply, _ = recv(sock)
+        return reply
+    finally:
+        sock.close()
+
+
+def pool_state(pool: str) -> dict[str, Any]:
+    """The owner's state (see `PoolOwner.state`)."""
+    state = _request(pool, {"op": "list"})
+    state.pop("op", None)
+    return state
+
+
+def set_limits(pool: str, tenant: str, lo: int | None, hi: int | None) -> str:
+    """'' on success, else the owner's reason."""
+    reply = _request(pool, {"op": "set_limits", "tenant": tenant, "min": lo, "max": hi})
+    return str(reply.get("error", "")) if reply["op"] == "error" else ""
+
+
+_COLUMNS = ("id", "name", "pid", "held", "min", "max", "cached", "mapped", "wants", "denied")
+
+
+def render_text(state: dict[str, Any]) -> str:
+    head = (f"pool {state['pool']}: budget {fmt_size(state['budget'])}, lent "
+            f"{fmt_size(state['lent'])}, chunk {fmt_size(state['granularity'])}")  # fmt: skip
+    rows = [_COLUMNS] + [_row(t) for t in state["tenants"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [head] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _row(t: dict[str, Any]) -> tuple[str, ...]:
+    sizes = ("held", "min", "max", "cached", "mapped")
+    return tuple(fmt_size(t[c]) if c in sizes else str(t[c]) for c in _COLUMNS)
+
+
+def _rich_table(state: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=render_text(state).splitlines()[0])
+    for col in _COLUMNS:
+        table.add_column(col, justify="right")
+    for t in state["tenants"]:
+        table.add_row(*_row(t))
+    return table
+
+
+def watch(pool: str, interval: float, count: int | None) -> None:
+    """A live `top`-like view with `rich`; `count` refreshes, None: until interrupted."""
+    from rich.live import Live
+
+    n = 0
+    with Live(_rich_table(pool_state(pool)), refresh_per_second=4) as live:
+        while count is None or n < count:
+            time.sleep(interval)
+            live.update(_rich_table(pool_state(pool)))
+            n += 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vmm-pool", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("start", help="run the owner of pool NAME in the foreground")
+    st.add_argument("name")
+    st.add_argument("--budget", type=parse_size, required=True, help="bytes lent, e.g. 8G")
+    st.add_argument("--chunk", type=parse_size, default=2 << 20, help="chunk size (2M)")
+    st.add_argument("--reclaim-timeout", type=float, default=2.0)
+    st.add_argument("--check", action="store_true", help="check invariants after each message")
+    ls = sub.add_parser("ls", help="list tenants: held / limits / cached bytes")
+    ls.add_argument("name")
+    ls.add_argument("--json", action="store_true", help="print the state as JSON")
+    ls.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="live view")
+    ls.add_argument("--count", type=int, default=None, help="refreshes of --watch")
+    lim = sub.add_parser("limits", help="change a tenant's limits at run time")
+    lim.add_argument("name")
+    lim.add_argument("tenant", help="tenant name or id")
+    lim.add_argument("--min", type=parse_size, default=None)
+    lim.add_argument("--max", type=parse_size, default=None)
+    lim.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ConnectionRefusedError, FileNotFoundError):
+        print(f"vmm-pool: no owner serves pool {args.name!r}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "start":
+        from vmm.shared.owner import PoolOwner
+
+        owner = PoolOwner(args.name, args.budget, args.chunk,
+                          reclaim_timeout=args.reclaim_timeout, check=args.check)  # fmt: skip
+        print(f"vmm-pool: serving {args.name!r}, budget {fmt_size(args.budget)}", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: owner.stop())
+        with contextlib.suppress(KeyboardInterrupt):
+            owner.serve()
+        return 0
+    if args.cmd == "ls":
+        if args.watch > 0:
+            watch(args.name, args.watch, args.count)
+            return 0
+        state = pool_state(args.name)
+        print(json.dumps(state, indent=1) if args.json else render_text(state))
+        return 0
+    error = set_limits(args.name, args.tenant, args.min, args.max)
+    if args.json:
+        print(json.dumps({"ok": not error, "error": error}))
+    elif error:
+        print(f"vmm-pool: {error}", file=sys.stderr)
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
