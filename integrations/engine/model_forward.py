@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from integrations.engine.forward import Segment
 from integrations.hf.cache import LAYER_CLASSES
-from integrations.hf.layers import UnsupportedLayer, _AttentionPart, _StatePart
+from integrations.hf.layers import AttentionPart, StatePart, UnsupportedLayer
 from integrations.kvcache import KVCache
 
 
@@ -162,11 +162,11 @@ class ModelForward:
         layers = []
         for i, (kind, kwargs) in enumerate(zip(self.layer_types, self.layer_kwargs, strict=True)):
             layer = LAYER_CLASSES[kind](store, i, **kwargs)
-            if isinstance(layer, _AttentionPart):
+            if isinstance(layer, AttentionPart):
                 layer.seen = seg.start
                 if hasattr(layer, "cumulative_length"):
                     layer.cumulative_length = seg.start
-            if isinstance(layer, _StatePart) and seg.start > 0:
+            if isinstance(layer, StatePart) and seg.start > 0:
                 layer.resume(self._state_layouts[i])
             layers.append(layer)
         return Cache(layers=layers)
@@ -191,6 +191,6 @@ class ModelForward:
             ).logits  # positions given: some models derive them from layer 0 (Bamba: 0)
             out.append(logits[0, -1])
             for i, layer in enumerate(cache.layers):
-                if isinstance(layer, _StatePart) and i not in self._state_layouts:
+                if isinstance(layer, StatePart) and i not in self._state_layouts:
                     self._state_layouts[i] = layer.state_layout()
         return torch.stack(out)

@@ -110,6 +110,10 @@ class RowStore:
         self.state_moves = 0  # rows' state blocks copied to a new checkpoint block
 
     @property
+    def is_open(self) -> bool:
+        return self._kv is not None
+
+    @property
     def kv(self) -> KVCache:
         if self._kv is None:
             raise RuntimeError("the cache is opened by the model's first forward")
@@ -358,7 +362,7 @@ class VmmCache(Cache):
 
     def close(self) -> None:
         """Unmap everything; closes the pool if this cache created it."""
-        if self.store._kv is not None:
+        if self.store.is_open:
             self.store.kv.close()
         if self._owns_pool and self._pool is not None:
             self._pool.close()

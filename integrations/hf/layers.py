@@ -64,7 +64,7 @@ def _unsupported(self: Any, *args: Any, **kwargs: Any) -> None:
     raise NotImplementedError("VmmCache does not support beam search, cropping or reindexing")
 
 
-class _AttentionPart:
+class AttentionPart:
     """Write new K/V into each row's blocks; return positions [start, stop) gathered."""
 
     store: RowStore
@@ -113,7 +113,7 @@ class _AttentionPart:
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
-class VmmLayer(_AttentionPart, DynamicLayer):
+class VmmLayer(AttentionPart, DynamicLayer):
     """Full attention: every position stays and is returned."""
 
     def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
@@ -131,7 +131,7 @@ class VmmLayer(_AttentionPart, DynamicLayer):
         return self.seen
 
 
-class VmmSlidingLayer(_AttentionPart, DynamicSlidingWindowLayer):
+class VmmSlidingLayer(AttentionPart, DynamicSlidingWindowLayer):
     """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
 
     def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
@@ -156,7 +156,7 @@ class VmmChunkedLayer(VmmSlidingLayer):
     sliding layer with w = chunk); jenga frees blocks before the current chunk."""
 
 
-class _StatePart:
+class StatePart:
     """Conv and recurrent states as views over each row's live block in the Mamba group."""
 
     store: RowStore
@@ -249,7 +249,7 @@ class _StatePart:
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
-class VmmMambaLayer(_StatePart, LinearAttentionLayer):
+class VmmMambaLayer(StatePart, LinearAttentionLayer):
     """Mamba / Mamba2 / gated delta-net: states in the row's live Mamba-group block."""
 
     def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
@@ -261,7 +261,7 @@ class VmmMambaLayer(_StatePart, LinearAttentionLayer):
         self._init_states(LinearAttentionLayer, *args, **kwargs)
 
 
-class VmmHybridLayer(_StatePart, _AttentionPart, LinearAttentionAndFullAttentionLayer):
+class VmmHybridLayer(StatePart, AttentionPart, LinearAttentionAndFullAttentionLayer):
     """Attention and a state in one layer (Falcon-H1, Zamba2): two groups, one layer id."""
 
     def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
@@ -284,7 +284,7 @@ class VmmHybridLayer(_StatePart, _AttentionPart, LinearAttentionAndFullAttention
 
 
 class VmmHybridSlidingLayer(
-    _StatePart, _AttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
+    StatePart, AttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
 ):
     """A sliding-window attention part beside a state (``hybrid_sliding``)."""
 

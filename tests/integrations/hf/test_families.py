@@ -17,10 +17,13 @@ import torch
 
 pytest.importorskip("transformers")
 
+from integrations.hf.cache import config_dict
+from jenga.hf import model_spec_from_config
 from jenga.specs import Kind
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from integrations.hf import VmmCache
-from tests.integrations.hf.families import CHECKPOINT, FAMILIES, text_inputs, tiny_model
+from tests.integrations.hf.families import CHECKPOINT, FAMILIES, SMALL, text_inputs, tiny_model
 
 GENERATE = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
             "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
@@ -61,3 +64,28 @@ def test_family_logits_bitwise_equal_to_transformers_cache(name, dtype, batch):
         assert kv.block_table(0, group)[:3] == [-1, -1, -1]
     kv.check_invariants(expensive=True)
     cache.close()
+
+
+TYPE_TO_KINDS = {
+    "full_attention": {Kind.FULL}, "sliding_attention": {Kind.SLIDING_WINDOW},
+    "chunked_attention": {Kind.CHUNKED_LOCAL}, "linear_attention": {Kind.MAMBA},
+    "hybrid": {Kind.FULL, Kind.MAMBA}, "dummy": set(),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_jenga_kinds_match_transformers_layer_types(name):
+    """The spec read from the config agrees, layer by layer, with the cache layer types
+    transformers itself builds (`dummy` = a KV-sharing reader: no memory of its own)."""
+    config_name, _, extra = FAMILIES[name]
+    config = getattr(pytest.importorskip("transformers"), config_name)(**SMALL, **extra)
+    text = config.get_text_config(decoder=True)
+    types, _ = get_layer_types_and_kwargs(text)
+    spec = model_spec_from_config(config_dict(config, text))
+    kinds: dict[int, set[Kind]] = {i: set() for i in range(len(types))}
+    for g in spec.groups:
+        for layer in g.layer_ids:
+            kinds[layer].add(g.spec.kind)
+    assert [kinds[i] for i in range(len(types))] == [TYPE_TO_KINDS[t] for t in types]
+    readers = [r for g in spec.groups for r, _ in g.readers]
+    assert readers == [i for i, t in enumerate(types) if t == "dummy"]
