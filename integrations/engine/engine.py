@@ -17,7 +17,8 @@ Approach
        prefix cache) until the allocation fits;
     3. waiting requests are admitted (prefix-cache hit from `add_request`) while the
        token budget, the running limit and memory allow;
-    4. one packed forward (`PackedForward`) computes every scheduled chunk; a request
+    4. the model's own forward (`ModelForward`, one call per request) computes every
+       scheduled chunk (`PackedForward` with ``attention='flash'``); a request
        whose chunk reaches the end of its sequence samples its next token greedily;
        complete blocks are offered to the prefix cache; finished requests are freed.
 
@@ -28,7 +29,8 @@ Approach
            └────────── preempt (free) ────────┘
 
 Limitations
-    Greedy sampling only; recompute (not swap) preemption; one model (Llama-style).
+    Greedy sampling only; recompute (not swap) preemption; one text decoder (any family
+    `ModelForward` serves; Mamba v1 and image models are refused at construction).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
     (lengths are known; EOS is not used), so memory is committed one token early.
 """
@@ -44,6 +46,7 @@ import torch
 
 import vmm
 from integrations.engine.forward import PackedForward, Segment
+from integrations.engine.model_forward import ModelForward
 from integrations.kvcache import KVCache, KVCacheConfig
 
 
@@ -59,13 +62,45 @@ class EngineConfig:
     use_prefix_cache: bool = True
     overlap: bool = False  # allocate step t+1's decode tokens ahead; map them during step t
     backend: str = "host"  # "host" | "cuda" | "auto" (model must be on the backend's device)
-    attention: str = "sdpa"  # "sdpa" | "flash" (flash_attn_with_kvcache; CUDA only, untested)
+    # "sdpa": the model's own forward per request (every family the HF cache stores);
+    # "flash": the packed Llama-style forward with flash_attn_with_kvcache (CUDA only, untested)
+    attention: str = "sdpa"
+    checkpoint_interval: int = 16  # tokens per recurrent-state block (prefix hits on Mamba)
     # Join the shared pool of this name (`vmm-pool start NAME`) instead of owning a pool;
     # budget_bytes is then ignored: the tenant's max (tenant_max_bytes, None: the budget).
     shared_pool: str = ""
     tenant_name: str = ""  # default: "engine-<pid>"
     tenant_min_bytes: int = 0
     tenant_max_bytes: int | None = None
+
+
+_PACKED_TYPES = frozenset({"llama", "mistral"})
+
+
+def _engine_spec(model: Any, cfg: EngineConfig, itemsize: int) -> Any:
+    """The model's jenga spec; refuses what the engine cannot feed (image inputs)."""
+    from jenga.hf import HfOptions, model_spec_from_config
+    from jenga.specs import Kind
+
+    from integrations.hf.cache import config_dict
+
+    options = HfOptions(
+        block_size=cfg.block_size, dtype_bytes=itemsize, conv_full_kernel=True,
+        mamba_checkpoint_interval=cfg.checkpoint_interval,
+    )  # fmt: skip
+    text = model.config.get_text_config(decoder=True)
+    spec = model_spec_from_config(config_dict(model.config, text), options=options)
+    images = [
+        g.name
+        for g in spec.groups
+        if g.spec.model != "target" or g.spec.kind in (Kind.CROSS_ATTENTION, Kind.VISION_EMBEDDING)
+    ]
+    if images:
+        raise ValueError(
+            f"the mini engine serves text decoders; {model.config.model_type!r} has image "
+            f"caches {images} it cannot feed"
+        )
+    return spec
 
 
 @dataclass
@@ -91,24 +126,34 @@ class MiniEngine:
     """Continuous batching over a `KVCache` built from the model's config."""
 
     def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
-        from jenga.hf import HfOptions, model_spec_from_config
-
-        self.config = config or EngineConfig()
+        self.config = cfg = config or EngineConfig()
         self.model = model
         dtype = next(model.parameters()).dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        options = HfOptions(block_size=self.config.block_size, dtype_bytes=itemsize)
-        spec = model_spec_from_config(model.config.to_dict(), options=options)
-        cfg = self.config
+        spec = _engine_spec(model, cfg, torch.empty((), dtype=dtype).element_size())
         use_flash = cfg.attention == "flash"
         if use_flash and cfg.block_size % 256:
             raise ValueError(
                 f"flash-attn paged KV needs block_size % 256 == 0, got {cfg.block_size}"
             )
+        if use_flash and model.config.model_type not in _PACKED_TYPES:
+            raise ValueError(
+                f"attention='flash' runs the packed Llama-style forward: model_type "
+                f"{model.config.model_type!r} is not one of {sorted(_PACKED_TYPES)}"
+            )
         self.pool = _make_pool(cfg)
         self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype, kv_split=use_flash))
-        self.gate = _shared_gate(self.kv, self.pool)
-        self.forward = PackedForward(model, self.kv, use_flash=use_flash)
+        try:
+            self.gate = _shared_gate(self.kv, self.pool)
+            self.forward: Any = (
+                PackedForward(model, self.kv, use_flash=True)
+                if use_flash
+                else ModelForward(model, self.kv)
+            )
+        except BaseException:
+            self.kv.close()
+            self.pool.close()
+            raise
+        self._interval = getattr(self.forward, "checkpoint_interval", None)
         self.pending: list[EngineRequest] = []
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -148,12 +193,20 @@ class MiniEngine:
         self.stats["preemptions"] += 1
         return victim
 
+    def _segment_tokens(self, start: int, end: int, budget: int) -> int:
+        """Tokens of the next segment: the budget's share, cut at the next state
+        checkpoint (a recurrent state is only known where a forward ends)."""
+        n = min(end - start, budget)
+        if self._interval is not None:
+            n = min(n, self._interval - start % self._interval)
+        return n
+
     def _schedule_running(self, budget: int) -> tuple[list[Segment], int]:
         segments: list[Segment] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.sequence) - req.num_computed, budget)
+            n = self._segment_tokens(req.num_computed, len(req.sequence), budget)
             if self._ahead.get(req.request_id) == n:
                 del self._ahead[req.request_id]  # allocated (and mapped) last step
             elif self._allocate(req.request_id, n) is None:
@@ -171,7 +224,7 @@ class MiniEngine:
             req = self.waiting[0]
             seq = req.sequence
             hit = self.kv.add_request(req.request_id, seq, use_cache=self.config.use_prefix_cache)
-            n = min(len(seq) - hit, budget)
+            n = self._segment_tokens(hit, len(seq), budget)
             if self._allocate(req.request_id, n) is None:
                 self.kv.free(req.request_id)
                 break
