@@ -19,7 +19,7 @@ Approach
 Modules, each importing at run time only modules listed before it (no import circle;
 checked by `tests/test_layout.py`):
 
-    errors, stats, backend        exceptions, the stats key scheme, the backend contract
+    errors, checks, stats, backend  exceptions, strict argument checks, the stats key scheme, the backend contract
     host, cuda_driver, cuda       the two backends (cuda imported only when asked for)
     selection                     get_backend("host" | "cuda" | "auto")
     ledger                        ChunkLedger: free heap, refcounts, budget, counters, state
@@ -42,6 +42,8 @@ from vmm.errors import (
     BackendUnavailable,
     BudgetError,
     ClosedError,
+    ConcurrentUse,
+    InputError,
     MappingError,
     OutOfMemory,
     RangeError,
@@ -62,6 +64,8 @@ __all__ = [
     "BudgetError",
     "ChunkPool",
     "ClosedError",
+    "ConcurrentUse",
+    "InputError",
     "HostBackend",
     "MappingError",
     "MappingPlan",
