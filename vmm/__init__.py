@@ -19,7 +19,8 @@ Approach
 Modules, each importing at run time only modules listed before it (no import circle;
 checked by `tests/test_layout.py`):
 
-    errors, checks, stats, backend  exceptions, strict argument checks, the stats key scheme, the backend contract
+    errors, stats, backend        exceptions, the stats key scheme, the backend contract
+    checks                        strict integer arguments (InputError)
     host, cuda_driver, cuda       the two backends (cuda imported only when asked for)
     selection                     get_backend("host" | "cuda" | "auto")
     ledger                        ChunkLedger: free heap, refcounts, budget, counters, state
@@ -65,8 +66,8 @@ __all__ = [
     "ChunkPool",
     "ClosedError",
     "ConcurrentUse",
-    "InputError",
     "HostBackend",
+    "InputError",
     "MappingError",
     "MappingPlan",
     "OutOfMemory",

@@ -55,8 +55,9 @@ def as_indices(
     if isinstance(values, (str, bytes)):
         raise InputError(f"{what} must be a sequence of integers, got {values!r}")
     if isinstance(values, (list, tuple)) and all(type(v) is int for v in values):
-        if values and low <= min(values) and max(values) <= high:  # type: ignore[type-var]
-            return tuple(values)  # type: ignore[arg-type]
+        ints: tuple[int, ...] = tuple(values)
+        if ints and low <= min(ints) and max(ints) <= high:
+            return ints
     try:
         items = list(values)
     except TypeError:

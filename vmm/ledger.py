@@ -58,7 +58,6 @@ from vmm.backend import Backend
 from vmm.errors import BackendError, BudgetError, ClosedError, OutOfMemory
 from vmm.stats import new_counters
 
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 

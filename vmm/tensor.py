@@ -107,9 +107,8 @@ def view(
     strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """See `VirtualRange.tensor`."""
-    if not isinstance(shape, (list, tuple)):
-        shape = (shape,)  # type: ignore[assignment]
-    shape = as_indices(shape, "view shape", low=-INT64_MAX, high=INT64_MAX)  # C++ checks bounds
+    dims: Sequence[object] = shape if isinstance(shape, (list, tuple)) else (shape,)
+    shape = as_indices(dims, "view shape", low=-INT64_MAX, high=INT64_MAX)  # C++ checks bounds
     offset = as_index(offset, "view offset", high=INT64_MAX)
     if strides is not None:
         strides = as_indices(strides, "view strides", low=-INT64_MAX, high=INT64_MAX)

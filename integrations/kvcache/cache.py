@@ -361,9 +361,7 @@ class KVCache:
         if type(block) is not int:
             block = as_index(block, f"group {geo.name!r}: block")
         if not 0 <= block < geo.max_blocks:
-            raise LayoutError(
-                f"group {geo.name!r}: block {block} outside [0, {geo.max_blocks})"
-            )
+            raise LayoutError(f"group {geo.name!r}: block {block} outside [0, {geo.max_blocks})")
         page = block // geo.blocks_per_page
         if page not in self.mapped_pages[geo.index]:
             raise UnmappedBlockError(

@@ -34,10 +34,18 @@ POOL_CASES: list[tuple[str, Callable[[vmm.ChunkPool], Any], type[Exception], str
     ("budget negative", lambda p: vmm.ChunkPool(_backend(), -G), vmm.BudgetError, str(-G)),
     ("budget 2**64", lambda p: vmm.ChunkPool(_backend(), 2**64), vmm.BudgetError, str(2**64)),
     ("budget bool", lambda p: vmm.ChunkPool(_backend(), True), vmm.BudgetError, "bool"),
-    ("reserve_ahead float", lambda p: vmm.ChunkPool(_backend(), G, reserve_ahead=1.5),
-     vmm.InputError, "1.5"),
-    ("reserve_ahead negative", lambda p: vmm.ChunkPool(_backend(), G, reserve_ahead=-1),
-     vmm.InputError, "-1"),
+    (
+        "reserve_ahead float",
+        lambda p: vmm.ChunkPool(_backend(), G, reserve_ahead=1.5),
+        vmm.InputError,
+        "1.5",
+    ),
+    (
+        "reserve_ahead negative",
+        lambda p: vmm.ChunkPool(_backend(), G, reserve_ahead=-1),
+        vmm.InputError,
+        "-1",
+    ),
     ("set_budget float", lambda p: p.set_budget(4.0 * G), vmm.BudgetError, str(4.0 * G)),
     ("reserve float", lambda p: p.reserve(float(G)), vmm.InputError, str(float(G))),
     ("reserve negative", lambda p: p.reserve(-G), vmm.InputError, str(-G)),
@@ -50,8 +58,9 @@ POOL_CASES: list[tuple[str, Callable[[vmm.ChunkPool], Any], type[Exception], str
 ]
 
 
-@pytest.mark.parametrize(("call", "error", "text"), [c[1:] for c in POOL_CASES],
-                         ids=[c[0] for c in POOL_CASES])
+@pytest.mark.parametrize(
+    ("call", "error", "text"), [c[1:] for c in POOL_CASES], ids=[c[0] for c in POOL_CASES]
+)
 def test_pool_and_backend_refuse(
     pool: vmm.ChunkPool, call: Callable[[vmm.ChunkPool], Any], error: type[Exception], text: str
 ) -> None:
@@ -76,15 +85,24 @@ RANGE_CASES: list[tuple[str, Callable[[vmm.VirtualRange], Any], type[Exception],
     ("tensor int shape 2**64", lambda r: r.tensor(2**64, "uint8"), vmm.InputError, str(2**64)),
     ("tensor offset float", lambda r: r.tensor((4,), "uint8", offset=1.0), vmm.InputError, "1.0"),
     ("tensor offset negative", lambda r: r.tensor((4,), "uint8", offset=-8), vmm.InputError, "-8"),
-    ("tensor stride float", lambda r: r.tensor((4,), "uint8", strides=(1.0,)), vmm.InputError,
-     "1.0"),
-    ("tensor past range", lambda r: r.tensor((4 * G + 1,), "uint8"), vmm.RangeError,
-     str(4 * G + 1)),
+    (
+        "tensor stride float",
+        lambda r: r.tensor((4,), "uint8", strides=(1.0,)),
+        vmm.InputError,
+        "1.0",
+    ),
+    (
+        "tensor past range",
+        lambda r: r.tensor((4 * G + 1,), "uint8"),
+        vmm.RangeError,
+        str(4 * G + 1),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("call", "error", "text"), [c[1:] for c in RANGE_CASES],
-                         ids=[c[0] for c in RANGE_CASES])
+@pytest.mark.parametrize(
+    ("call", "error", "text"), [c[1:] for c in RANGE_CASES], ids=[c[0] for c in RANGE_CASES]
+)
 def test_range_refuses(
     pool: vmm.ChunkPool, call: Callable[[vmm.VirtualRange], Any], error: type[Exception], text: str
 ) -> None:

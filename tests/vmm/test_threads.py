@@ -35,7 +35,7 @@ def _run_threads(work: Callable[[int], None], n: int = THREADS) -> None:
     def guarded(i: int) -> None:
         try:
             work(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
@@ -110,7 +110,7 @@ def test_mapping_worker_while_the_main_thread_reserves_and_closes() -> None:
             while not stop.is_set():
                 worker_range.map([0, 1, 2])
                 worker_range.unmap([0, 1, 2])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=worker)

@@ -44,8 +44,7 @@ void HostVmm::add_vmas(int64_t delta) {
 
 std::string HostVmm::vma_refusal(int64_t extra) const {
   if (vmas_total_ + extra > vma_budget_) {
-    return std::to_string(vmas_total_) + " of budget " +
-           std::to_string(vma_budget_) + " in use";
+    return std::to_string(vmas_total_) + " of budget " + std::to_string(vma_budget_) + " in use";
   }
   const int64_t budget = g_process_vma_budget.load();
   const int64_t used = g_process_vmas.load();
