@@ -6,10 +6,24 @@ Rationale
     `jenga` free of `transformers` and torch, and lets tests pin every number.
 
 Approach
-    Each supported `model_type` maps to a reader (dispatch table `_READERS`) that returns
-    ``(layer id, LayerSpec)`` pairs; `group_layers` turns them into KV groups. Per-layer
-    kinds come from, in order of preference: an explicit ``layer_types`` list; else the
-    family's own rule (Gemma 2: even layers slide; Gemma 3: every `sliding_window_pattern`-th
+    A config is read from what it says, not from its name. transformers 5.x configs list
+    every layer's ``layer_types``; each type maps to jenga kinds (`LAYER_TYPE_KINDS`)::
+
+        full_attention -> FULL            linear_attention -> MAMBA (state from hf_states)
+        sliding_attention -> SLIDING(w)   hybrid           -> FULL + MAMBA (one layer id)
+        chunked_attention -> CHUNKED(c)   hybrid_sliding   -> SLIDING(w) + MAMBA
+        moe / mlp / dummy -> no cache     anything else    -> SpecError naming it and the layer
+
+    Without ``layer_types`` the kinds follow transformers' own inference (`sliding_window`
+    set: sliding; `attention_chunk_size` set: chunked; else full). Cross-layer KV sharing
+    (``num_kv_shared_layers``, Gemma 3n): the last N layers read the cache of the last
+    earlier layer of their type and become that group's `readers` (no memory). Head dims:
+    ``head_dim``, else ``attention_head_dim`` (Zamba2), else hidden / heads.
+
+    Families whose older configs carry no ``layer_types`` keep a reader of their own
+    (dispatch table `_READERS`) that returns ``(layer id, LayerSpec)`` pairs;
+    `group_layers` turns them into KV groups. Per-layer kinds come from, in order of
+    preference: an explicit ``layer_types`` list; else the family's own rule (Gemma 2: even layers slide; Gemma 3: every `sliding_window_pattern`-th
     layer is global; Mistral params-style per-layer `sliding_window` lists; Llama 4
     `no_rope_layers`; Jamba `attn_layer_period/offset`; mllama `cross_attention_layers`;
     Qwen2 `use_sliding_window` + `max_window_layers`; LLaVA-OneVision adds a
@@ -24,7 +38,8 @@ Approach
         Jamba 1.5 Mini: (3 * 8192 * 2) + (8192 * 16 * 4) = 49152 + 524288 = 573440 B
 
 Limitations
-    Reads the fields that shape the KV cache; it does not validate the rest of a config.
+    K and V of one layer share a head dim: a config whose ``v_head_dim`` differs (MLA) is
+    refused, as is multi-head latent attention. Reads the fields that shape the KV cache; it does not validate the rest of a config.
     `weight_bytes` is computed for the dense families (llama, mistral, ministral, gemma2,
     gemma3 text, qwen2) from their shapes; for MoE / Mamba / vision models it is left 0 unless
     the caller passes the published figure.
@@ -32,11 +47,13 @@ Limitations
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jenga.specs import Kind, LayerSpec, ModelSpec, SpecError, group_layers
+from jenga.hf_states import linear_state
+from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError, group_layers
 
 Config = Mapping[str, Any]
 LayerList = list[tuple[int, LayerSpec]]
@@ -47,6 +64,14 @@ _LAYER_TYPE_KINDS = {
     "sliding_attention": Kind.SLIDING_WINDOW,
     "chunked_attention": Kind.CHUNKED_LOCAL,
 }
+LAYER_TYPE_KINDS: dict[str, tuple[Kind, ...]] = {
+    **{name: (kind,) for name, kind in _LAYER_TYPE_KINDS.items()},
+    "linear_attention": (Kind.MAMBA,),
+    "hybrid": (Kind.FULL, Kind.MAMBA),
+    "hybrid_sliding": (Kind.SLIDING_WINDOW, Kind.MAMBA),
+}
+NO_CACHE_LAYER_TYPES = frozenset({"moe", "mlp", "dummy"})
+_LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 @dataclass(frozen=True)
@@ -58,9 +83,13 @@ class HfOptions:
     ssm_dtype_bytes: int = 4  # Mamba SSM state is kept in fp32 by the reference kernels
     max_model_len: int | None = None  # None: max_position_embeddings
     mamba_checkpoint_interval: int = 512
+    # True: a conv state keeps all d_conv columns (transformers); False: d_conv - 1 (vLLM)
+    conv_full_kernel: bool = False
 
 
 def supported_model_types() -> tuple[str, ...]:
+    """Model types with a family rule of their own; any other config is read from its
+    ``layer_types`` (or transformers' inference from `sliding_window` / chunk fields)."""
     return tuple(sorted(_READERS))
 
 
@@ -74,10 +103,7 @@ def model_spec_from_config(
     """Build a ModelSpec from a ``config.json`` dict (see module note for the rules)."""
     options = options or HfOptions()
     model_type = config.get("model_type")
-    reader = _READERS.get(str(model_type))
-    if reader is None:
-        supported = ", ".join(supported_model_types())
-        raise SpecError(f"unsupported model_type {model_type!r}; supported: {supported}")
+    reader = _READERS.get(str(model_type), _read_layer_types)
     text = _text_config(config)
     max_len = options.max_model_len or _require_int(text, "max_position_embeddings")
     layers = reader(config, options, max_len)
@@ -85,7 +111,7 @@ def model_spec_from_config(
         weight_bytes = _dense_weight_bytes(config, options)
     return ModelSpec(
         name=name or str(config.get("_name_or_path") or model_type),
-        groups=group_layers(layers),
+        groups=_share_kv(text, layers),
         max_model_len=max_len,
         weight_bytes=weight_bytes,
     )
@@ -130,7 +156,15 @@ def _attention_shape(text: Config) -> _AttentionShape:
     kv_heads = text.get("num_key_value_heads")
     kv_heads = heads if kv_heads is None else kv_heads
     head_dim = text.get("head_dim")
+    if head_dim is None:
+        head_dim = text.get("attention_head_dim")  # Zamba2
     head_dim = _require_int(text, "hidden_size") // heads if head_dim is None else head_dim
+    v_head_dim = text.get("v_head_dim")
+    if text.get("kv_lora_rank") is not None or (v_head_dim is not None and v_head_dim != head_dim):
+        raise SpecError(
+            f"K head dim {head_dim} and V head dim {v_head_dim} differ (multi-head latent "
+            f"attention, kv_lora_rank={text.get('kv_lora_rank')}): a LayerSpec stores one head_dim"
+        )
     return _AttentionShape(int(kv_heads), int(head_dim))
 
 
@@ -165,15 +199,20 @@ def _decoder_layers(
     config: Config,
     options: HfOptions,
     max_len: int,
-    kinds: list[Kind],
+    kinds: Sequence[Kind | None],
     windows: list[int | None] | None = None,
 ) -> LayerList:
-    """Attention layers of a decoder given each layer's kind (and per-layer windows)."""
+    """Attention layers of a decoder given each layer's kind (None: no attention cache)
+    and per-layer windows."""
     text = _text_config(config)
+    if all(kind is None for kind in kinds):
+        return []
     shape = _attention_shape(text)
     dtype = _dtype_bytes(config, options)
     layers: LayerList = []
     for i, kind in enumerate(kinds):
+        if kind is None:
+            continue
         kwargs: dict[str, Any] = {}
         if kind is Kind.SLIDING_WINDOW:
             window = windows[i] if windows else _require_int(text, "sliding_window")
@@ -185,6 +224,106 @@ def _decoder_layers(
             kwargs["chunk"] = _require_int(text, "attention_chunk_size")
         layers.append((i, _attention_layer(kind, shape, dtype, options, **kwargs)))
     return layers
+
+
+def layer_types(text: Config) -> list[str]:
+    """Every layer's type: ``layer_types`` if the config lists them, else transformers'
+    inference (`sliding_window` set: sliding; `attention_chunk_size` set: chunked)."""
+    n = _require_int(text, "num_hidden_layers")
+    types = text.get("layer_types") or text.get("layers_block_type")
+    if types is None and text.get("attn_layer_indices") is not None:  # Bamba
+        attention = set(text["attn_layer_indices"])
+        types = ["full_attention" if i in attention else "linear_attention" for i in range(n)]
+    if types is None:
+        if text.get("sliding_window") is not None:
+            return ["sliding_attention"] * n
+        if text.get("attention_chunk_size") is not None:
+            return ["chunked_attention"] * n
+        return ["full_attention"] * n
+    if len(types) != n:
+        raise SpecError(f"layer_types has {len(types)} entries, num_hidden_layers is {n}")
+    return [_LEGACY_TYPES.get(str(t), str(t)) for t in types]
+
+
+def _read_layer_types(config: Config, options: HfOptions, max_len: int) -> LayerList:
+    """Any decoder, from its layer types (see module note); refuses a type it cannot store."""
+    text = _text_config(config)
+    types = layer_types(text)
+    unknown = [(i, t) for i, t in enumerate(types) if t not in LAYER_TYPE_KINDS]
+    unknown = [(i, t) for i, t in unknown if t not in NO_CACHE_LAYER_TYPES]
+    if unknown:
+        i, t = unknown[0]
+        raise SpecError(
+            f"layer {i}: layer type {t!r} has no jenga kind (layers {[j for j, _ in unknown]}); "
+            f"storable: {sorted(LAYER_TYPE_KINDS)}, no cache: {sorted(NO_CACHE_LAYER_TYPES)}"
+        )
+    attention_kinds = [
+        LAYER_TYPE_KINDS[t][0] if t in LAYER_TYPE_KINDS and t != "linear_attention" else None
+        for t in types
+    ]
+    attention = dict(_decoder_layers(config, options, max_len, attention_kinds))
+    layers: LayerList = []
+    state: LayerSpec | None = None
+    for i, t in enumerate(types):
+        if i in attention:
+            layers.append((i, attention[i]))
+        if Kind.MAMBA in LAYER_TYPE_KINDS.get(t, ()):
+            state = state or _state_spec(config, options)
+            layers.append((i, state))
+    return layers
+
+
+def _state_spec(config: Config, options: HfOptions) -> LayerSpec:
+    text = _text_config(config)
+    if int(text.get("number_of_conv_states") or 1) != 1:
+        raise SpecError(
+            f"number_of_conv_states={text['number_of_conv_states']}: one state per layer only"
+        )
+    shape = linear_state(text)
+    dtype = _dtype_bytes(config, options)
+    return LayerSpec(
+        Kind.MAMBA,
+        state_bytes=shape.num_bytes(
+            dtype, options.ssm_dtype_bytes, full_kernel=options.conv_full_kernel
+        ),
+        block_size=options.block_size,
+        checkpoint_interval=options.mamba_checkpoint_interval,
+    )
+
+
+def kv_sharing_owners(text: Config) -> dict[int, int]:
+    """``{reader layer: owner layer}`` for cross-layer KV sharing (Gemma 3n's last
+    ``num_kv_shared_layers`` layers read the last earlier layer of their own type)."""
+    shared = int(text.get("num_kv_shared_layers") or 0)
+    if shared <= 0:
+        return {}
+    types = layer_types(text)
+    first = len(types) - shared
+    if first <= 0:
+        raise SpecError(f"num_kv_shared_layers {shared} leaves no layer storing a cache")
+    owners: dict[int, int] = {}
+    for layer in range(first, len(types)):
+        same = [i for i in range(first) if types[i] == types[layer]]
+        if not same:
+            raise SpecError(
+                f"layer {layer} ({types[layer]!r}) shares KV but no earlier layer has its type"
+            )
+        owners[layer] = same[-1]
+    return owners
+
+
+def _share_kv(text: Config, layers: LayerList) -> tuple[KVGroup, ...]:
+    """Group the layers; KV-sharing layers become readers of their owner's group."""
+    owners = kv_sharing_owners(text)
+    groups = group_layers([(i, spec) for i, spec in layers if i not in owners])
+    if not owners:
+        return groups
+    return tuple(
+        dataclasses.replace(
+            g, readers=tuple((r, o) for r, o in owners.items() if o in g.layer_ids)
+        )
+        for g in groups
+    )
 
 
 # ------------------------------------------------------------------------- readers
@@ -331,13 +470,20 @@ def _read_jamba(config: Config, options: HfOptions, max_len: int) -> LayerList:
     is_attention = _jamba_is_attention(config, n)
     dtype = _dtype_bytes(config, options)
     attention = _attention_layer(Kind.FULL, _attention_shape(config), dtype, options)
-    mamba = LayerSpec(
-        Kind.MAMBA,
-        state_bytes=mamba_state_bytes(config, dtype, options.ssm_dtype_bytes),
-        block_size=options.block_size,
-        checkpoint_interval=options.mamba_checkpoint_interval,
-    )
+    mamba = _state_spec(config, options)
+    if not options.conv_full_kernel:  # the published vLLM-style figure, unpadded
+        state_bytes = mamba_state_bytes(config, dtype, options.ssm_dtype_bytes)
+        mamba = dataclasses.replace(mamba, state_bytes=state_bytes)
     return [(i, attention if attn else mamba) for i, attn in enumerate(is_attention)]
+
+
+def _read_falcon_h1(config: Config, options: HfOptions, max_len: int) -> LayerList:
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer."""
+    text = _text_config(config)
+    if text.get("layer_types") is None:
+        n = _require_int(text, "num_hidden_layers")
+        config = {**config, "layer_types": ["hybrid"] * n}
+    return _read_layer_types(config, options, max_len)
 
 
 _READERS: dict[str, Callable[[Config, HfOptions, int], LayerList]] = {
@@ -351,6 +497,7 @@ _READERS: dict[str, Callable[[Config, HfOptions, int], LayerList]] = {
     "llama4_text": _read_llama4,
     "mllama": _read_mllama,
     "jamba": _read_jamba,
+    "falcon_h1": _read_falcon_h1,
     "qwen2": _read_qwen2,
     "llava_onevision": _read_llava_onevision,
 }

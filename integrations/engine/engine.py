@@ -44,6 +44,7 @@ import torch
 
 import vmm
 from integrations.engine.forward import PackedForward, Segment
+from integrations.engine.model_forward import ModelForward
 from integrations.kvcache import KVCache, KVCacheConfig
 
 
@@ -59,7 +60,38 @@ class EngineConfig:
     use_prefix_cache: bool = True
     overlap: bool = False  # allocate step t+1's decode tokens ahead; map them during step t
     backend: str = "host"  # "host" | "cuda" | "auto" (model must be on the backend's device)
-    attention: str = "sdpa"  # "sdpa" | "flash" (flash_attn_with_kvcache; CUDA only, untested)
+    # "sdpa": the model's own forward per request (every family the HF cache stores);
+    # "flash": the packed Llama-style forward with flash_attn_with_kvcache (CUDA only, untested)
+    attention: str = "sdpa"
+    checkpoint_interval: int = 16  # tokens per recurrent-state block (prefix hits on Mamba)
+
+
+_PACKED_TYPES = frozenset({"llama", "mistral"})
+
+
+def _engine_spec(model: Any, cfg: EngineConfig, itemsize: int) -> Any:
+    """The model's jenga spec; refuses what the engine cannot feed (image inputs)."""
+    from integrations.hf.cache import config_dict
+    from jenga.hf import HfOptions, model_spec_from_config
+    from jenga.specs import Kind
+
+    options = HfOptions(
+        block_size=cfg.block_size, dtype_bytes=itemsize, conv_full_kernel=True,
+        mamba_checkpoint_interval=cfg.checkpoint_interval,
+    )  # fmt: skip
+    text = model.config.get_text_config(decoder=True)
+    spec = model_spec_from_config(config_dict(model.config, text), options=options)
+    images = [
+        g.name
+        for g in spec.groups
+        if g.spec.model != "target" or g.spec.kind in (Kind.CROSS_ATTENTION, Kind.VISION_EMBEDDING)
+    ]
+    if images:
+        raise ValueError(
+            f"the mini engine serves text decoders; {model.config.model_type!r} has image "
+            f"caches {images} it cannot feed"
+        )
+    return spec
 
 
 @dataclass
@@ -85,19 +117,19 @@ class MiniEngine:
     """Continuous batching over a `KVCache` built from the model's config."""
 
     def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
-        from jenga.hf import HfOptions, model_spec_from_config
-
-        self.config = config or EngineConfig()
+        self.config = cfg = config or EngineConfig()
         self.model = model
         dtype = next(model.parameters()).dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        options = HfOptions(block_size=self.config.block_size, dtype_bytes=itemsize)
-        spec = model_spec_from_config(model.config.to_dict(), options=options)
-        cfg = self.config
+        spec = _engine_spec(model, cfg, torch.empty((), dtype=dtype).element_size())
         use_flash = cfg.attention == "flash"
         if use_flash and cfg.block_size % 256:
             raise ValueError(
                 f"flash-attn paged KV needs block_size % 256 == 0, got {cfg.block_size}"
+            )
+        if use_flash and model.config.model_type not in _PACKED_TYPES:
+            raise ValueError(
+                f"attention='flash' runs the packed Llama-style forward: model_type "
+                f"{model.config.model_type!r} is not one of {sorted(_PACKED_TYPES)}"
             )
         if cfg.backend == "host":
             backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
@@ -105,7 +137,17 @@ class MiniEngine:
             backend = vmm.get_backend(cfg.backend)
         self.pool = vmm.ChunkPool(backend, cfg.budget_bytes)
         self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype, kv_split=use_flash))
-        self.forward = PackedForward(model, self.kv, use_flash=use_flash)
+        try:
+            self.forward: Any = (
+                PackedForward(model, self.kv, use_flash=True)
+                if use_flash
+                else ModelForward(model, self.kv)
+            )
+        except BaseException:
+            self.kv.close()
+            self.pool.close()
+            raise
+        self._interval = getattr(self.forward, "checkpoint_interval", None)
         self.pending: list[EngineRequest] = []
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -145,12 +187,20 @@ class MiniEngine:
         self.stats["preemptions"] += 1
         return victim
 
+    def _segment_tokens(self, start: int, end: int, budget: int) -> int:
+        """Tokens of the next segment: the budget's share, cut at the next state
+        checkpoint (a recurrent state is only known where a forward ends)."""
+        n = min(end - start, budget)
+        if self._interval is not None:
+            n = min(n, self._interval - start % self._interval)
+        return n
+
     def _schedule_running(self, budget: int) -> tuple[list[Segment], int]:
         segments: list[Segment] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.sequence) - req.num_computed, budget)
+            n = self._segment_tokens(req.num_computed, len(req.sequence), budget)
             if self._ahead.get(req.request_id) == n:
                 del self._ahead[req.request_id]  # allocated (and mapped) last step
             elif self.kv.allocate(req.request_id, n) is None:
@@ -168,7 +218,7 @@ class MiniEngine:
             req = self.waiting[0]
             seq = req.sequence
             hit = self.kv.add_request(req.request_id, seq, use_cache=self.config.use_prefix_cache)
-            n = min(len(seq) - hit, budget)
+            n = self._segment_tokens(hit, len(seq), budget)
             if self.kv.allocate(req.request_id, n) is None:
                 self.kv.free(req.request_id)
                 break

@@ -3,11 +3,13 @@
 Importing this package imports torch and transformers (it is an integration, not core).
 """
 
-from integrations.hf.cache import (
-    RowStore,
+from integrations.hf.cache import RowStore, VmmCache, default_budget_bytes
+from integrations.hf.layers import (
     UnsupportedLayer,
-    VmmCache,
+    VmmChunkedLayer,
     VmmCrossLayer,
+    VmmHybridLayer,
+    VmmHybridSlidingLayer,
     VmmLayer,
     VmmMambaLayer,
     VmmSlidingLayer,
@@ -17,8 +19,12 @@ __all__ = [
     "RowStore",
     "UnsupportedLayer",
     "VmmCache",
+    "VmmChunkedLayer",
     "VmmCrossLayer",
+    "VmmHybridLayer",
+    "VmmHybridSlidingLayer",
     "VmmLayer",
     "VmmMambaLayer",
     "VmmSlidingLayer",
+    "default_budget_bytes",
 ]

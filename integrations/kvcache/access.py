@@ -19,7 +19,7 @@ Limitations
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,14 +47,21 @@ class TokenSlots:
 
 
 def token_slots(
-    cache: KVCache, request_id: Hashable, group: int, start: int, stop: int
+    cache: KVCache,
+    request_id: Hashable,
+    group: int,
+    start: int,
+    stop: int,
+    table: Sequence[int] | None = None,
 ) -> TokenSlots:
-    """Where positions [start, stop) of `request_id` live in group `group`."""
+    """Where positions [start, stop) of `request_id` live in group `group` (`table`: a
+    block table taken earlier, e.g. before an allocation that releases blocks)."""
     import torch
 
     geo = cache.geometries[group]
     spec = cache.model.groups[group].spec
-    table = cache.block_table(request_id, group)
+    if table is None:
+        table = cache.block_table(request_id, group)
     t = spec.block_size
     first, last = start // t, (stop - 1) // t
     if stop <= start:
@@ -63,10 +70,10 @@ def token_slots(
     if last >= len(table) or NULL_BLOCK in table[first : last + 1]:
         raise ReleasedBlockError(
             f"request {request_id!r} group {geo.name!r}: positions [{start}, {stop}) need "
-            f"blocks {first}..{last}, table has {len(table)} entries: {table[first : last + 1]}"
+            f"blocks {first}..{last}, table has {len(table)} entries: {list(table[first : last + 1])}"
         )
     positions = torch.arange(start, stop)
-    block_ids = torch.tensor(table, dtype=torch.long)[positions // t]
+    block_ids = torch.tensor(list(table), dtype=torch.long)[positions // t]
     return TokenSlots(
         start,
         stop,

@@ -125,9 +125,12 @@ class KVCache:
         )
         self._check_dtype()
         self.ranges: tuple[tuple[VirtualRange, ...], ...] = self._reserve_all()
-        self._layer_to_group = {
-            layer: geo.index for geo in self.geometries for layer in geo.layer_ids
-        }
+        # A layer id in several groups (a Hymba/Falcon-H1 layer with attention and Mamba, an
+        # encoder's layer 0 beside the decoder's) resolves to the target model's attention group.
+        self._layer_to_group: dict[int, int] = {}
+        for geo in sorted(self.geometries, key=lambda geo: self._lookup_rank(geo.index)):
+            for layer in geo.layer_ids:
+                self._layer_to_group.setdefault(layer, geo.index)
         for g in model.groups:
             for reader, owner in g.readers:
                 self._layer_to_group[reader] = self._layer_to_group[owner]
@@ -144,6 +147,10 @@ class KVCache:
         self._counters.update({"overlap.plans.async": 0, "overlap.plans.sync": 0})
 
     # ---- construction helpers ----------------------------------------------------------
+    def _lookup_rank(self, group: int) -> tuple[bool, bool]:
+        spec = self.model.groups[group].spec
+        return (spec.model != "target", spec.kind is Kind.MAMBA)
+
     def _check_dtype(self) -> None:
         for g in self.model.groups:
             spec = g.spec
@@ -307,7 +314,10 @@ class KVCache:
 
     # ---- layers and tensors --------------------------------------------------------------
     def group_of(self, layer: int) -> GroupGeometry:
-        """The geometry of the group holding `layer`'s cache (a KV reader: its owner's)."""
+        """The geometry of the group holding `layer`'s cache (a KV reader: its owner's).
+
+        A layer in several groups resolves to the target model's attention group; address
+        its other caches by group index (`geometries`, `ranges`)."""
         if layer not in self._layer_to_group:
             raise KeyError(f"layer {layer} has no cache; layers: {sorted(self._layer_to_group)}")
         return self.geometries[self._layer_to_group[layer]]

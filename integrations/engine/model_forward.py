@@ -1,0 +1,181 @@
+"""The engine's forward: the model's own `forward`, one request at a time, over the KVCache.
+
+Rationale
+    Re-implementing a decoder's forward (norms, embedding scale, softcapping, rotary
+    variants, MoE routing, Mamba mixers, KV sharing) for every family is where an engine
+    goes wrong: a Llama-shaped loop gives Gemma 2 wrong tokens from the first step and
+    cannot run Gemma 3's per-type rotary at all. Driving the model's own `forward` with a
+    `Cache` whose layers read and write the engine's jenga blocks runs every family the
+    HF cache stores, with the library's arithmetic, while the scheduler (continuous
+    batching, chunked prefill, prefix hits, preemption) stays the engine's.
+
+Approach
+    Each scheduled segment [start, stop) of request r becomes one call
+    ``model(ids[start:stop], past_key_values=cache)``, where `cache` is a transformers
+    `Cache` built from `integrations.hf` layer classes over `RequestStore`: batch row 0
+    is request r, the block tables are the ones taken in `prepare` (before an overlapped
+    allocation could release a block this step reads), nothing is allocated (the
+    scheduler did), and every layer starts at ``seen = start`` so transformers computes
+    positions and masks as for a cache holding ``start`` tokens::
+
+        scheduler ── allocate ──► KVCache ◄── write/read K/V, states ── model.forward
+                   prepare: tables, state copy-forward       (RequestStore, row 0 = r)
+
+    Recurrent states (Mamba, gated delta-net): a segment never crosses a checkpoint
+    boundary (the scheduler cuts it there), so the block of a finished checkpoint holds
+    the state at exactly that position and serves prefix hits. When a segment starts on
+    a new block, `prepare` copies the previous state block into it first; a continuing
+    request's layers point at its live block (`resume`).
+
+Limitations
+    One forward per request (no packed varlen kernel on CPU); the gather copies the
+    visible K/V, as transformers' own cache does. Text decoders only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from jenga.specs import Kind
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+
+from integrations.engine.forward import Segment
+from integrations.hf.cache import LAYER_CLASSES
+from integrations.hf.layers import UnsupportedLayer, _AttentionPart, _StatePart
+from integrations.kvcache import KVCache
+
+
+class RequestStore:
+    """One request as batch row 0 of a `RowStore`-like store, tables fixed at creation."""
+
+    num_rows = 1
+    image_tokens = 0
+
+    def __init__(self, kv: KVCache, segment: Segment, tables: list[list[int]]) -> None:
+        self.kv = kv
+        self.segment = segment
+        self.tables = tables
+        self.length = segment.stop
+        self.recurrent_offset = 0
+        self.state_layers: list[Any] = []
+
+    def request(self, row: int) -> Hashable:
+        return self.segment.request_id
+
+    def table(self, row: int, group: int) -> list[int]:
+        return self.tables[group]
+
+    def ensure(self, num_rows: int, length: int, dtype: Any = None, **kwargs: Any) -> None:
+        if num_rows != 1 or length > self.segment.stop:
+            raise ValueError(
+                f"request {self.segment.request_id!r}: a forward of {num_rows} rows up to "
+                f"{length} tokens, the engine allocated 1 row up to {self.segment.stop}"
+            )
+
+    def attention_group(self, layer: int) -> int:
+        return self.kv.group_of(layer).index
+
+    def state_group(self, layer: int) -> int:
+        for i, g in enumerate(self.kv.model.groups):
+            if g.spec.kind is Kind.MAMBA and layer in g.layer_ids:
+                return i
+        raise UnsupportedLayer(f"layer {layer} has no state group in the jenga spec")
+
+
+class ModelForward:
+    """Runs `model`'s own forward over scheduled segments, K/V and states in `kv`."""
+
+    def __init__(self, model: Any, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = next(model.parameters()).device
+        text = model.config.get_text_config(decoder=True)
+        self.layer_types, self.layer_kwargs = get_layer_types_and_kwargs(text)
+        unknown = [(i, t) for i, t in enumerate(self.layer_types) if t not in LAYER_CLASSES]
+        if unknown:
+            raise UnsupportedLayer(
+                f"layers {[i for i, _ in unknown]}: types {sorted({t for _, t in unknown})} "
+                f"are not served (served: {sorted(LAYER_CLASSES)})"
+            )
+        self.state_groups = [i for i, g in enumerate(kv.model.groups) if g.spec.kind is Kind.MAMBA]
+        itemsize = kv.itemsize
+        self.recurrent_offset = 0
+        if self.state_groups:
+            from jenga.hf_states import STATE_ALIGN, linear_state
+
+            state = linear_state(text.to_dict())
+            conv = state.conv_channels * state.conv_kernel * itemsize
+            self.recurrent_offset = -(-conv // STATE_ALIGN) * STATE_ALIGN
+        self._state_layouts: dict[int, Any] = {}
+        self.stats = {"forward.state_copies": 0}
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """Tokens per state block, when the model has recurrent states (segments stop at
+        its multiples)."""
+        if not self.state_groups:
+            return None
+        return self.kv.model.groups[self.state_groups[0]].spec.block_size
+
+    def prepare(self, segments: Sequence[Segment]) -> dict[Hashable, list[list[int]]]:
+        """Each request's block tables as they are now, state blocks copied forward."""
+        tables: dict[Hashable, list[list[int]]] = {}
+        for seg in segments:
+            rid = seg.request_id
+            tables[rid] = [list(self.kv.block_table(rid, g)) for g in range(len(self.kv.geometries))]
+            if seg.start > 0:
+                for g in self.state_groups:
+                    self._copy_state_forward(g, seg, tables[rid][g])
+        return tables
+
+    def _copy_state_forward(self, group: int, seg: Segment, table: list[int]) -> None:
+        t = self.kv.model.groups[group].spec.block_size
+        src, dst = table[-(-seg.start // t) - 1], table[-1]
+        if src == dst:
+            return
+        geo = self.kv.geometries[group]
+        size = geo.layer_block_bytes
+        for layer in self.kv.model.groups[group].layer_ids:
+            rng = self.kv.ranges[group][geo.range_index(layer)]
+            base = geo.layer_offset(layer)
+            target = rng.tensor(size, torch.uint8, base + geo.block_offset(dst))
+            target.copy_(rng.tensor(size, torch.uint8, base + geo.block_offset(src)))
+        self.stats["forward.state_copies"] += 1
+
+    def _cache_for(self, seg: Segment, tables: list[list[int]]) -> Cache:
+        store = RequestStore(self.kv, seg, tables)
+        store.recurrent_offset = self.recurrent_offset
+        layers = []
+        for i, (kind, kwargs) in enumerate(zip(self.layer_types, self.layer_kwargs, strict=True)):
+            layer = LAYER_CLASSES[kind](store, i, **kwargs)
+            if isinstance(layer, _AttentionPart):
+                layer.seen = seg.start
+                if hasattr(layer, "cumulative_length"):
+                    layer.cumulative_length = seg.start
+            if isinstance(layer, _StatePart) and seg.start > 0:
+                layer.resume(self._state_layouts[i])
+            layers.append(layer)
+        return Cache(layers=layers)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        segments: Sequence[Segment],
+        token_ids: Sequence[int],
+        tables: dict[Hashable, list[list[int]]] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[len(segments), vocab]`` at each segment's last position."""
+        tables = self.prepare(segments) if tables is None else tables
+        out, offset = [], 0
+        for seg in segments:
+            ids = torch.tensor([token_ids[offset : offset + seg.num_tokens]], device=self.device)
+            offset += seg.num_tokens
+            cache = self._cache_for(seg, tables[seg.request_id])
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            out.append(logits[0, -1])
+            for i, layer in enumerate(cache.layers):
+                if isinstance(layer, _StatePart) and i not in self._state_layouts:
+                    self._state_layouts[i] = layer.state_layout()
+        return torch.stack(out)

@@ -1,0 +1,370 @@
+"""`VmmCache` layer objects: one per decoder layer, storing in the rows' jenga blocks.
+
+Rationale
+    transformers' `Cache` is a list of layer objects, one per decoder layer, whose class
+    follows the layer's type. Each class here subclasses the library's own layer of that
+    type, so the mask bookkeeping (`get_mask_sizes`, `cumulative_length`) and the
+    model's calls (`update`, `update_conv_state`, `get_conv_state`, ...) stay the
+    library's, while the data lives in the chunks jenga mapped for the row.
+
+Approach
+    ::
+
+        full_attention      VmmLayer            returns positions [0, stop)
+        sliding_attention   VmmSlidingLayer     returns [past - (w - 1), stop)
+        chunked_attention   VmmChunkedLayer     same span as transformers (a sliding layer
+                                                of w = chunk); positions before the current
+                                                chunk were released by jenga: zeros, which
+                                                the chunked mask never reads
+        linear_attention    VmmMambaLayer       conv + recurrent state: views of the row's
+                                                live state block (Mamba group)
+        hybrid(_sliding)    VmmHybridLayer /    both: the attention part in the attention
+                            VmmHybridSlidingLayer  group, the state in the Mamba group
+        cross attention     VmmCrossLayer       mllama's image K/V, written once
+        dummy (KV reader)   transformers' DummyLayer: the model hands the owner's K/V over
+
+    A state block holds ``conv [channels, kernel]`` then, at the next 16-byte boundary,
+    the recurrent state. The batch dimension is a strided view over the rows' blocks (one
+    uniform stride), so transformers' in-place updates land in our memory. When a row's
+    live state moves to a new checkpoint block, `RowStore` copies every state block and
+    the layers re-point their views (`repoint`).
+
+Limitations
+    Released positions of a chunked layer read as zeros, correct only under the chunked
+    mask. State views need the rows' blocks at one positive stride (a fresh cache's rows
+    allocate in order); otherwise `UnsupportedLayer`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from jenga.allocator import NULL_BLOCK
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+)
+
+from integrations.kvcache.access import read_kv, token_slots, write_kv
+
+if TYPE_CHECKING:
+    from integrations.hf.cache import RowStore
+
+
+class UnsupportedLayer(NotImplementedError):
+    """The model has a layer type, or a state layout, this cache does not store."""
+
+
+def _unsupported(self: Any, *args: Any, **kwargs: Any) -> None:
+    raise NotImplementedError("VmmCache does not support beam search, cropping or reindexing")
+
+
+class _AttentionPart:
+    """Write new K/V into each row's blocks; return positions [start, stop) gathered."""
+
+    store: RowStore
+    layer_idx: int
+    seen: int = 0  # tokens written so far
+
+    def _window_start(self, past: int) -> int:
+        return 0
+
+    def _attend(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        past = self.seen
+        rows, _, q, _ = key_states.shape
+        stop = past + q
+        self.store.ensure(rows, stop, key_states.dtype)
+        kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
+        keys, values = [], []
+        for row in range(rows):
+            rid, table = self.store.request(row), self.store.table(row, group)
+            new = token_slots(kv, rid, group, past, stop, table)
+            write_kv(kv, self.layer_idx, new, key_states[row].transpose(0, 1),
+                     value_states[row].transpose(0, 1))  # fmt: skip
+            k, v = self._read(row, group, self._window_start(past), stop)
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        self.seen = stop
+        return torch.stack(keys), torch.stack(values)
+
+    def _read(self, row: int, group: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """Positions [start, stop); those whose block jenga released read as zeros."""
+        kv = self.store.kv
+        table = self.store.table(row, group)
+        t = kv.model.groups[group].spec.block_size
+        first = start // t
+        while first < len(table) and table[first] == NULL_BLOCK:
+            first += 1
+        live = max(start, first * t)
+        slots = token_slots(kv, self.store.request(row), group, live, stop, table)
+        k, v = read_kv(kv, self.layer_idx, slots)
+        if live == start:
+            return k, v
+        pad = k.new_zeros((live - start, *k.shape[1:]))
+        return torch.cat([pad, k]), torch.cat([pad, v])
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class VmmLayer(_AttentionPart, DynamicLayer):
+    """Full attention: every position stays and is returned."""
+
+    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+        super().__init__()
+        self.store, self.layer_idx = store, layer_idx
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            DynamicLayer.lazy_initialization(self, key_states, value_states)
+        return self._attend(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+
+class VmmSlidingLayer(_AttentionPart, DynamicSlidingWindowLayer):
+    """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
+
+    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+        super().__init__(sliding_window=sliding_window)
+        self.store, self.layer_idx = store, layer_idx
+
+    def _window_start(self, past: int) -> int:
+        return max(0, past - (self.sliding_window - 1))
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            DynamicSlidingWindowLayer.lazy_initialization(self, key_states, value_states)
+        out = self._attend(key_states, value_states)
+        self.cumulative_length = self.seen
+        return out
+
+
+class VmmChunkedLayer(VmmSlidingLayer):
+    """Chunked local attention (Llama 4): the span of transformers' own chunked layer (a
+    sliding layer with w = chunk); jenga frees blocks before the current chunk."""
+
+
+class _StatePart:
+    """Conv and recurrent states as views over each row's live block in the Mamba group."""
+
+    store: RowStore
+    layer_idx: int
+    conv_states: dict[int, torch.Tensor | None]
+    recurrent_states: dict[int, torch.Tensor | None]
+
+    def _state_view(self, rows: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...]):
+        store = self.store
+        store.ensure(rows, max(store.length, 1), dtype, check_dtype=False)
+        kv, group = store.kv, store.state_group(self.layer_idx)
+        geo = kv.geometries[group]
+        blocks = [self.store.table(r, group)[-1] for r in range(rows)]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        end = offset + itemsize * int(torch.tensor(shape).prod())
+        if end > geo.layer_block_bytes:
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: state {shape} {dtype} ends at byte {end}, the state "
+                f"block holds {geo.layer_block_bytes}"
+            )
+        offsets = [geo.block_offset(b) + geo.layer_offset(self.layer_idx) + offset for b in blocks]
+        steps = {b - a for a, b in itertools.pairwise(offsets)}
+        if len(steps) > 1 or any(step <= 0 for step in steps):
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: rows' state blocks {blocks} have no uniform stride"
+            )
+        row_stride = (steps.pop() if steps else geo.page_bytes) // itemsize
+        inner = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * shape[i + 1]
+        rng = kv.ranges[group][geo.range_index(self.layer_idx)]
+        return rng.tensor((rows, *shape), dtype, offsets[0], (row_stride, *inner))
+
+    def _take_states(self, state_idx: int) -> None:
+        """Replace transformers' fresh zero tensors of `state_idx` by zeroed views."""
+        for states, offset in ((self.conv_states, 0), (self.recurrent_states, None)):
+            fresh = states.get(state_idx)
+            if fresh is None or getattr(fresh, "_vmm_view", False):
+                continue
+            start = self.store.recurrent_offset if offset is None else offset
+            view = self._state_view(fresh.shape[0], fresh.dtype, start, tuple(fresh.shape[1:]))
+            view.zero_()
+            view._vmm_view = True  # type: ignore[attr-defined]
+            states[state_idx] = view
+
+    def repoint(self) -> None:
+        """Rebuild every state view over the rows' current live blocks (after a move)."""
+        for states, offset in ((self.conv_states, 0), (self.recurrent_states, None)):
+            for idx, old in states.items():
+                if old is None:
+                    continue
+                start = self.store.recurrent_offset if offset is None else offset
+                view = self._state_view(old.shape[0], old.dtype, start, tuple(old.shape[1:]))
+                view._vmm_view = True  # type: ignore[attr-defined]
+                states[idx] = view
+
+    def state_layout(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
+        """(dtype, per-row shape) of the conv and recurrent states, once initialized."""
+        out = []
+        for states in (self.conv_states, self.recurrent_states):
+            state = states.get(0)
+            if state is None:
+                raise UnsupportedLayer(f"layer {self.layer_idx}: state 0 was never initialized")
+            out.append((state.dtype, tuple(state.shape[1:])))
+        return tuple(out)
+
+    def resume(self, layout: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+        """Point state 0 at the rows' live blocks as they are (a request that continues:
+        its state is in memory, transformers must read it, not start from zeros)."""
+        (conv_dtype, conv_shape), (rec_dtype, rec_shape) = layout
+        rows = self.store.num_rows
+        conv = self._state_view(rows, conv_dtype, 0, conv_shape)
+        recurrent = self._state_view(rows, rec_dtype, self.store.recurrent_offset, rec_shape)
+        for view in (conv, recurrent):
+            view._vmm_view = True  # type: ignore[attr-defined]
+        self.conv_states[0], self.recurrent_states[0] = conv, recurrent
+        self.conv_kernel_size[0] = conv_shape[-1]
+        self.dtype, self.device = conv_dtype, conv.device  # type: ignore[assignment]
+        for flags in (self.is_conv_states_initialized, self.is_recurrent_states_initialized,
+                      self.has_previous_state):  # fmt: skip
+            flags[0] = True
+
+    def _init_states(self, base: Any, *args: Any, **kwargs: Any) -> None:
+        base.lazy_initialization(self, *args, **kwargs)
+        if not args:  # the state path (keyword arguments), not the attention one
+            self._take_states(kwargs.get("state_idx", 0))
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class VmmMambaLayer(_StatePart, LinearAttentionLayer):
+    """Mamba / Mamba2 / gated delta-net: states in the row's live Mamba-group block."""
+
+    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.store, self.layer_idx = store, layer_idx
+        store.state_layers.append(self)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        self._init_states(LinearAttentionLayer, *args, **kwargs)
+
+
+class VmmHybridLayer(_StatePart, _AttentionPart, LinearAttentionAndFullAttentionLayer):
+    """Attention and a state in one layer (Falcon-H1, Zamba2): two groups, one layer id."""
+
+    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.store, self.layer_idx = store, layer_idx
+        store.state_layers.append(self)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        self._init_states(LinearAttentionAndFullAttentionLayer, *args, **kwargs)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            DynamicLayer.lazy_initialization(self, key_states, value_states)
+        return self._attend(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+
+class VmmHybridSlidingLayer(
+    _StatePart, _AttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
+):
+    """A sliding-window attention part beside a state (``hybrid_sliding``)."""
+
+    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.store, self.layer_idx = store, layer_idx
+        store.state_layers.append(self)
+
+    def _window_start(self, past: int) -> int:
+        return max(0, past - (self.sliding_window - 1))
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        self._init_states(LinearAttentionAndSlidingWindowAttentionLayer, *args, **kwargs)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            DynamicSlidingWindowLayer.lazy_initialization(self, key_states, value_states)
+        out = self._attend(key_states, value_states)
+        self.cumulative_length = self.seen
+        return out
+
+
+class VmmCrossLayer(DynamicLayer):
+    """Cross attention (mllama): the image K/V written once into the cross-attention
+    group's blocks; `keys` / `values` gather them from there on every read (transformers
+    reads them directly on decode steps)."""
+
+    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+        super().__init__()
+        self.store, self.layer_idx = store, layer_idx
+        self.length = 0
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        return self._gather()[0]
+
+    @keys.setter
+    def keys(self, value: Any) -> None:  # storage is ours; transformers' assignments are dropped
+        pass
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor:
+        return self._gather()[1]
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        pass
+
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.length == 0:
+            return torch.empty(0), torch.empty(0)
+        kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
+        keys, values = [], []
+        for row in range(self.store.num_rows):
+            k, v = read_kv(kv, self.layer_idx, token_slots(kv, row, group, 0, self.length))
+            keys.append(k.transpose(0, 1))
+            values.append(v.transpose(0, 1))
+        return torch.stack(keys), torch.stack(values)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, _, n, _ = key_states.shape
+        if n != self.store.image_tokens:
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: {n} cross-attention tokens, the cache was built for "
+                f"{self.store.image_tokens} (VmmCache(image_tokens=...))"
+            )
+        self.store.ensure(rows, max(self.store.length, 1), key_states.dtype)
+        kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
+        for row in range(rows):
+            slots = token_slots(kv, row, group, 0, n)
+            write_kv(kv, self.layer_idx, slots, key_states[row].transpose(0, 1),
+                     value_states[row].transpose(0, 1))  # fmt: skip
+        self.length = n
+        return self._gather()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
