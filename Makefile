@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.jenga-vmm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLists.txt
 
-.PHONY: run test lint format build stubs clean test-vllm
+.PHONY: run test lint format build stubs clean test-vllm test-asan
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ run: build
 
 test: build
 	$(PY) -m pytest -q
+
+# C++ extensions under -fsanitize=address,undefined (build/asan), then the vmm, jenga and
+# kvcache suites with libasan preloaded; skips cleanly without a sanitizer toolchain.
+test-asan: $(STAMP)
+	PY=$(PY) .ci/test-asan
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
