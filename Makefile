@@ -4,8 +4,11 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.jenga-vmm-installed
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLists.txt
+# C/C++ under clang-format: the extension and the test suite's CUDA driver emulator
+CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
+                   -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs clean test-vllm test-asan
+.PHONY: run test lint format build stubs clean test-vllm test-cuda-emulated cuda-emulator test-asan
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,18 +39,41 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/clang-format --dry-run --Werror $(shell find csrc -name '*.cpp' -o -name '*.hpp')
+	$(VENV)/bin/clang-format --dry-run --Werror $(CLANG_SOURCES)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
-	$(VENV)/bin/clang-format -i $(shell find csrc -name '*.cpp' -o -name '*.hpp')
+	$(VENV)/bin/clang-format -i $(CLANG_SOURCES)
 
 stubs: build
 	$(VENV)/bin/pybind11-stubgen vmm._core jenga._core -o . --numpy-array-remove-parameters
 	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
 	$(VENV)/bin/ruff check --fix -q vmm/_core jenga/_core.pyi
 	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
+
+# The CUDA backend through the real cuda-bindings on the CUDA driver emulator: a test
+# library (tests/vmm/cuda_emulator, built into build/, never shipped or linked by the
+# package) that cuda-bindings loads as libcuda.so.1. Runs the `cuda` tests that need no
+# torch CUDA tensors and the emulator's own tests (all under tests/vmm; the other `cuda`
+# test, tests/integrations/engine's flash-attention one, is `gpu`); `gpu` tests are
+# deselected, and a `cuda` test that skips fails the run (tests/conftest.py).
+EMU_DIR       := build/cuda-emulator
+EMU_LIB       := $(EMU_DIR)/libcuda.so.1
+EMU_SOURCES   := $(wildcard tests/vmm/cuda_emulator/*.c tests/vmm/cuda_emulator/*.h)
+CUDA_BINDINGS ?= cuda-bindings>=12.6,<14
+
+$(EMU_LIB): $(EMU_SOURCES)
+	@mkdir -p $(EMU_DIR)
+	$(CC) -std=c11 -O2 -g -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden \
+	  -Wl,-soname,libcuda.so.1 -o $@ $(filter %.c,$(EMU_SOURCES)) -lpthread
+
+cuda-emulator: $(EMU_LIB)
+
+test-cuda-emulated: build $(EMU_LIB)
+	$(PIP) install -q "$(CUDA_BINDINGS)"
+	JENGA_VMM_CUDA_EMULATOR=$(abspath $(EMU_LIB)) \
+	  $(PY) -m pytest -q -m "(cuda or emulator) and not gpu" tests/vmm
 
 # vLLM 0.32.0 suite (tests/integrations/vllm) in its own venv: created with the shared recipe only if
 # missing (reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package.

@@ -1,5 +1,5 @@
 """
-two-level LCM allocator bookkeeping
+jenga private extension: two-level LCM allocator bookkeeping and block hashing
 """
 
 from __future__ import annotations
@@ -10,7 +10,71 @@ import typing
 import numpy
 import numpy.typing
 
-__all__: list[str] = ["Core", "hash_blocks", "hash_ints"]
+__all__: list[str] = ["AllocationOrder", "Core", "Rules", "hash_blocks", "hash_ints"]
+
+class AllocationOrder:
+    """
+    order of the five allocation steps
+
+    Members:
+
+      PAPER
+
+      COMPACT
+
+      PINNED
+    """
+
+    COMPACT: typing.ClassVar[AllocationOrder]
+    PAPER: typing.ClassVar[AllocationOrder]
+    PINNED: typing.ClassVar[AllocationOrder]
+    __members__: typing.ClassVar[dict[str, AllocationOrder]]
+    @typing.overload
+    def __eq__(self, other: AllocationOrder) -> bool: ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool: ...
+    def __getstate__(self) -> int: ...
+    def __hash__(self) -> int: ...
+    def __index__(self) -> int: ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def __int__(self) -> int: ...
+    @typing.overload
+    def __ne__(self, other: AllocationOrder) -> bool: ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool: ...
+    def __repr__(self) -> str: ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None: ...
+    def __str__(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
+
+class Rules:
+    """
+    The rules the core allocates and evicts by (one value)
+    """
+    def __init__(self, **kwargs) -> None: ...
+    @property
+    def demote_window_releases(self) -> bool:
+        """
+        early releases are cached in a lower tier, evicted before every block cached by release(), unless they served a prefix hit
+        """
+    @property
+    def early_release_groups(self) -> list[bool]:
+        """
+        one flag per group (empty: none): blocks cached by allocate()'s release lists of a flagged group are early (ties: shortest prefix first)
+        """
+    @property
+    def frugal_retry(self) -> bool:
+        """
+        retry a refused allocate() in frugal order
+        """
+    @property
+    def order(self) -> AllocationOrder:
+        """
+        step order: PAPER 1, 2, 3, 4, 5; COMPACT 1, 4, 2, 3, 5; PINNED 1, 4, 2, then 5 on pages not wholly evictable, 3, 5
+        """
 
 class Core:
     """
@@ -21,7 +85,7 @@ class Core:
         blocks_per_page: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
         units_per_page: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
         total_units: typing.SupportsInt | typing.SupportsIndex,
-        compact_order: bool = False,
+        rules: Rules = ...,
     ) -> None: ...
     def acquire(
         self,
@@ -78,10 +142,9 @@ class Core:
         commit() for consecutive blocks: prefix_len[i] = first_prefix + i * step; negative block ids are skipped
         """
     def counters(self) -> dict: ...
-    def drain_plan(self) -> tuple: ...
-    def drain_plan_keys(self) -> list:
+    def drain_plan(self) -> list:
         """
-        drain_plan() as a list of (kind, group, page, reused_units) tuples
+        The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, reused_units) tuples
         """
     def eviction_order(self, group: typing.SupportsInt | typing.SupportsIndex) -> list[int]: ...
     def group_counts(self, group: typing.SupportsInt | typing.SupportsIndex) -> tuple:
@@ -97,14 +160,6 @@ class Core:
         Block id per hash (int32 array), -1 where absent
         """
     def page_eviction_order(self) -> list[tuple[int, int]]: ...
-    def page_info(
-        self,
-        group: typing.SupportsInt | typing.SupportsIndex,
-        page: typing.SupportsInt | typing.SupportsIndex,
-    ) -> tuple:
-        """
-        (mapped, owner, num_free, num_cached)
-        """
     def release(
         self,
         group: typing.SupportsInt | typing.SupportsIndex,
@@ -112,39 +167,16 @@ class Core:
         now: typing.SupportsInt | typing.SupportsIndex,
     ) -> None: ...
     @property
-    def demote_early_releases(self) -> bool:
-        """
-        early blocks are evicted before every block cached by release()
-        """
-    @demote_early_releases.setter
-    def demote_early_releases(self, arg1: bool) -> None: ...
-    @property
-    def early_release_groups(self) -> list[bool]:
-        """
-        one flag per group: blocks cached by allocate()'s release lists of a flagged group are early (ties: shortest prefix first)
-        """
-    @early_release_groups.setter
-    def early_release_groups(self, arg1: collections.abc.Sequence[bool]) -> None: ...
-    @property
     def free_units(self) -> int: ...
-    @property
-    def frugal_retry(self) -> bool:
-        """
-        retry a refused allocate() in frugal order (default true)
-        """
-    @frugal_retry.setter
-    def frugal_retry(self, arg1: bool) -> None: ...
     @property
     def num_groups(self) -> int: ...
     @property
-    def num_plan_ops(self) -> int: ...
-    @property
-    def pinned_order(self) -> bool:
+    def rules(self) -> Rules:
         """
-        steps 1, 4, 2, then 5 on pages not wholly evictable, 3, 5
+        The rules (a copy; assign a new Rules to change them)
         """
-    @pinned_order.setter
-    def pinned_order(self, arg1: bool) -> None: ...
+    @rules.setter
+    def rules(self, arg1: Rules) -> None: ...
     @property
     def total_units(self) -> int: ...
 

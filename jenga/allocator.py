@@ -1,5 +1,8 @@
 """The Jenga two-level allocator with per-group prefix caching: the engine-facing API.
 
+This is the allocator's design note; csrc/jenga/core.hpp (the C++ data structures) and
+docs/jenga.md (measurements, the reasoning behind each rule) point here.
+
 Rationale
     Models mix layer kinds whose caches differ in size and in which tokens they keep.
     One pool of units (2 MiB chunks under VMM, LCM large pages without it) is shared by
@@ -9,44 +12,59 @@ Rationale
     stay cached and are evicted LRU, aligned across groups by prefix length (§5).
 
 Approach
-    Python keeps the per-request view (tokens, block tables per group, how many blocks
-    are hashed) and asks each group's policy (`jenga.policies`) which blocks a length
-    needs, which blocks may be released to the cache, and which prefix lengths a group can
-    serve. The per-block bookkeeping — free lists, request association of large pages,
-    LRU order of evictable blocks and pages, the hash index, the five allocation steps —
-    lives in the C++ core (`jenga._core.Core`), reached by batched calls with the GIL
-    released. Every call that changes physical needs returns a `MappingPlan`.
+    Python keeps the per-request view (`jenga.requests.LiveRequest`: tokens, block tables
+    per group, how many blocks are hashed) and asks each group's policy
+    (`jenga.policies`, one class per layer kind) which blocks a length needs, which may
+    be released to the cache, and which prefix lengths a group can serve. The per-block
+    bookkeeping (free lists, request association of large pages, LRU order of evictable
+    blocks and pages, the hash index, the five allocation steps) lives in the C++ core
+    (`jenga._core.Core`), reached by batched calls with the GIL released. Every call that
+    changes physical needs returns a `MappingPlan`. Configuration (`jenga.config`) and
+    errors (`jenga.errors`) have their own modules; this one re-exports them.
 
     Allocating one block of group g for request r tries, in order (paper order):
 
     1. a free block in a large page associated with r,
     2. a new large page from free units (``MapPage``),
-    3. evict whole evictable large pages of any group (LRU by the newest last access of
-       their blocks) until ``units_per_large_page[g]`` units are free, and remap those
-       units (``UnmapPage``... then ``MapPage(reused_units=k)``),
+    3. evict whole evictable large pages of any group (none of their blocks in use, one
+       cached at least; LRU by the newest last access of their blocks, ties: the longest
+       prefix first, in every group alike, then group and page) until
+       ``units_per_large_page[g]`` units are free, and remap those units (``UnmapPage``...
+       then ``MapPage(reused_units=k)``); skipped when even every evictable page would
+       not free enough,
     4. a free block in a large page of another request,
-    5. evict one evictable block of g (LRU; ties: the longest prefix first).
+    5. evict one cached block of g (LRU; ties: the longest prefix first, then block id).
 
-    Early releases: in sliding-window and chunked-local groups, blocks a running request
-    releases because they left its window or chunk are evicted, among blocks of equal
-    last access, head first (shortest prefix first); every other tie goes tail first. The
-    last blocks of such a batch still serve hits at the prompt's end together with the
-    blocks the request releases later, so tail first would break every long prefix.
-    Window-release demotion (``AllocatorConfig.demote_window_releases``, off by default)
-    also caches those blocks in a lower tier, evicted (steps 3 and 5) before any block
-    released by `free`: they serve only hits ending within one window after them.
+    The rules that change this are one value, `AllocationRules` (``AllocatorConfig.rules``),
+    handed to the core whole (`jenga._core.Rules`):
 
-    ``AllocationOrder.COMPACT`` tries 4 before 2 (commits fewer units, frees less cleanly).
-    `allocate` is all-or-nothing across groups: on "no room" it returns None and the
-    core rolls back every step it took (evictions included). A call that fails because
-    an earlier group's step 2/3 spent units a later group needed is retried in frugal
-    order (steps 1, 4, 5 on pages not wholly evictable, then 2, 3), which succeeds
-    whenever any assignment under the step rules does (csrc/jenga/core_frugal.cpp).
-    ``AllocationOrder.PINNED`` is compact order with one more step between 2 and 3:
-    once free units run out, evict a cached block of g on a page that is not wholly
-    evictable (pinned by live blocks anyway) before evicting whole pages, so the units
-    of evictable pages stay for the groups that have nothing else (sliding-window pages
-    full of out-of-window cached blocks otherwise starve the full-attention group).
+    - ``order``: `AllocationOrder.PAPER` as above; ``COMPACT`` tries 4 before 2 (commits
+      fewer units, frees less cleanly); ``PINNED`` is compact order with one more step
+      between 2 and 3: once free units run out, evict a cached block of g on a page that
+      is not wholly evictable (pinned by live blocks anyway) before evicting whole pages,
+      so the units of evictable pages stay for the groups that have nothing else
+      (sliding-window pages full of out-of-window cached blocks otherwise starve the
+      full-attention group).
+    - ``frugal_retry`` (on): `allocate` is all-or-nothing across groups, and groups are
+      served one after another, so an earlier group's step 2/3 can spend units a later
+      group needed. A refused call is then undone and retried in frugal order (steps 1,
+      4, 5 on pages not wholly evictable, then 2, 3; new pages earlier only while their
+      units are spare), which succeeds whenever any assignment under the step rules does
+      (csrc/jenga/core_frugal.cpp).
+    - Early releases (always, for groups whose policy `releases_early`: sliding window,
+      chunked local): blocks a running request releases because they left its window or
+      chunk are evicted, among blocks of equal last access, head first (shortest prefix
+      first); every other tie goes tail first. The last blocks of such a batch still serve
+      hits at the prompt's end together with the blocks the request releases later, so
+      tail first would break every long prefix.
+    - ``demote_window_releases`` (off): early releases are also cached in a lower tier,
+      evicted (steps 3 and 5) before any block released by `free`, unless the block
+      served a prefix hit since it was taken (its prefix is known to be shared). A page
+      is demoted only while every cached block on it is.
+
+    On "no room" `allocate` returns None and the core rolls back every step it took
+    (releases and evictions included): every primitive mutation is logged and undone
+    last-first, which restores the exact state.
 
 Limitations
     One allocator serves one model (groups of a draft and a target model are just more
@@ -56,189 +74,30 @@ Limitations
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
 from jenga import _core
-from jenga.pages import PageTable
+
+# `X as X`: re-exported, engines import the allocator's configuration types from here too
+from jenga.config import AllocationOrder as AllocationOrder
+from jenga.config import AllocationRules, AllocatorConfig
+from jenga.config import GroupConfig as GroupConfig
+from jenga.errors import AllocatorError as AllocatorError
+from jenga.errors import DoubleFree, DuplicateRequest, InvalidSize, PageTooLarge, UnknownRequest
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
-from jenga.prefix import HashChain, IntBuffer, TokenBuffer, image_block_hashes
-from jenga.specs import Kind, ModelSpec
+from jenga.prefix import IntBuffer, TokenBuffer
+from jenga.requests import NULL_BLOCK, Allocation, ImageSpan, LiveRequest, checked_images
 
 _EMPTY_PLAN = MappingPlan()
-# Kinds whose blocks released mid-request serve only hits ending within one window/chunk
-# after them (the window-release demotion of `AllocatorConfig.demote_window_releases`).
-_WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL})
 _FREED_IDS_KEPT = 1 << 16
-NULL_BLOCK = -1
-"""Block-table entry of a block the request released (out of the window, an old Mamba state)."""
-
-
-class AllocatorError(Exception):
-    """Base class of every error the allocator raises on purpose (state is unchanged)."""
-
-
-class InvalidSize(AllocatorError, ValueError):
-    """A count, size or length is zero/negative or out of range."""
-
-
-class UnknownRequest(AllocatorError, KeyError):
-    """The request id was never added, or was already freed."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class DuplicateRequest(AllocatorError, ValueError):
-    """`add_request` with an id that is live."""
-
-
-class DoubleFree(UnknownRequest):
-    """`free` of a request that was already freed."""
-
-
-class PageTooLarge(AllocatorError, ValueError):
-    """A group's large page costs more units than the whole pool holds."""
-
-
-class AllocationOrder(StrEnum):
-    """Order of the five allocation steps (see the module note)."""
-
-    PAPER = "paper"  # 1, 2, 3, 4, 5
-    COMPACT = "compact"  # 1, 4, 2, 3, 5
-    PINNED = "pinned"  # 1, 4, 2, 5 on pages not wholly evictable, 3, 5
-
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """An image of a request: ``length`` image (encoder) tokens keyed by ``content_hash``.
-
-    ``in_text=True`` (LLaVA-style): the image's tokens sit in the prompt at positions
-    ``[start, start + length)``; every group stores them, cross-attention and vision groups
-    store them again as image tokens. ``in_text=False`` (encoder-side, e.g. Llama 3.2
-    Vision / mllama): the prompt holds one placeholder token at ``start`` (its
-    ``<|image|>``); self-attention groups store only the text, and image groups
-    (cross attention) store the ``length`` encoder tokens, all or nothing, from the step
-    that computes the placeholder. Either way ``[start, end)`` is the span of prompt
-    positions the image occupies, and those positions are hashed as the image's key.
-    """
-
-    start: int
-    length: int
-    content_hash: int
-    in_text: bool = True
-
-    @property
-    def end(self) -> int:
-        """End of the image's prompt positions (``start + 1`` for an encoder-side image)."""
-        return self.start + (self.length if self.in_text else 1)
-
-
-@dataclass(frozen=True)
-class GroupConfig:
-    """One group as the allocator sees it: its policy parameters and its page shape.
-
-    ``tokens_per_block``: tokens one block covers (Mamba: the checkpoint interval, one
-    state per interval). ``blocks_per_large_page`` / ``units_per_large_page``: the page
-    table's B_g and U_g (VMM: chunks per large page over all of g's ranges; static: 1).
-    """
-
-    name: str
-    kind: Kind
-    tokens_per_block: int
-    blocks_per_large_page: int
-    units_per_large_page: int = 1
-    window: int | None = None
-    chunk: int | None = None
-    token_fraction: tuple[int, int] = (1, 1)
-
-
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """The pool (``total_units``), the groups, the step order and the length limit."""
-
-    groups: tuple[GroupConfig, ...]
-    total_units: int
-    order: AllocationOrder = AllocationOrder.PAPER
-    max_model_len: int | None = None
-    # Mamba: True when the engine writes a state only where each step ends (vLLM's
-    # "align" mode), so one step holds 2 states, not one per checkpoint it spans.
-    mamba_step_end_only: bool = False
-    # Sliding-window and chunked-local groups: blocks a running request releases (they
-    # left its window / chunk) are evicted before every block of a finished request
-    # (LRU within each tier). Off by default: it lost hit rate in the measured runs
-    # ("Window-release demotion" in docs/jenga.md).
-    demote_window_releases: bool = False
-    # A refused multi-group allocate is retried in frugal order (costless blocks first),
-    # so it fails only when no assignment exists. False: the paper's single pass; the
-    # engine then waits instead of evicting scattered cached blocks to admit (measured
-    # in docs/jenga.md: more prefix hits in the simulator, some refusals with units free).
-    frugal_retry: bool = True
-
-    @classmethod
-    def from_page_table(
-        cls,
-        model: ModelSpec,
-        table: PageTable,
-        total_units: int,
-        order: AllocationOrder = AllocationOrder.PAPER,
-        *,
-        mamba_step_end_only: bool = False,
-        demote_window_releases: bool = False,
-        frugal_retry: bool = True,
-    ) -> AllocatorConfig:
-        """One `GroupConfig` per model group from a `jenga.pages` page table row.
-
-        Mamba groups count one block per ``checkpoint_interval`` tokens; every other kind
-        one block per ``block_size`` tokens.
-        """
-        groups = []
-        for g in model.groups:
-            row = table.group(g.name)
-            spec = g.spec
-            per_block = spec.checkpoint_interval if spec.kind is Kind.MAMBA else spec.block_size
-            groups.append(
-                GroupConfig(
-                    g.name,
-                    spec.kind,
-                    per_block,
-                    row.blocks_per_large_page,
-                    row.units_per_large_page,
-                    window=spec.window,
-                    chunk=spec.chunk,
-                    token_fraction=spec.token_fraction,
-                )
-            )
-        return cls(
-            tuple(groups),
-            total_units,
-            order,
-            model.max_model_len,
-            mamba_step_end_only,
-            demote_window_releases,
-            frugal_retry,
-        )
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What `allocate` gave: per group (config order) the new block ids, and the plan.
-
-    ``released`` lists, per group, the blocks the request gave back to the cache in the
-    same call (they left the sliding window / chunk, or an old Mamba state).
-    """
-
-    new_blocks: tuple[tuple[int, ...], ...]
-    released: tuple[tuple[int, ...], ...]
-    plan: MappingPlan
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -257,25 +116,6 @@ class Usage:
     used_blocks: tuple[int, ...]
     cached_blocks: tuple[int, ...]
     free_blocks: tuple[int, ...]
-
-
-@dataclass
-class _Request:
-    internal_id: int
-    tokens: IntBuffer
-    images: tuple[ImageSpan, ...]
-    salt: int
-    num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
-    # `allocate` fast path: while num_tokens <= quiet_until and the new length <=
-    # held_until, no group releases or grows (both only grow; -1: unknown)
-    quiet_until: int = -1
-    held_until: int = -1
-    next_commit: int = 0  # `cache` below this many computed tokens commits nothing
-    num_hit: int = 0
-    tables: list[IntBuffer] = field(default_factory=list)  # int32 block ids per group
-    first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
-    num_committed: list[int] = field(default_factory=list)  # leading blocks offered to index
-    chains: dict[int, HashChain] = field(default_factory=dict)  # tokens_per_block -> chain
 
 
 class JengaAllocator:
@@ -321,17 +161,13 @@ class JengaAllocator:
             [g.blocks_per_large_page for g in config.groups],
             [g.units_per_large_page for g in config.groups],
             config.total_units,
-            config.order is AllocationOrder.COMPACT,
+            _core_rules(config.rules, self.policies),
         )
-        self._core.pinned_order = config.order is AllocationOrder.PINNED
-        self._core.early_release_groups = [g.kind in _WINDOW_KINDS for g in config.groups]
-        self._core.demote_early_releases = config.demote_window_releases
-        self._core.frugal_retry = config.frugal_retry
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
         text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
         # a hit must end on a block boundary of every text group
         self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
-        self._requests: dict[Hashable, _Request] = {}
+        self._requests: dict[Hashable, LiveRequest] = {}
         # ids freed recently (bounded: an older id's second free reads UnknownRequest)
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._next_internal = 0
@@ -348,7 +184,7 @@ class JengaAllocator:
         self._clock += 1
         return self._clock
 
-    def _request(self, request_id: Hashable) -> _Request:
+    def _request(self, request_id: Hashable) -> LiveRequest:
         req = self._requests.get(request_id)
         if req is None:
             if request_id in self._freed:
@@ -387,8 +223,8 @@ class JengaAllocator:
         if len(prompt) == 0:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
-        spans = _checked_images(images, len(prompt))
-        req = _Request(self._next_internal, TokenBuffer(prompt), spans, salt)
+        spans = checked_images(images, len(prompt))
+        req = LiveRequest(self._next_internal, TokenBuffer(prompt), spans, salt)
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
         req.num_committed = [0] * self.num_groups
@@ -434,7 +270,7 @@ class JengaAllocator:
         skips: list[int] = []
         for g, policy in enumerate(self.policies):
             table = req.tables[g]
-            release, first = self._skipped(req, g, policy, old)
+            release, first = req.skipped(g, policy, old)
             releases.append(release)
             firsts.append(first)
             count = max(0, policy.num_blocks(new, req.images) - len(table))
@@ -443,7 +279,7 @@ class JengaAllocator:
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
-            self._update_quiet_span(req)
+            req.update_quiet_span(self.policies)
             return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
@@ -452,7 +288,7 @@ class JengaAllocator:
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         for g, blocks in enumerate(got):
             table = req.tables[g]
-            self._drop_released(req, g, firsts[g])
+            req.drop_released(g, firsts[g])
             if skips[g]:  # Mamba checkpoints inside the span: never held
                 table.extend(np.full(skips[g], NULL_BLOCK, dtype=np.int32))
             if len(table):
@@ -460,30 +296,8 @@ class JengaAllocator:
             else:  # a fresh array from the core, referenced nowhere else: no copy
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
-        self._update_quiet_span(req)
+        req.update_quiet_span(self.policies)
         return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
-
-    _QUIET_HORIZON = 4096  # tokens past the current length the fast-path limits look
-
-    def _update_quiet_span(self, req: _Request) -> None:
-        """Set the request's fast-path limits from the monotone policy functions.
-
-        ``quiet_until``: the largest length L (within the horizon) at which no group's
-        `first_live_block` passes what it already released; ``held_until``: the largest
-        length its tables already cover (`num_blocks` within the table). Both functions
-        are nondecreasing in the length, so a galloping search finds the limits.
-        """
-        cur = req.num_tokens
-        quiet = held = cur + self._QUIET_HORIZON
-        images = req.images
-        for g, policy in enumerate(self.policies):
-            n, first = len(req.tables[g]), req.first_live[g]
-            if first < n:
-                released = functools.partial(_first_live_within, policy, images, first)
-                quiet = min(quiet, _last_true(released, cur, quiet))
-            covered = functools.partial(_blocks_within, policy, images, n)
-            held = min(held, _last_true(covered, cur, held))
-        req.quiet_until, req.held_until = quiet, held
 
     def release_skipped(self, request_id: Hashable) -> MappingPlan:
         """Release the blocks no policy needs at the request's current length, allocating
@@ -493,7 +307,7 @@ class JengaAllocator:
         Returns the plan (pages that became empty are unmapped). Raises `UnknownRequest`.
         """
         req = self._request(request_id)
-        skipped = [self._skipped(req, g, p, req.num_tokens) for g, p in enumerate(self.policies)]
+        skipped = [req.skipped(g, p, req.num_tokens) for g, p in enumerate(self.policies)]
         releases = [release for release, _ in skipped]
         if not any(len(r) for r in releases):
             return _EMPTY_PLAN
@@ -504,25 +318,8 @@ class JengaAllocator:
         if got is None:  # nothing was asked for, so the core cannot refuse
             raise RuntimeError(f"request {request_id!r}: releasing skipped blocks was refused")
         for g, (_, first) in enumerate(skipped):
-            self._drop_released(req, g, first)
+            req.drop_released(g, first)
         return plan
-
-    @staticmethod
-    def _skipped(req: _Request, g: int, policy: Policy, length: int) -> tuple[np.ndarray, int]:
-        """Group g's blocks the request no longer reads at ``length`` (Mamba: non-NULL
-        only) and its first live index once they are released."""
-        table = req.tables[g]
-        first = min(policy.first_live_block(length, req.images), len(table))
-        live = table.view(req.first_live[g], first)
-        release = live[live != NULL_BLOCK] if policy.kind is Kind.MAMBA else live
-        return release, max(first, req.first_live[g])
-
-    @staticmethod
-    def _drop_released(req: _Request, g: int, first: int) -> None:
-        """NULL group g's table entries below ``first`` (released) and record it."""
-        if first > req.first_live[g]:
-            req.tables[g].view(req.first_live[g], first)[:] = NULL_BLOCK
-        req.first_live[g] = first
 
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
@@ -557,7 +354,7 @@ class JengaAllocator:
             )
         return added
 
-    def _commit_group(self, req: _Request, g: int, policy: Policy, computed: int) -> int:
+    def _commit_group(self, req: LiveRequest, g: int, policy: Policy, computed: int) -> int:
         """Offer group g's blocks complete within ``computed`` tokens to the hash index."""
         table = req.tables[g]
         start = req.num_committed[g]
@@ -566,7 +363,7 @@ class JengaAllocator:
             stop = min(len(table), sum(policy.image_blocks(im) for im in done))  # type: ignore[attr-defined]
             if stop <= start:
                 return 0
-            hashes = self._image_hashes(req, policy)[start:stop]
+            hashes = req.image_hashes(policy)[start:stop]
             ids = table.view(start, stop).tolist()
             picked = [i for i in range(start, stop) if ids[i - start] != NULL_BLOCK]
             req.num_committed[g] = stop
@@ -582,7 +379,7 @@ class JengaAllocator:
         stop = min(len(table), computed // t)
         if stop <= start:
             return 0
-        chain = self._chain(req, t)
+        chain = req.chain(t)
         chain.extend(req.tokens, stop * t, req.images)
         req.num_committed[g] = stop
         return int(
@@ -590,19 +387,6 @@ class JengaAllocator:
                 g, table.view(start, stop), chain.hashes[start:stop], (start + 1) * t, t
             )
         )
-
-    def _chain(self, req: _Request, tokens_per_block: int) -> HashChain:
-        chain = req.chains.get(tokens_per_block)
-        if chain is None:
-            chain = req.chains[tokens_per_block] = HashChain(req.salt, tokens_per_block)
-        return chain
-
-    def _image_hashes(self, req: _Request, policy: Policy) -> list[int]:
-        out: list[int] = []
-        for im in req.images:
-            n = policy.image_blocks(im)  # type: ignore[attr-defined]
-            out.extend(image_block_hashes(im.content_hash, n, policy.tokens_per_block, req.salt))
-        return out
 
     def free(self, request_id: Hashable) -> MappingPlan:
         """Finish a request: hashed blocks stay cached (evictable), the rest are freed.
@@ -614,7 +398,7 @@ class JengaAllocator:
         now = self._tick()
         for g in range(self.num_groups):
             live = req.tables[g].view(req.first_live[g])
-            if self.policies[g].kind is Kind.MAMBA:
+            if self.policies[g].holds_state:
                 live = live[live != NULL_BLOCK]
             self._core.release(g, live, now)
         del self._requests[request_id]
@@ -624,7 +408,7 @@ class JengaAllocator:
         return self._drain_plan()
 
     def _drain_plan(self) -> MappingPlan:
-        keys = self._core.drain_plan_keys()  # one call; empty when no op is pending
+        keys = self._core.drain_plan()  # one call; empty when no op is pending
         return plan_from_keys(keys) if keys else _EMPTY_PLAN
 
     # -- prefix matching --------------------------------------------------------------
@@ -638,7 +422,7 @@ class JengaAllocator:
         """Length of the longest cached prefix a new request with this prompt would hit."""
         if len(prompt) == 0:
             return 0
-        req = _Request(-1, TokenBuffer(prompt), _checked_images(images, len(prompt)), salt)
+        req = LiveRequest(-1, TokenBuffer(prompt), checked_images(images, len(prompt)), salt)
         return self._match(req)[0]
 
     def match_prefix_junction(
@@ -658,11 +442,11 @@ class JengaAllocator:
         """
         if len(prompt) == 0:
             return 0, 0
-        req = _Request(-1, TokenBuffer(prompt), _checked_images(images, len(prompt)), salt)
+        req = LiveRequest(-1, TokenBuffer(prompt), checked_images(images, len(prompt)), salt)
         hit, _, junction = self._match(req)
         return hit, junction
 
-    def _match(self, req: _Request) -> tuple[int, list[list[int]], int]:
+    def _match(self, req: LiveRequest) -> tuple[int, list[list[int]], int]:
         """The hit length, per group the block table a request with that hit starts with,
         and the longest prefix valid in any single group (see `match_prefix_junction`).
 
@@ -677,9 +461,9 @@ class JengaAllocator:
         lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
             if policy.reads_images:
-                hashes = np.asarray(self._image_hashes(req, policy), dtype=np.uint64)
+                hashes = np.asarray(req.image_hashes(policy), dtype=np.uint64)
             else:
-                chain = self._chain(req, policy.tokens_per_block)
+                chain = req.chain(policy.tokens_per_block)
                 chain.extend(req.tokens, n, req.images)
                 hashes = chain.hashes
             found = self._core.lookup(g, hashes)
@@ -775,7 +559,7 @@ class JengaAllocator:
                     f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
                 )
                 for b in table[req.first_live[g] :]:
-                    if b == NULL_BLOCK and self.policies[g].kind is Kind.MAMBA:
+                    if b == NULL_BLOCK and self.policies[g].holds_state:
                         continue  # a checkpoint inside one step's span, never held
                     assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
                     refs[b] = refs.get(b, 0) + 1
@@ -791,44 +575,13 @@ class JengaAllocator:
             )
 
 
-def _checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:
-    spans = tuple(images)
-    prev_end = 0
-    for im in spans:
-        if im.length <= 0 or im.start < prev_end or im.end > num_tokens:
-            raise InvalidSize(
-                f"image span [{im.start}, {im.end}) must be non-empty, sorted, "
-                f"non-overlapping and inside the {num_tokens}-token prompt"
-            )
-        prev_end = im.end
-    return spans
-
-
-def _last_true(pred: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest L in [lo, hi] with ``pred(L)`` for a predicate true then false;
-    ``lo - 1`` when ``pred(lo)`` is already false."""
-    if not pred(lo):
-        return lo - 1
-    step = 1
-    good = lo
-    while good < hi:  # gallop, then bisect the last step
-        probe = min(good + step, hi)
-        if not pred(probe):
-            bad = probe
-            while bad - good > 1:
-                mid = (good + bad) // 2
-                if pred(mid):
-                    good = mid
-                else:
-                    bad = mid
-            return good
-        good, step = probe, step * 2
-    return good
-
-
-def _first_live_within(policy: Policy, images: Sequence[ImageSpan], first: int, L: int) -> bool:
-    return policy.first_live_block(L, images) <= first
-
-
-def _blocks_within(policy: Policy, images: Sequence[ImageSpan], n: int, L: int) -> bool:
-    return policy.num_blocks(L, images) <= n
+def _core_rules(rules: AllocationRules, policies: Sequence[Policy]) -> _core.Rules:
+    """The core's copy of ``rules``: the same fields by name (an enum by its member name),
+    plus each group's early-release flag from its policy."""
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(rules):
+        value = getattr(rules, f.name)
+        if isinstance(value, Enum):
+            value = getattr(getattr(_core, type(value).__name__), value.name)
+        values[f.name] = value
+    return _core.Rules(**values, early_release_groups=[p.releases_early for p in policies])

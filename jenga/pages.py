@@ -44,7 +44,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
+from jenga.policies import policy_for
+from jenga.specs import KVGroup, LayerSpec, ModelSpec, SpecError
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 STATIC_STRATEGIES = ("lcm", "max", "gcd")
@@ -415,21 +416,17 @@ def _check_budget(table: PageTable, budget_bytes: int | None) -> None:
 def tokens_needed(spec: LayerSpec, length: int) -> int:
     """Tokens of a `length`-token request an attention layer must still hold.
 
-    full: all (times token_fraction); sliding window: the last `window`; chunked local:
-    the tokens of the current chunk. Mamba / cross-attention / vision kinds hold no
+    The layer kind's policy decides (`jenga.policies.Policy.kept_tokens`): full: all
+    (times token_fraction); sliding window: the last `window`; chunked local: the tokens
+    of the current chunk. State and image kinds (Mamba, cross attention, vision) hold no
     per-text-token cache and raise SpecError.
     """
     if length < 0:
         raise SpecError(f"length must be >= 0, got {length}")
-    if spec.kind is Kind.FULL:
-        return spec.tokens_kept(length)
-    if spec.kind is Kind.SLIDING_WINDOW:
-        assert spec.window is not None
-        return min(spec.window, length)
-    if spec.kind is Kind.CHUNKED_LOCAL:
-        assert spec.chunk is not None
-        return 0 if length == 0 else (length - 1) % spec.chunk + 1
-    raise SpecError(f"tokens_needed is defined for text attention kinds, not {spec.kind}")
+    policy = policy_for(spec)
+    if policy.holds_state or policy.reads_images:
+        raise SpecError(f"tokens_needed is defined for text attention kinds, not {spec.kind}")
+    return policy.kept_tokens(length)
 
 
 def uniform_paged_waste(model: ModelSpec, length: int) -> float:

@@ -111,15 +111,9 @@ def _make_op(key: tuple[int, int, int, int]) -> PlanOp:
     return op
 
 
-def plan_from_arrays(
-    kinds: list[int], groups: list[int], pages: list[int], reused: list[int]
-) -> MappingPlan:
-    """Build a plan from the C++ core's parallel arrays (``kinds``: OP_MAP / OP_UNMAP)."""
-    return plan_from_keys(list(zip(kinds, groups, pages, reused, strict=True)))
-
-
 def plan_from_keys(keys: list[tuple[int, int, int, int]]) -> MappingPlan:
-    """Build a plan from ``(kind, group, page, reused)`` tuples (the core's `drain_plan_keys`)."""
+    """Build a plan from the core's `drain_plan`: ``(kind, group, page, reused)`` tuples,
+    kind `OP_MAP` or `OP_UNMAP`."""
     found: list[PlanOp | None] = list(map(_op_cache.get, keys))  # ops are truthy, misses None
     if all(found):
         return MappingPlan(tuple(found))  # type: ignore[arg-type]  # no None left

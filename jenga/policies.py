@@ -18,6 +18,17 @@ Rationale
     - `possible_prefix(is_hit)`: every prefix length (in tokens, > 0) this group could
       serve given which of the prompt's blocks are cached.
 
+    This module is the one home of each kind's rules. Which tokens a kind keeps is
+    `attended_start(position)` (the first token the token at ``position`` reads) and
+    `kept_tokens(length)` derived from it; `first_live_block`, the page math's
+    `jenga.pages.tokens_needed` and the simulator's `jenga.sim.needs` all read those.
+    Kind traits other modules branch on are class attributes: `reads_images`,
+    `releases_early` (blocks leave a window or chunk while the request runs: the core's
+    early releases), `holds_state` (one fixed-size state, not a per-token cache; Mamba),
+    `prefill_only` (read only while the prompt is prefilled; vision embeddings), and
+    `block_tokens(spec)` (tokens one block covers: Mamba's checkpoint interval).
+    `policy_for(spec)` builds the policy of a `LayerSpec`; `make_policy` of a kind.
+
 Approach
     Lengths are token counts; block ``i`` of an attention group covers tokens
     ``[i*T, (i+1)*T)``. A Mamba group uses ``T = checkpoint_interval``: block ``i`` holds
@@ -36,13 +47,15 @@ Limitations
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from jenga.specs import Kind, SpecError
+from jenga.specs import Kind, LayerSpec, SpecError
 
 
 class Image(Protocol):
@@ -69,10 +82,31 @@ class Policy:
     tokens_per_block: int
     kind: ClassVar[Kind] = Kind.FULL
     reads_images: ClassVar[bool] = False
+    # blocks leave the window / chunk while the request runs (the core's early releases)
+    releases_early: ClassVar[bool] = False
+    # one fixed-size state per request, not a per-token cache; live table entries may be
+    # NULL (checkpoints a step skipped)
+    holds_state: ClassVar[bool] = False
+    # read only while the prompt is prefilled (released once the prompt is done)
+    prefill_only: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0:
             raise SpecError(f"tokens_per_block must be > 0, got {self.tokens_per_block}")
+
+    @classmethod
+    def block_tokens(cls, spec: LayerSpec) -> int:
+        """Tokens one block of a layer with ``spec`` covers (its `tokens_per_block`)."""
+        return spec.block_size
+
+    def attended_start(self, position: int) -> int:
+        """First token position the token at ``position`` reads (full attention: 0)."""
+        return 0
+
+    def kept_tokens(self, length: int) -> int:
+        """How many of a request's first ``length`` tokens this layer still holds once all
+        are computed: those the last of them read (0 for a state kind)."""
+        return length - self.attended_start(length - 1) if length > 0 else 0
 
     def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
         """Blocks a request of ``length`` tokens has (allocated or released)."""
@@ -80,7 +114,7 @@ class Policy:
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         """Lowest block index still read by the token at position ``length``."""
-        return 0
+        return self.attended_start(length) // self.tokens_per_block
 
     def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
         """New block indices of one step ``old -> new`` that are stale before it ends.
@@ -154,9 +188,14 @@ class FullAttentionPolicy(Policy):
         if not 0 < num <= den:
             raise SpecError(f"token_fraction must satisfy 0 < num <= den, got {num}/{den}")
 
-    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+    def kept_tokens(self, length: int) -> int:
+        """``ceil(length * num / den)``: a count, the tokens are picked by score (so the
+        first live block stays 0)."""
         num, den = self.token_fraction
-        return _ceil_div(_ceil_div(length * num, den), self.tokens_per_block)
+        return _ceil_div(max(0, length) * num, den)
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        return _ceil_div(self.kept_tokens(length), self.tokens_per_block)
 
     def possible_prefix(
         self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
@@ -180,21 +219,23 @@ class FullAttentionPolicy(Policy):
 class SlidingWindowPolicy(Policy):
     """Window ``w`` (tokens attended, the current one included)."""
 
-    window: int = 1
+    window: int
     kind: ClassVar[Kind] = Kind.SLIDING_WINDOW
+    releases_early: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.window <= 0:
             raise SpecError(f"sliding window must be > 0, got {self.window}")
 
-    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
-        return max(0, length - self.window + 1) // self.tokens_per_block
+    def attended_start(self, position: int) -> int:
+        """The last ``window`` tokens, the current one included."""
+        return max(0, position - self.window + 1)
 
     def hit_bounds(
         self, p: np.ndarray, images: Sequence[Image] = ()
     ) -> tuple[np.ndarray, np.ndarray]:
-        t = self.tokens_per_block
+        t = self.tokens_per_block  # `attended_start` over an array
         return np.maximum(0, p - self.window + 1) // t, p // t
 
 
@@ -202,21 +243,23 @@ class SlidingWindowPolicy(Policy):
 class ChunkedLocalPolicy(Policy):
     """Chunked local attention (Llama 4): a token reads its own chunk of ``chunk`` tokens."""
 
-    chunk: int = 1
+    chunk: int
     kind: ClassVar[Kind] = Kind.CHUNKED_LOCAL
+    releases_early: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.chunk <= 0:
             raise SpecError(f"attention chunk must be > 0, got {self.chunk}")
 
-    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
-        return (length // self.chunk) * self.chunk // self.tokens_per_block
+    def attended_start(self, position: int) -> int:
+        """The start of the position's own chunk."""
+        return (position // self.chunk) * self.chunk
 
     def hit_bounds(
         self, p: np.ndarray, images: Sequence[Image] = ()
     ) -> tuple[np.ndarray, np.ndarray]:
-        t = self.tokens_per_block
+        t = self.tokens_per_block  # `attended_start` over an array
         return (p // self.chunk) * self.chunk // t, p // t
 
 
@@ -232,12 +275,20 @@ class MambaPolicy(Policy):
     between are NULL table entries, so a table's live entries may have NULL holes.
     """
 
+    step_end_only: bool = False  # the engine writes a state only where a step ends
     kind: ClassVar[Kind] = Kind.MAMBA
+    holds_state: ClassVar[bool] = True
+
+    @classmethod
+    def block_tokens(cls, spec: LayerSpec) -> int:
+        """One block (state) per checkpoint interval."""
+        return spec.checkpoint_interval
+
+    def kept_tokens(self, length: int) -> int:
+        return 0  # a state, not tokens
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         return max(0, _ceil_div(length, self.tokens_per_block) - 1)
-
-    step_end_only: bool = False  # the engine writes a state only where a step ends
 
     def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
         if not self.step_end_only:
@@ -346,6 +397,7 @@ class VisionEmbeddingPolicy(_ImagePolicy):
     """
 
     kind: ClassVar[Kind] = Kind.VISION_EMBEDDING
+    prefill_only: ClassVar[bool] = True
 
     def _image_needed(self, image: Image, prefix: int) -> bool:
         return image.start < prefix < image.end
@@ -372,29 +424,44 @@ POLICY_BY_KIND: dict[Kind, type[Policy]] = {
 }
 
 
-def make_policy(
-    kind: Kind,
-    tokens_per_block: int,
-    *,
-    window: int | None = None,
-    chunk: int | None = None,
-    token_fraction: tuple[int, int] = (1, 1),
-    step_end_only: bool = False,
-) -> Policy:
+# every policy parameter, over all kinds (tokens_per_block is positional)
+_PARAMETERS = {f.name for cls in POLICY_BY_KIND.values() for f in dataclasses.fields(cls)} - {
+    "tokens_per_block"
+}
+
+
+def make_policy(kind: Kind, tokens_per_block: int, **params: Any) -> Policy:
     """The policy for ``kind`` from the dispatch table, with its parameters checked.
 
-    ``step_end_only`` applies to Mamba only (see `MambaPolicy`)."""
+    ``params`` may hold any kind's parameters (``window``, ``chunk``, ``token_fraction``,
+    ``step_end_only``: the policy classes' fields); the class takes its own and ignores
+    the others, so a new kind needs only its class here. A parameter the class requires
+    that is missing or None raises `SpecError`; one no policy has raises `TypeError`.
+    """
+    unknown = set(params) - _PARAMETERS
+    if unknown:
+        raise TypeError(f"make_policy: no policy takes {sorted(unknown)}")
     cls = POLICY_BY_KIND[kind]
-    if cls is MambaPolicy:
-        return MambaPolicy(tokens_per_block, step_end_only=step_end_only)
-    if cls is FullAttentionPolicy:
-        return FullAttentionPolicy(tokens_per_block, token_fraction=token_fraction)
-    if cls is SlidingWindowPolicy:
-        if window is None:
-            raise SpecError("sliding_window policy needs a window")
-        return SlidingWindowPolicy(tokens_per_block, window=window)
-    if cls is ChunkedLocalPolicy:
-        if chunk is None:
-            raise SpecError("chunked_local policy needs a chunk")
-        return ChunkedLocalPolicy(tokens_per_block, chunk=chunk)
-    return cls(tokens_per_block)
+    own: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "tokens_per_block":
+            continue
+        value = params.get(f.name)
+        if value is not None:
+            own[f.name] = value
+        elif f.default is dataclasses.MISSING:
+            raise SpecError(f"{kind} policy needs a {f.name}")
+    return cls(tokens_per_block, **own)
+
+
+@functools.cache
+def policy_for(spec: LayerSpec, *, step_end_only: bool = False) -> Policy:
+    """The policy of a layer with ``spec`` (cached: specs and policies are frozen)."""
+    return make_policy(
+        spec.kind,
+        POLICY_BY_KIND[spec.kind].block_tokens(spec),
+        window=spec.window,
+        chunk=spec.chunk,
+        token_fraction=spec.token_fraction,
+        step_end_only=step_end_only,
+    )

@@ -120,11 +120,6 @@ class LayerSpec:
             if self.tokens_per_image <= 0:
                 raise SpecError(f"tokens_per_image must be > 0, got {self.tokens_per_image}")
 
-    def tokens_kept(self, length: int) -> int:
-        """Tokens of a `length`-token request this layer keeps (token_fraction, rounded up)."""
-        num, den = self.token_fraction
-        return -(-length * num // den)
-
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token adds to this layer's cache (0 for Mamba: its state is fixed)."""

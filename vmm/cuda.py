@@ -26,13 +26,19 @@ Every public call validates first (raising before any driver call), then runs it
 calls with an undo log; a failing call undoes the calls before it in reverse order and
 raises the `vmm.errors` exception naming the driver call and its CUresult code.
 
+Scratch mappings (the zero fill, the read-only probe) are always torn down: never while
+their memset may still run, and a teardown call that fails is tried once more before the
+failure is raised naming what stays held. `close` forgets each object as soon as its
+driver call succeeded, so a close that failed part-way resumes when called again.
+
 Limitations
 -----------
 One device per instance. Unmapping does not synchronise: the caller must make sure no
 kernel still reads a slot it unmaps (engines unmap between steps). `release` cannot undo
 a `cuMemRelease` that already succeeded, so a driver failure part-way through a release
 batch leaves the handles before it released (reported in the error). Written against the
-documented driver API; see docs/vmm-bench.md for where it was and was not run.
+documented driver API and run through the real cuda-bindings on the test suite's CUDA
+driver emulator (docs/vmm.md), not yet on a GPU (docs/vmm-bench.md).
 """
 
 from __future__ import annotations
@@ -201,21 +207,28 @@ class CudaBackend(Backend):
     def _probe_zero_chunk(self) -> int | None:
         """Create the zero chunk and check the device accepts a read-only mapping of it."""
         (handle,) = self._create_unlocked(1, zero_fill=True)
-        va = int(self._drv.call("cuMemAddressReserve", self._granularity, _TWO_MIB, 0, 0))
+        if self._read_only_mapping_works(handle):
+            return handle
+        self._release_unlocked([handle])
+        return None
+
+    def _read_only_mapping_works(self, handle: int) -> bool:
+        """Map `handle` at a scratch reservation and ask for read-only access: a refusal
+        (BackendError from cuMemSetAccess) means False; any other failure is raised."""
+        g = self._granularity
+        va = int(self._drv.call("cuMemAddressReserve", g, _TWO_MIB, 0, 0))
+        num_mapped = 0
         try:
-            self._drv.call("cuMemMap", va, self._granularity, 0, handle, 0)
-            try:
-                self._drv.call("cuMemSetAccess", va, self._granularity, self._ro, 1)
-                usable = True
-            except BackendError:
-                usable = False
-            self._drv.call("cuMemUnmap", va, self._granularity)
+            self._drv.call("cuMemMap", va, g, 0, handle, 0)
+            num_mapped = 1
+            self._drv.call("cuMemSetAccess", va, g, self._ro, 1)
+        except BackendError as exc:
+            if exc.op != "cuMemSetAccess":
+                raise
+            return False
         finally:
-            self._drv.call("cuMemAddressFree", va, self._granularity)
-        if not usable:
-            self._release_unlocked([handle])
-            return None
-        return handle
+            self._tear_down_scratch(va, g, num_mapped)
+        return True
 
     # ---- context ------------------------------------------------------------------
     def _context(self) -> _ContextGuard:
@@ -270,22 +283,54 @@ class CudaBackend(Backend):
         return made
 
     def _zero_fill_handles(self, handles: Sequence[int]) -> None:
-        """Map `handles` side by side at a scratch reservation and clear them in one memset."""
+        """Map `handles` side by side at a scratch reservation and clear them in one memset.
+
+        The memset is asynchronous: if waiting for it fails, it may still be running, so
+        the scratch mapping is not torn down before one more wait succeeds (unmapping under
+        running work is what makes a GPU fault)."""
         g = self._granularity
         size = g * len(handles)
         va = int(self._drv.call("cuMemAddressReserve", size, _TWO_MIB, 0, 0))
-        mapped = 0
+        num_mapped = 0
+        queued = False
         try:
             for i, h in enumerate(handles):
                 self._drv.call("cuMemMap", va + i * g, g, 0, h, 0)
-                mapped += 1
+                num_mapped += 1
             self._drv.call("cuMemSetAccess", va, size, self._rw, 1)
             self._drv.call("cuMemsetD8Async", va, 0, size, self._stream)
+            queued = True
             self._drv.call("cuStreamSynchronize", self._stream)
+            queued = False
         finally:
-            for i in range(mapped):
-                self._drv.call("cuMemUnmap", va + i * g, g)
-            self._drv.call("cuMemAddressFree", va, size)
+            if queued:  # raises (keeping the scratch mapping) if the memset cannot be awaited
+                self._drv.call("cuStreamSynchronize", self._stream)
+            self._tear_down_scratch(va, size, num_mapped)
+
+    def _tear_down_scratch(self, va: int, size: int, num_mapped: int) -> None:
+        """Unmap the first `num_mapped` slots of the scratch reservation [va, va + size) and
+        free it. A failed step is tried once more (a driver call that fails does nothing,
+        so a transient failure then leaves nothing behind); a second failure is raised
+        with what stays held."""
+        g = self._granularity
+        for i in range(num_mapped):
+            self._call_twice(
+                f"scratch slot {i} of {num_mapped} at {va + i * g:#x} stays mapped",
+                "cuMemUnmap", va + i * g, g,
+            )  # fmt: skip
+        self._call_twice(f"scratch reservation {va:#x} of {size} bytes stays reserved",
+                         "cuMemAddressFree", va, size)  # fmt: skip
+
+    def _call_twice(self, leaked: str, name: str, *args: Any) -> None:
+        try:
+            self._drv.call(name, *args)
+        except (BackendError, OutOfMemory):
+            try:
+                self._drv.call(name, *args)
+            except (BackendError, OutOfMemory) as exc:
+                raise BackendError(
+                    f"{exc} (failed twice; {leaked})", op=name, code=getattr(exc, "code", 0)
+                ) from exc
 
     def release(self, handles: Sequence[int]) -> None:
         with self._context():
@@ -422,22 +467,34 @@ class CudaBackend(Backend):
         return dict(self._drv.num_calls)
 
     def close(self) -> None:
+        """Unmap, free and release everything, then drop the context retain. Idempotent;
+        if a driver call fails, what was torn down before it is forgotten and the error
+        raised, so calling close again resumes where it stopped."""
         with self._lock:
             if self._closed:
                 return
             with _ContextGuard(self):
-                self._unmap_slots(sorted(self._slot_handle) + sorted(self._zero_slots), undo=[])
-                for va, size in self._reservations.items():
-                    self._drv.call("cuMemAddressFree", va, size)
-                self._release_quietly(list(self._map_count))
-                if self._stream is not None:
-                    self._drv.call("cuStreamDestroy", self._stream)
-            self._slot_handle.clear()
-            self._zero_slots.clear()
-            self._reservations.clear()
-            self._bases.clear()
+                self._tear_down_unlocked()
             self._closed = True
             self._drv.call("cuDevicePrimaryCtxRelease", self._dev)
+
+    def _tear_down_unlocked(self) -> None:
+        g = self._granularity
+        for va in sorted(self._slot_handle):
+            self._drv.call("cuMemUnmap", va, g)
+            self._map_count[self._slot_handle.pop(va)] -= 1
+        for va in sorted(self._zero_slots):
+            self._drv.call("cuMemUnmap", va, g)
+            self._zero_slots.discard(va)
+            self._map_count[self._zero] -= 1  # type: ignore[index]
+        for va in list(self._bases):
+            self._drv.call("cuMemAddressFree", va, self._reservations[va])
+            self._forget_reservation(va)
+        self._zero = None  # released with the chunks below
+        self._release_unlocked(list(self._map_count))
+        if self._stream is not None:
+            self._drv.call("cuStreamDestroy", self._stream)
+            self._stream = None
 
     # ---- validation ---------------------------------------------------------------
     def _check_live(self, handle: int, op: str) -> None:

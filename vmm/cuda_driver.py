@@ -32,6 +32,9 @@ from vmm.errors import BackendError, BackendUnavailable, OutOfMemory
 
 _MODULE_NAMES = ("cuda.bindings.driver", "cuda.cuda")
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
+#: The CUDA driver emulator of the test suite names its device with this word; figures
+#: taken on it are host mmap costs and are labelled emulated, never GPU figures.
+EMULATOR_MARK = "emulator"
 
 
 def import_driver_module() -> ModuleType:
@@ -106,6 +109,19 @@ class Driver:
         except Exception:
             pass
         return 0, 0
+
+
+def device_name(driver: Driver, ordinal: int) -> str:
+    """The name the driver reports for device `ordinal` (e.g. "NVIDIA A100-SXM4-80GB")."""
+    dev = driver.call("cuDeviceGet", ordinal)
+    raw = driver.call("cuDeviceGetName", 256, dev)
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    return text.split("\0", 1)[0].strip()
+
+
+def is_emulated(name: str) -> bool:
+    """Whether a device name is the test suite's CUDA driver emulator."""
+    return EMULATOR_MARK in name.lower()
 
 
 def load_driver(module: ModuleType | None = None) -> Driver:

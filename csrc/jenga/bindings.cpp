@@ -17,22 +17,6 @@ namespace {
 using jenga::Core;
 using Release = py::call_guard<py::gil_scoped_release>;
 
-py::tuple plan_arrays(Core& core) {
-  std::vector<jenga::PlanOp> ops;
-  {
-    py::gil_scoped_release nogil;
-    ops = core.drain_plan();
-  }
-  std::vector<int32_t> kinds, groups, pages, reused;
-  for (const auto& op : ops) {
-    kinds.push_back(static_cast<int32_t>(op.kind));
-    groups.push_back(op.group);
-    pages.push_back(op.page);
-    reused.push_back(op.reused_units);
-  }
-  return py::make_tuple(kinds, groups, pages, reused);
-}
-
 // The pending plan as a list of (kind, group, page, reused_units) tuples, the keys of the
 // Python op cache (one call, no parallel arrays to zip); an empty list when nothing is pending.
 py::list plan_keys(Core& core) {
@@ -85,16 +69,6 @@ py::tuple block_info(const Core& core, int32_t g, int32_t b) {
   const jenga::Block& k = G.blocks[static_cast<size_t>(b)];
   return py::make_tuple(static_cast<int>(k.state), k.refcount, k.hashed, k.last_access,
                         k.prefix_len);
-}
-
-py::tuple page_info(const Core& core, int32_t g, int32_t p) {
-  const jenga::Group& G = core.group(g);
-  if (p < 0 || static_cast<size_t>(p) >= G.pages.size()) {
-    throw py::index_error("group " + std::to_string(g) + ": page " + std::to_string(p) +
-                          " out of range [0, " + std::to_string(G.pages.size()) + ")");
-  }
-  const jenga::Page& P = G.pages[static_cast<size_t>(p)];
-  return py::make_tuple(P.mapped, P.owner, P.num_free, P.num_cached);
 }
 
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
@@ -190,13 +164,45 @@ void acquire_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
   core.acquire(g, v, now);
 }
 
+// `jenga._core.Rules` from JENGA_RULES (core.hpp): read-only fields and a keyword constructor
+// (a rule not given keeps its default; an unknown keyword is a TypeError).
+void register_rules(py::module_ m) {
+  using jenga::AllocationOrder;
+  using jenga::Rules;
+  py::enum_<AllocationOrder>(m, "AllocationOrder", "order of the five allocation steps")
+      .value("PAPER", AllocationOrder::kPaper)
+      .value("COMPACT", AllocationOrder::kCompact)
+      .value("PINNED", AllocationOrder::kPinned);
+  py::class_<Rules> rules(m, "Rules", "The rules the core allocates and evicts by (one value)");
+  rules.def(py::init([](const py::kwargs& kwargs) {
+    Rules r;
+    py::list unknown = kwargs.attr("keys")();
+#define JENGA_RULE_FROM_KWARGS(type, name, init, doc) \
+  if (kwargs.contains(#name)) {                       \
+    r.name = kwargs[#name].cast<type>();              \
+    unknown.attr("remove")(#name);                    \
+  }
+    JENGA_RULES(JENGA_RULE_FROM_KWARGS)
+#undef JENGA_RULE_FROM_KWARGS
+    if (!unknown.empty()) {
+      throw py::type_error("Rules got unknown rules " + py::str(unknown).cast<std::string>());
+    }
+    return r;
+  }));
+#define JENGA_RULE_BINDING(type, name, init, doc) rules.def_readonly(#name, &Rules::name, doc);
+  JENGA_RULES(JENGA_RULE_BINDING)
+#undef JENGA_RULE_BINDING
+}
+
 }  // namespace
 
 void register_jenga(py::module_ m) {
+  register_rules(m);
   py::class_<Core>(m, "Core", "Two-level LCM allocator bookkeeping (see jenga/allocator.py)")
-      .def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t, bool>(),
+      .def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t,
+                    const jenga::Rules&>(),
            py::arg("blocks_per_page"), py::arg("units_per_page"), py::arg("total_units"),
-           py::arg("compact_order") = false)
+           py::arg_v("rules", jenga::Rules{}, "Rules()"))
       .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
       .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
@@ -212,21 +218,11 @@ void register_jenga(py::module_ m) {
            "negative block ids are skipped")
       .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
            "Block id per hash (int32 array), -1 where absent")
-      .def("drain_plan", &plan_arrays)
-      .def("drain_plan_keys", &plan_keys,
-           "drain_plan() as a list of (kind, group, page, reused_units) tuples")
-      .def_property_readonly("num_plan_ops", &Core::num_plan_ops)
-      .def_property("pinned_order", &Core::pinned_order, &Core::set_pinned_order,
-                    "steps 1, 4, 2, then 5 on pages not wholly evictable, 3, 5")
-      .def_property("early_release_groups", &Core::early_release_groups,
-                    &Core::set_early_release_groups,
-                    "one flag per group: blocks cached by allocate()'s release lists of a "
-                    "flagged group are early (ties: shortest prefix first)")
-      .def_property("demote_early_releases", &Core::demote_early_releases,
-                    &Core::set_demote_early_releases,
-                    "early blocks are evicted before every block cached by release()")
-      .def_property("frugal_retry", &Core::frugal_retry, &Core::set_frugal_retry,
-                    "retry a refused allocate() in frugal order (default true)")
+      .def("drain_plan", &plan_keys,
+           "The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, "
+           "reused_units) tuples")
+      .def_property("rules", &Core::rules, &Core::set_rules,
+                    "The rules (a copy; assign a new Rules to change them)")
       .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
       .def("eviction_order", &Core::eviction_order, py::arg("group"))
       .def("page_eviction_order", &Core::page_eviction_order)
@@ -235,8 +231,6 @@ void register_jenga(py::module_ m) {
            "(mapped_pages, cached_blocks, free_blocks, used_blocks)")
       .def("block_info", &block_info, py::arg("group"), py::arg("block"),
            "(state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)")
-      .def("page_info", &page_info, py::arg("group"), py::arg("page"),
-           "(mapped, owner, num_free, num_cached)")
       .def_property_readonly("total_units", &Core::total_units)
       .def_property_readonly("free_units", &Core::free_units)
       .def_property_readonly("num_groups", &Core::num_groups);

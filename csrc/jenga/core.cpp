@@ -23,8 +23,8 @@ void check_clock(int64_t now) {
 }  // namespace
 
 Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
-           int64_t total_units, bool compact_order)
-    : total_units_(total_units), free_units_(total_units), compact_order_(compact_order) {
+           int64_t total_units, const Rules& rules)
+    : total_units_(total_units), free_units_(total_units) {
   if (blocks_per_page.empty() || blocks_per_page.size() != units_per_page.size()) {
     throw std::invalid_argument("need one (blocks_per_page, units_per_page) per group, got " +
                                 str(blocks_per_page.size()) + " and " + str(units_per_page.size()));
@@ -42,15 +42,17 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
     groups_[g].blocks_per_page = blocks_per_page[g];
     groups_[g].units_per_page = units_per_page[g];
   }
-  early_release_.assign(groups_.size(), false);
+  set_rules(rules);
 }
 
-void Core::set_early_release_groups(const std::vector<bool>& flags) {
-  if (flags.size() != groups_.size()) {
+void Core::set_rules(const Rules& rules) {
+  const std::vector<bool>& flags = rules.early_release_groups;
+  if (!flags.empty() && flags.size() != groups_.size()) {
     throw std::invalid_argument("need one early-release flag per group: got " + str(flags.size()) +
                                 " for " + str(groups_.size()) + " groups");
   }
-  early_release_ = flags;
+  rules_ = rules;
+  if (flags.empty()) rules_.early_release_groups.assign(groups_.size(), false);
 }
 
 const Group& Core::group(int32_t g) const {
@@ -97,7 +99,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   logging_ = true;
   for (size_t g = 0; g < releases.size(); ++g) {
     const auto& rel = releases[g];
-    const bool early = early_release_[g];
+    const bool early = rules_.early_release_groups[g];
     for (auto it = rel.rbegin(); it != rel.rend(); ++it)
       prim_release(static_cast<int32_t>(g), *it, now, early);
   }
@@ -108,7 +110,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     // Undo the groups (not the releases), then retry frugally if the bound allows it.
     rollback(released_undo, plan_released);
     logging_ = true;
-    if (frugal_retry_ && may_fit_frugally(counts)) {
+    if (rules_.frugal_retry && may_fit_frugally(counts)) {
       set_frugal_reserve(counts);
       c = Counters{};
       c.frugal_retries = 1;
@@ -158,11 +160,12 @@ bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Coun
                                     kEvictBlock, kNewPage,      kEvictPage};
   static constexpr int kPinned[] = {kOwnFree,     kAnyFree,   kNewPage,
                                     kEvictPinned, kEvictPage, kEvictBlock};
-  const int* order = frugal_          ? kFrugal
-                     : pinned_order_  ? kPinned
-                     : compact_order_ ? kCompact
-                                      : kPaper;
-  const int num_steps = frugal_ ? 7 : pinned_order_ ? 6 : 5;
+  const bool pinned = rules_.order == AllocationOrder::kPinned;
+  const int* order = frugal_                                     ? kFrugal
+                     : pinned                                    ? kPinned
+                     : rules_.order == AllocationOrder::kCompact ? kCompact
+                                                                 : kPaper;
+  const int num_steps = frugal_ ? 7 : pinned ? 6 : 5;
   bool ok = true;
   while (ok && n > 0) {
     bool progressed = false;

@@ -23,29 +23,17 @@
 //     the block is CACHED; removal is a stamp bump (O(1)); releases arrive with a
 //     non-decreasing clock, so a push is O(1) in the common case. Stale entries are
 //     dropped when they reach the top or when they outnumber live ones (rebuild).
-//   * Early releases (per group, set_early_release_groups): a block released by allocate()'s
-//     release lists of a flagged group (a running request dropping blocks that left its
-//     sliding window or local chunk) is *early*. Among blocks of equal eviction time, early
-//     ones go head first (shortest prefix first), all others tail first: the last blocks
-//     of an early batch still serve hits at the request's prompt end, together with the
-//     request's later blocks. With set_demote_early_releases(true) early blocks are also
-//     cached in a lower tier: eviction time last_access - kDemotedOffset, before every
-//     block released by release() (a finished or preempted request), unless the block
-//     served a prefix hit since it was taken (its prefix is known to be shared). A page's key takes
-//     its newest block, so a page is demoted only while all its cached blocks are. Clock
-//     values must lie in (-2^61, 2^61).
+//   * The rules (step orders, frugal retry, early releases, demotion) are described once,
+//     in the design note of jenga/allocator.py; they reach the core as one `Rules` value
+//     (JENGA_RULES below). Here: an early block's tie is +prefix_len (head first); a demoted
+//     block's eviction time is last_access - kDemotedOffset, below every normal block;
+//     clock values must lie in (-2^61, 2^61). A page's key takes its newest block.
 //   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
-//     chain order included) and the plan is truncated.
-//   * Frugal retry: groups are served one after another, so an earlier group's step 2/3
-//     can spend units a later group needed while the earlier one could have used blocks
-//     that cost no units. When the paper-order pass fails and a cheap bound says the call
-//     may fit, it is undone and retried in frugal mode: every group first takes blocks
-//     that cost no units (steps 1, 4, 5 on pages that are not wholly evictable), then
-//     steps 2 and 3. That pass succeeds whenever any assignment under the step rules does:
-//     a block on an evictable page or on a new page costs the pool its page's units
-//     either way, and frugal mode buys the fewest pages per group (core_frugal.cpp).
+//     chain order included) and the plan is truncated. The frugal retry undoes the
+//     groups (not the releases) and runs them again in frugal mode; the proof that it
+//     succeeds whenever any assignment does is in core_frugal.cpp.
 //
 // Limitations: not thread-safe (one allocator per engine thread; the GIL is released
 // only so other Python threads run). std::set costs ~O(log n) per evictable block.
@@ -169,6 +157,33 @@ struct Group {
   int64_t num_evictable_pages = 0;
 };
 
+// Order of the five allocation steps (jenga/config.py `AllocationOrder`, same names).
+enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
+
+// The rules the core allocates and evicts by, as one value: given at construction or
+// replaced whole by set_rules(). X(type, name, default, doc) per rule; the struct and its
+// Python binding (`jenga._core.Rules`, read-only fields, keyword constructor) are both
+// generated from this list, and jenga/config.py `AllocationRules` carries the same fields
+// by name (early_release_groups excepted: the allocator derives it from the policies).
+// Adding a rule: one line here, one field there, and its effect in the core.
+#define JENGA_RULES(X)                                                                    \
+  X(AllocationOrder, order, AllocationOrder::kPaper,                                      \
+    "step order: PAPER 1, 2, 3, 4, 5; COMPACT 1, 4, 2, 3, 5; PINNED 1, 4, 2, then 5 on "  \
+    "pages not wholly evictable, 3, 5")                                                   \
+  X(bool, frugal_retry, true, "retry a refused allocate() in frugal order")               \
+  X(bool, demote_window_releases, false,                                                  \
+    "early releases are cached in a lower tier, evicted before every block cached by "    \
+    "release(), unless they served a prefix hit")                                         \
+  X(std::vector<bool>, early_release_groups, {},                                          \
+    "one flag per group (empty: none): blocks cached by allocate()'s release lists of a " \
+    "flagged group are early (ties: shortest prefix first)")
+
+struct Rules {
+#define JENGA_RULE_FIELD(type, name, init, doc) type name = init;
+  JENGA_RULES(JENGA_RULE_FIELD)
+#undef JENGA_RULE_FIELD
+};
+
 // Steps of the paper's allocation (1-based indices into step counters).
 enum Step : int { kOwnFree = 1, kNewPage = 2, kEvictPage = 3, kAnyFree = 4, kEvictBlock = 5 };
 // Step 5 restricted to pages that are not wholly evictable (counted as step 5).
@@ -196,7 +211,7 @@ struct Counters {
 class Core {
  public:
   Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
-       int64_t total_units, bool compact_order);
+       int64_t total_units, const Rules& rules = Rules{});
 
   // All-or-nothing: first drop one reference per block in releases[g] (blocks the owner no
   // longer needs), then allocate counts[g] new blocks for `owner` in every group g. Returns
@@ -223,23 +238,10 @@ class Core {
   std::vector<PlanOp> drain_plan();
   size_t num_plan_ops() const { return plan_.size(); }
 
-  // Pinned order: 1, 4, 2, then step 5 on pages that are not wholly evictable, 3, 5. Once
-  // free units run out, a group reuses cached blocks on pages it pins anyway before
-  // evicting whole pages, so the evictable pages (units that can move to any group) are
-  // left to the groups that have nothing else.
-  void set_pinned_order(bool on) { pinned_order_ = on; }
-  bool pinned_order() const { return pinned_order_; }
-
-  // Early releases, one flag per group (default all false): blocks that allocate()'s
-  // release list of a flagged group caches are early (head-first ties; demoted when
-  // demote_early_releases). Throws std::invalid_argument unless one flag per group.
-  void set_early_release_groups(const std::vector<bool>& flags);
-  std::vector<bool> early_release_groups() const { return early_release_; }
-  void set_demote_early_releases(bool on) { demote_early_ = on; }
-  bool demote_early_releases() const { return demote_early_; }
-  // false: a refused allocate() is final (no frugal retry; the paper's allocator).
-  void set_frugal_retry(bool on) { frugal_retry_ = on; }
-  bool frugal_retry() const { return frugal_retry_; }
+  // Replace the rules whole. An empty early_release_groups means none; otherwise it needs
+  // one flag per group (std::invalid_argument, nothing changed). rules() has one per group.
+  void set_rules(const Rules& rules);
+  const Rules& rules() const { return rules_; }
 
   // Introspection for tests and stats.
   int64_t total_units() const { return total_units_; }
@@ -332,7 +334,6 @@ class Core {
   int64_t total_units_;
   int64_t free_units_;
   int64_t evictable_page_units_ = 0;
-  bool compact_order_;
   std::set<PageKey> evictable_pages_;
   std::vector<PlanOp> plan_;
   uint64_t next_stamp_ = 0;
@@ -340,10 +341,7 @@ class Core {
   bool logging_ = false;
   bool defer_refresh_ = false;
   bool frugal_ = false;
-  bool pinned_order_ = false;
-  std::vector<bool> early_release_;      // per group: allocate()'s releases are early
-  bool demote_early_ = false;            // early blocks go to the lower cache tier
-  bool frugal_retry_ = true;             // retry a refused allocate() in frugal order
+  Rules rules_;
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;

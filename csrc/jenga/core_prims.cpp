@@ -137,7 +137,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Page& P = G.pages[static_cast<size_t>(page)];
   k.last_access = now;
   k.early = early;
-  k.demoted = early && demote_early_ && !k.shared;
+  k.demoted = early && rules_.demote_window_releases && !k.shared;
   counters_.blocks_released += 1;
   if (k.hashed) {
     if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});

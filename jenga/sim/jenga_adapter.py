@@ -7,20 +7,21 @@ Rationale
     decision is made here.
 
 Approach
-    Two configurations of the one core, differing only in the page table
-    (`jenga.pages`):
+    Configurations of the one core, each a page table (`jenga.pages`) and a rules value
+    (`jenga.config.AllocationRules`), one row of `VARIANTS`:
 
         jenga_static  one buffer of large pages of lcm(all small pages) bytes, the page-
                       layer partition of the paper's Fig. 7b (pool unit = one large page);
         jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
-    ``jenga_static_demote`` / ``jenga_vmm_demote`` are the same two with window-release
-    demotion on, for side-by-side runs; they are not in the default set.
+    ``jenga_vmm_compact`` (compact step order), ``jenga_static_demote`` /
+    ``jenga_vmm_demote`` (window-release demotion on) and ``jenga_vmm_single_pass`` (no
+    frugal retry) vary the rules, for side-by-side runs.
 
-    A third configuration is the MAX baseline of the paper's §4.4 (``max_page``): the
-    same core with a static page table whose unit is the largest group block, every
-    other group's block padded to it.
+    The MAX baseline of the paper's §4.4 (``max_page``) is the same core with a static
+    page table whose unit is the largest group block, every other group's block padded
+    to it.
 
     Bytes: a block is charged its share of a large page (``large page bytes /
     blocks per large page``: its real bytes plus its share of a VMM tail or of MAX
@@ -46,10 +47,13 @@ Limitations
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
-from jenga.allocator import AllocationOrder, AllocatorConfig, ImageSpan, JengaAllocator
+from jenga.allocator import JengaAllocator
+from jenga.config import AllocationOrder, AllocationRules, AllocatorConfig
 from jenga.pages import PageTable, static_page_table, vmm_page_table
+from jenga.requests import ImageSpan
 from jenga.sim.needs import role_of
 from jenga.sim.protocol import AllocatorSnapshot, RequestState
 from jenga.specs import ModelSpec
@@ -64,10 +68,7 @@ class JengaCoreAllocator:
         model: ModelSpec,
         kv_bytes: int,
         table: PageTable,
-        order: AllocationOrder = AllocationOrder.PAPER,
-        *,
-        demote_window_releases: bool = False,
-        frugal_retry: bool = True,
+        rules: AllocationRules | None = None,
     ) -> None:
         self.name = name
         self.table = table
@@ -75,12 +76,7 @@ class JengaCoreAllocator:
         self._total_units = kv_bytes // table.unit_bytes
         self.core = JengaAllocator(
             AllocatorConfig.from_page_table(
-                model,
-                table,
-                self._total_units,
-                order,
-                demote_window_releases=demote_window_releases,
-                frugal_retry=frugal_retry,
+                model, table, self._total_units, rules or AllocationRules()
             )
         )
         # bytes a block is charged: its share of a large page (padding and tails included)
@@ -166,74 +162,37 @@ class JengaCoreAllocator:
         self.core.check_invariants(expensive=True)
 
 
-def jenga_static(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """Paper-faithful Jenga: LCM large pages in one static buffer."""
-    return JengaCoreAllocator(
-        "jenga_static", model, kv_bytes, static_page_table(model, strategy="lcm")
-    )
+def _lcm_table(model: ModelSpec) -> PageTable:
+    return static_page_table(model, strategy="lcm")
 
 
-def max_page(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """MAX page (paper §4.4) on the Jenga core: every group block padded to the largest."""
-    return JengaCoreAllocator("max_page", model, kv_bytes, static_page_table(model, strategy="max"))
+def _max_table(model: ModelSpec) -> PageTable:
+    return static_page_table(model, strategy="max")
 
 
-def jenga_vmm(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """Jenga on VMM: 2 MiB chunks, per-group large pages within 1 % tail."""
-    return JengaCoreAllocator("jenga_vmm", model, kv_bytes, vmm_page_table(model, epsilon=0.01))
+def _vmm_table(model: ModelSpec) -> PageTable:
+    return vmm_page_table(model, epsilon=0.01)  # 2 MiB chunks, tails within 1 %
 
 
-def jenga_vmm_compact(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """Jenga on VMM with the compact step order (free slots of other requests first)."""
-    return JengaCoreAllocator(
-        "jenga_vmm_compact",
-        model,
-        kv_bytes,
-        vmm_page_table(model, epsilon=0.01),
-        AllocationOrder.COMPACT,
-    )
+# name -> (page table, rules): every simulator row of the real core
+VARIANTS: dict[str, tuple[Callable[[ModelSpec], PageTable], AllocationRules]] = {
+    "max_page": (_max_table, AllocationRules()),  # every group block padded to the largest
+    "jenga_static": (_lcm_table, AllocationRules()),  # paper-faithful: LCM pages, one buffer
+    "jenga_vmm": (_vmm_table, AllocationRules()),
+    "jenga_vmm_compact": (_vmm_table, AllocationRules(order=AllocationOrder.COMPACT)),
+    "jenga_static_demote": (_lcm_table, AllocationRules(demote_window_releases=True)),
+    "jenga_vmm_demote": (_vmm_table, AllocationRules(demote_window_releases=True)),
+    # a refused allocation is final (the paper's single pass): the engine waits instead of
+    # evicting scattered cached blocks
+    "jenga_vmm_single_pass": (_vmm_table, AllocationRules(frugal_retry=False)),
+}
 
 
-def jenga_static_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """`jenga_static` with window-release demotion, for comparison."""
-    return JengaCoreAllocator(
-        "jenga_static_demote",
-        model,
-        kv_bytes,
-        static_page_table(model, strategy="lcm"),
-        demote_window_releases=True,
-    )
-
-
-def jenga_vmm_demote(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """`jenga_vmm` with window-release demotion, for comparison."""
-    return JengaCoreAllocator(
-        "jenga_vmm_demote",
-        model,
-        kv_bytes,
-        vmm_page_table(model, epsilon=0.01),
-        demote_window_releases=True,
-    )
-
-
-def jenga_vmm_single_pass(model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
-    """`jenga_vmm` without the frugal retry: a refused allocation is final (the paper's
-    single pass), so the engine waits instead of evicting scattered cached blocks."""
-    return JengaCoreAllocator(
-        "jenga_vmm_single_pass",
-        model,
-        kv_bytes,
-        vmm_page_table(model, epsilon=0.01),
-        frugal_retry=False,
-    )
+def _build(name: str, model: ModelSpec, kv_bytes: int) -> JengaCoreAllocator:
+    table, rules = VARIANTS[name]
+    return JengaCoreAllocator(name, model, kv_bytes, table(model), rules)
 
 
 FACTORIES: dict[str, Callable[[ModelSpec, int], JengaCoreAllocator]] = {
-    "max_page": max_page,
-    "jenga_static": jenga_static,
-    "jenga_vmm": jenga_vmm,
-    "jenga_vmm_compact": jenga_vmm_compact,
-    "jenga_static_demote": jenga_static_demote,
-    "jenga_vmm_demote": jenga_vmm_demote,
-    "jenga_vmm_single_pass": jenga_vmm_single_pass,
+    name: functools.partial(_build, name) for name in VARIANTS
 }

@@ -17,11 +17,13 @@ Approach
                                                  text stream; and uniform paging)
 
     `kept_interval` gives, in the group's own token coordinates, the tokens the group
-    must still hold once ``n`` sequence tokens are computed. A sliding window of w keeps
-    the last w tokens (the window the last computed token attended); a chunked local
-    layer keeps the current chunk; cross attention keeps the whole image for the life
-    of the request; a vision-embedding cache keeps the image until the prompt is done;
-    Mamba keeps one state; a PyramidKV-style full layer keeps its token share.
+    must still hold once ``n`` sequence tokens are computed. The kind's policy says which
+    (`jenga.policies`, `Policy.kept_tokens`): a sliding window of w keeps the last w
+    tokens (the window the last computed token attended); a chunked local layer keeps
+    the current chunk; cross attention keeps the whole image for the life of the
+    request; a vision-embedding cache (`prefill_only`) keeps the image until the prompt
+    is done; Mamba (`holds_state`) keeps one state; a PyramidKV-style full layer keeps
+    its token share.
 
     The engine measures waste per step against `step_needed_bytes`: what the step's
     tokens read or write (a prefill chunk also needs the window before it).
@@ -33,9 +35,8 @@ Limitations
 
 from __future__ import annotations
 
+from jenga.policies import policy_for
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec
-
-IMAGE_KINDS = frozenset({Kind.CROSS_ATTENTION, Kind.VISION_EMBEDDING})
 
 
 def role_of(spec: LayerSpec, model: ModelSpec) -> str:
@@ -44,7 +45,7 @@ def role_of(spec: LayerSpec, model: ModelSpec) -> str:
     Image kinds store the image. Other layers see the image tokens only when the model
     has no cross attention (the image's embeddings sit in the text stream).
     """
-    if spec.kind in IMAGE_KINDS:
+    if policy_for(spec).reads_images:
         return "image"
     has_cross = any(g.spec.kind is Kind.CROSS_ATTENTION for g in model.groups)
     return "text" if has_cross else "all"
@@ -65,20 +66,12 @@ def kept_interval(spec: LayerSpec, length: int, prompt_done: bool) -> tuple[int,
     Invariant: ``0 <= start <= end == length`` for token kinds; Mamba returns ``(0, 0)``
     (its state is not a token range; see `needed_bytes`).
     """
-    kind = spec.kind
-    if kind is Kind.SLIDING_WINDOW:
-        assert spec.window is not None
-        return max(0, length - spec.window), length
-    if kind is Kind.CHUNKED_LOCAL:
-        assert spec.chunk is not None
-        return ((length - 1) // spec.chunk) * spec.chunk if length else 0, length
-    if kind is Kind.VISION_EMBEDDING and prompt_done:
-        return length, length
-    if kind is Kind.MAMBA:
+    policy = policy_for(spec)
+    if policy.holds_state:
         return 0, 0
-    if kind is Kind.FULL:
-        return length - spec.tokens_kept(length), length  # PyramidKV keeps a share
-    return 0, length
+    if policy.prefill_only and prompt_done:
+        return length, length
+    return length - policy.kept_tokens(length), length
 
 
 def group_needed_bytes(
@@ -86,7 +79,7 @@ def group_needed_bytes(
 ) -> int:
     """Bytes group ``group`` must hold for one request with ``n`` computed tokens."""
     spec = group.spec
-    if spec.kind is Kind.MAMBA:
+    if policy_for(spec).holds_state:
         return group.num_layers * spec.page_bytes if n > 0 else 0
     length = group_length(role_of(spec, model), n, image_tokens)
     start, end = kept_interval(spec, length, prompt_done)
@@ -110,14 +103,15 @@ def step_needed_bytes(
     total = 0
     for g in model.groups:
         spec = g.spec
-        if spec.kind is Kind.MAMBA:
+        policy = policy_for(spec)
+        if policy.holds_state:
             total += g.num_layers * spec.page_bytes
             continue
         role = role_of(spec, model)
         lo = group_length(role, first, image_tokens)
         hi = group_length(role, end, image_tokens)
         start = kept_interval(spec, lo, prompt_done)[0] if lo else 0
-        if spec.kind is Kind.VISION_EMBEDDING and prompt_done:
+        if policy.prefill_only and prompt_done:
             start = hi
         total += g.num_layers * spec.bytes_per_token * (hi - min(start, hi))
     return total

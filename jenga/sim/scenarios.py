@@ -7,9 +7,9 @@ Rationale
 
 Approach
     `ALLOCATORS` maps a CLI name to ``factory(model, kv_bytes) -> SimAllocator``. The
-    Jenga entries come from `jenga.sim.jenga_adapter` and appear only when the real
-    allocator core is importable. `run_scenario` builds the trace once and runs every
-    allocator on it with a fresh engine.
+    Jenga entries come from `jenga.sim.jenga_adapter` (its `VARIANTS` table).
+    `run_scenario` builds the trace once and runs every allocator on it with a fresh
+    engine.
 
 Limitations
     Scenarios run sequentially in one process (the machine has two cores).
@@ -21,7 +21,7 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from jenga.sim import baselines
+from jenga.sim import baselines, jenga_adapter
 from jenga.sim.engine import Engine, EngineConfig, RunResult
 from jenga.sim.hardware import get_gpu
 from jenga.sim.models import get_model
@@ -35,18 +35,8 @@ ALLOCATORS: dict[str, AllocatorFactory] = {
     "uniform": baselines.uniform,
     "static_partition": baselines.static_partition,
     "vllm_hybrid": baselines.vllm_hybrid,
+    **jenga_adapter.FACTORIES,
 }
-
-
-def _register_jenga() -> None:
-    try:
-        from jenga.sim import jenga_adapter
-    except ImportError:
-        return
-    ALLOCATORS.update(jenga_adapter.FACTORIES)
-
-
-_register_jenga()
 
 DEFAULT_ALLOCATORS = (
     "uniform",
@@ -155,24 +145,11 @@ def get_scenario(name: str) -> Scenario:
     return SCENARIOS[name]
 
 
-def available(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Split ``names`` into (known here, missing); raise for names nobody knows."""
-    jenga_names = {
-        "max_page",
-        "jenga_static",
-        "jenga_vmm",
-        "jenga_vmm_compact",
-        "jenga_static_demote",
-        "jenga_vmm_demote",
-        "jenga_vmm_single_pass",
-    }
-    unknown = [n for n in names if n not in ALLOCATORS and n not in jenga_names]
+def check_allocators(names: tuple[str, ...]) -> None:
+    """Raise `SimError` for names no allocator has."""
+    unknown = [n for n in names if n not in ALLOCATORS]
     if unknown:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")
-    return (
-        tuple(n for n in names if n in ALLOCATORS),
-        tuple(n for n in names if n not in ALLOCATORS),
-    )
 
 
 def build_trace(scenario: Scenario) -> Trace:
@@ -186,18 +163,17 @@ def run_scenario(
 ) -> tuple[list[RunResult], dict[str, str]]:
     """Run every allocator of ``scenario`` on one trace.
 
-    Returns the results and, for each allocator that produced none, why: its core is not
-    importable here, or the run raised `SimError` (e.g. a request that never fits under
-    that allocator's page layout).
+    Returns the results and, for each allocator that produced none, why: the run raised
+    `SimError` (e.g. a request that never fits under that allocator's page layout).
     """
     model = get_model(scenario.model)
     gpu = get_gpu(scenario.gpu)
     kv_bytes = scenario.kv_bytes(model)
-    present, missing = available(scenario.allocators)
-    not_run = {name: "allocator core not importable here" for name in missing}
+    check_allocators(scenario.allocators)
+    not_run: dict[str, str] = {}
     trace = build_trace(scenario)
     results = []
-    for name in present:
+    for name in scenario.allocators:
         allocator = ALLOCATORS[name](model, kv_bytes)
         callback = None if on_step is None else (lambda d, t, n=name: on_step(n, d, t))
         engine = Engine(model, gpu, allocator, scenario.engine, on_step=callback)

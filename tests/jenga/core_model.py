@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 FREE, USED, CACHED = 0, 1, 2
 MAP, UNMAP = 0, 1
@@ -54,15 +55,22 @@ class MGroup:
     index: dict[int, int] = field(default_factory=dict)
 
 
+STEP_ORDERS = {"PAPER": [1, 2, 3, 4, 5], "COMPACT": [1, 4, 2, 3, 5]}  # PINNED: not modelled
+
+
 class CoreModel:
-    def __init__(self, bpp: list[int], upp: list[int], total: int, compact: bool = False):
+    """``rules``: the core's `jenga._core.Rules` (read by field name), the same value."""
+
+    def __init__(self, bpp: list[int], upp: list[int], total: int, rules: Any = None):
         self.groups = [MGroup(b, u) for b, u in zip(bpp, upp, strict=True)]
         self.total = total
         self.free_units = total
-        self.order = [1, 4, 2, 3, 5] if compact else [1, 2, 3, 4, 5]
+        self.order = STEP_ORDERS[rules.order.name if rules is not None else "PAPER"]
         self.plan: list[tuple[int, int, int, int]] = []
-        self.early = [False] * len(self.groups)  # per group: allocate()'s releases early
-        self.demote_early = False
+        # per group: allocate()'s releases are early
+        self.early = list(getattr(rules, "early_release_groups", [])) or [False] * len(bpp)
+        self.demote_early = getattr(rules, "demote_window_releases", False)
+        self.frugal_retry = getattr(rules, "frugal_retry", True)
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -188,7 +196,7 @@ class CoreModel:
         if out is None:
             self.groups, self.free_units, plan_len = released
             del self.plan[plan_len:]
-            if self.may_fit_frugally(counts):
+            if self.frugal_retry and self.may_fit_frugally(counts):
                 self.set_frugal_reserve(counts)
                 order = [1, 7, 8, 4, 5, 2, 3]  # 7, 8: steps 2, 3 with spare units only
                 out = self.allocate_groups(owner, counts, now, order, frugal=True)

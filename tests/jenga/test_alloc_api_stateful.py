@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from jenga.allocator import (
     AllocationOrder,
+    AllocationRules,
     AllocatorConfig,
     GroupConfig,
     ImageSpan,
@@ -40,7 +41,8 @@ class ApiMachine(RuleBasedStateMachine):
     @initialize(total=st.integers(8, 24), compact=st.booleans())
     def setup(self, total: int, compact: bool) -> None:
         order = AllocationOrder.COMPACT if compact else AllocationOrder.PAPER
-        self.alloc = JengaAllocator(AllocatorConfig(GROUPS, total, order, max_model_len=40))
+        rules = AllocationRules(order)
+        self.alloc = JengaAllocator(AllocatorConfig(GROUPS, total, rules, max_model_len=40))
         self.live: dict[int, int] = {}  # request -> prompt length
         self.next_id = 0
         self.mapped: set[tuple[int, int]] = set()

@@ -16,7 +16,11 @@ from tests.jenga.core_model import CoreModel
 
 
 def plan(core: J.Core) -> list[tuple[int, int, int, int]]:
-    return list(zip(*core.drain_plan(), strict=True))
+    return core.drain_plan()
+
+
+def order(compact: bool) -> J.Rules:
+    return J.Rules(order=J.AllocationOrder.COMPACT if compact else J.AllocationOrder.PAPER)
 
 
 def test_step2_of_an_earlier_group_no_longer_starves_a_later_group():
@@ -126,8 +130,8 @@ ops = st.lists(
 def test_allocate_fails_only_when_no_assignment_exists(ops, compact):
     """Random owners allocate, cache and finish; core and model agree, refusals are exact."""
     bpp, upp, total = [2, 1], [1, 2], 5
-    core = J.Core(bpp, upp, total, compact)
-    model = CoreModel(bpp, upp, total, compact)
+    core = J.Core(bpp, upp, total, order(compact))
+    model = CoreModel(bpp, upp, total, order(compact))
     held: dict[int, list[list[int]]] = {}
     now = 0
     for owner, counts in ops:
@@ -158,8 +162,8 @@ def test_pinned_order_reuses_cached_blocks_on_pinned_pages_before_evicting_pages
     # one group, 2 blocks per 1-unit page, 2 units. Page 0: block 0 live, block 1 cached
     # (pinned by block 0). Page 1: wholly cached (evictable).
     for pinned, expected, evicted_pages in ((False, [3], 1), (True, [1], 0)):
-        core = J.Core([2], [1], 2, True)
-        core.pinned_order = pinned
+        step_order = J.AllocationOrder.PINNED if pinned else J.AllocationOrder.COMPACT
+        core = J.Core([2], [1], 2, J.Rules(order=step_order))
         assert core.allocate(1, [2], 1) == [[0, 1]]
         assert core.allocate(2, [2], 2) == [[2, 3]]
         core.commit(0, [1, 2, 3], [11, 12, 13], [32, 16, 32])
@@ -177,8 +181,8 @@ def test_pinned_order_reuses_cached_blocks_on_pinned_pages_before_evicting_pages
 def test_without_the_frugal_retry_a_refused_call_stays_refused():
     """The first test's case with the retry switched off: the paper's single pass."""
     core = J.Core([2, 1], [1, 1], 2)
-    assert core.frugal_retry
-    core.frugal_retry = False
+    assert core.rules.frugal_retry
+    core.rules = J.Rules(frugal_retry=False)
     assert core.allocate(1, [2, 0], 1) == [[0, 1], []]
     core.commit(0, [1], [11], [32])
     core.release(0, [1], 2)
@@ -192,9 +196,10 @@ def test_without_the_frugal_retry_a_refused_call_stays_refused():
 
 
 def test_the_allocator_config_switches_the_retry():
-    from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
+    from jenga.allocator import AllocationRules, AllocatorConfig, GroupConfig, JengaAllocator
     from jenga.specs import Kind
 
     groups = (GroupConfig("f", Kind.FULL, 4, 2, 1),)
-    assert JengaAllocator(AllocatorConfig(groups, 4))._core.frugal_retry
-    assert not JengaAllocator(AllocatorConfig(groups, 4, frugal_retry=False))._core.frugal_retry
+    single_pass = AllocationRules(frugal_retry=False)
+    assert JengaAllocator(AllocatorConfig(groups, 4))._core.rules.frugal_retry
+    assert not JengaAllocator(AllocatorConfig(groups, 4, single_pass))._core.rules.frugal_retry

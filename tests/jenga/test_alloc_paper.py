@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import math
 
-from jenga.allocator import AllocationOrder, AllocatorConfig, GroupConfig, JengaAllocator
+from jenga.allocator import (
+    AllocationOrder,
+    AllocationRules,
+    AllocatorConfig,
+    GroupConfig,
+    JengaAllocator,
+)
 from jenga.plan import MapPage, MappingPlan, UnmapPage
 from jenga.policies import FullAttentionPolicy, SlidingWindowPolicy
 from jenga.specs import Kind
@@ -17,7 +23,7 @@ from jenga.specs import Kind
 
 def one_group(blocks_per_page: int, total: int, order=AllocationOrder.PAPER) -> JengaAllocator:
     group = GroupConfig("full", Kind.FULL, 1, blocks_per_page, 1)
-    return JengaAllocator(AllocatorConfig((group,), total, order))
+    return JengaAllocator(AllocatorConfig((group,), total, AllocationRules(order)))
 
 
 def test_fig6_lcm_layout_256_and_384_share_768_byte_large_pages():

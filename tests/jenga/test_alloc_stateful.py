@@ -45,12 +45,13 @@ class CoreVsModel(RuleBasedStateMachine):
     ) -> None:
         bpp = [b for b, _ in shape]
         upp = [min(u, total) for _, u in shape]
-        self.core = J.Core(bpp, upp, total, compact)
-        self.model = CoreModel(bpp, upp, total, compact)
-        self.core.early_release_groups = early[: len(shape)]
-        self.core.demote_early_releases = demote
-        self.model.early = early[: len(shape)]
-        self.model.demote_early = demote
+        rules = J.Rules(
+            order=J.AllocationOrder.COMPACT if compact else J.AllocationOrder.PAPER,
+            early_release_groups=early[: len(shape)],
+            demote_window_releases=demote,
+        )
+        self.core = J.Core(bpp, upp, total, rules)
+        self.model = CoreModel(bpp, upp, total, rules)
         self.G = len(shape)
         self.upp = upp
         self.total = total
@@ -64,7 +65,7 @@ class CoreVsModel(RuleBasedStateMachine):
         return self.now
 
     def _check_plan(self) -> None:
-        core_ops = list(zip(*self.core.drain_plan(), strict=True))
+        core_ops = self.core.drain_plan()
         model_ops = self.model.drain_plan()
         assert core_ops == model_ops
         for kind, g, p, reused in core_ops:

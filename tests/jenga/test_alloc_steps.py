@@ -11,7 +11,7 @@ from jenga import _core as J
 
 
 def plan(core: J.Core) -> list[tuple[int, int, int, int]]:
-    return list(zip(*core.drain_plan(), strict=True))
+    return core.drain_plan()
 
 
 def test_steps_1_2_4_5_in_order_with_lru_and_prefix_tie_break():
@@ -197,9 +197,9 @@ def test_plan_ops_are_shared_and_equal_to_fresh_ones(monkeypatch):
 
     monkeypatch.setattr(plan_mod, "_OPS_CACHED_MAX", 2)
     monkeypatch.setattr(plan_mod, "_op_cache", {})
-    a = plan_mod.plan_from_arrays([1, 0], [0, 1], [3, 4], [0, 2])
+    a = plan_mod.plan_from_keys([(1, 0, 3, 0), (0, 1, 4, 2)])
     assert a.ops == (UnmapPage(0, 3), MapPage(1, 4, 2))
-    b = plan_mod.plan_from_arrays([1], [0], [3], [0])
+    b = plan_mod.plan_from_keys([(1, 0, 3, 0)])
     assert b.ops[0] is a.ops[0]  # the same frozen op, not rebuilt
-    c = plan_mod.plan_from_arrays([0], [2], [5], [0])  # a third op: the cache is cleared first
+    c = plan_mod.plan_from_keys([(0, 2, 5, 0)])  # a third op: the cache is cleared first
     assert c.ops == (MapPage(2, 5, 0),) and len(plan_mod._op_cache) == 1

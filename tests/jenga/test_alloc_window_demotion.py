@@ -16,7 +16,7 @@ decodes one token, which releases a's sliding blocks 0-5 (they left the window) 
 from __future__ import annotations
 
 import pytest
-from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
+from jenga.allocator import AllocationRules, AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.plan import UnmapPage
 from jenga.specs import Kind
 
@@ -33,7 +33,8 @@ def _alloc(total: int, demote: bool = False, kind: Kind = Kind.SLIDING_WINDOW) -
         GroupConfig("full", Kind.FULL, 4, 1, 1),
         GroupConfig("swa", kind, 4, 1, 1, **extra),
     )
-    return JengaAllocator(AllocatorConfig(groups, total, demote_window_releases=demote))
+    rules = AllocationRules(demote_window_releases=demote)
+    return JengaAllocator(AllocatorConfig(groups, total, rules))
 
 
 def _run_a_then_b_then_a_decodes(alloc: JengaAllocator) -> tuple[int, ...]:
@@ -132,9 +133,7 @@ def test_failed_allocate_rolls_back_early_releases():
 
 
 def test_shared_block_takes_the_kind_of_its_last_release():
-    core = J.Core([1], [1], 4)
-    core.early_release_groups = [True]
-    core.demote_early_releases = True
+    core = J.Core([1], [1], 4, J.Rules(early_release_groups=[True], demote_window_releases=True))
     assert core.allocate(1, [2], 1) == [[0, 1]]
     core.commit(0, [0, 1], [10, 11], [4, 8])
     core.acquire(0, [0], 2)  # owner 2 shares block 0
@@ -147,10 +146,10 @@ def test_shared_block_takes_the_kind_of_its_last_release():
 
 def test_early_release_flags_need_one_per_group():
     core = J.Core([1, 1], [1, 1], 4)
-    assert core.early_release_groups == [False, False]
-    assert core.demote_early_releases is False
+    assert core.rules.early_release_groups == [False, False]
+    assert core.rules.demote_window_releases is False
     with pytest.raises(ValueError, match="one early-release flag per group: got 1 for 2 groups"):
-        core.early_release_groups = [True]
+        core.rules = J.Rules(early_release_groups=[True])
     with pytest.raises(ValueError, match=r"clock value 4611686018427387904 outside"):
         core.allocate(1, [1, 1], 1 << 62)
 
@@ -163,16 +162,15 @@ def test_only_window_and_chunk_groups_release_early():
         GroupConfig("mamba", Kind.MAMBA, 4, 1, 1),
     )
     plain = JengaAllocator(AllocatorConfig(groups, 16))
-    assert plain._core.early_release_groups == [False, True, True, False]
-    assert plain._core.demote_early_releases is False
-    demoting = JengaAllocator(AllocatorConfig(groups, 16, demote_window_releases=True))
-    assert demoting._core.demote_early_releases is True
+    assert plain._core.rules.early_release_groups == [False, True, True, False]
+    assert plain._core.rules.demote_window_releases is False
+    demote = AllocationRules(demote_window_releases=True)
+    demoting = JengaAllocator(AllocatorConfig(groups, 16, demote))
+    assert demoting._core.rules.demote_window_releases is True
 
 
 def test_a_block_that_served_a_hit_is_not_demoted():
-    core = J.Core([1], [1], 8)
-    core.early_release_groups = [True]
-    core.demote_early_releases = True
+    core = J.Core([1], [1], 8, J.Rules(early_release_groups=[True], demote_window_releases=True))
     assert core.allocate(1, [3], 1) == [[0, 1, 2]]
     core.commit(0, [0, 1, 2], [10, 11, 12], [4, 8, 12])
     assert core.allocate(3, [1], 2) == [[3]]

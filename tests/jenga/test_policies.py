@@ -16,6 +16,7 @@ from jenga.policies import (
     SlidingWindowPolicy,
     VisionEmbeddingPolicy,
     make_policy,
+    policy_for,
 )
 from jenga.specs import Kind, SpecError
 
@@ -133,3 +134,69 @@ def test_vectorized_mask_agrees_with_possible_prefix(which: int, hits: list[bool
     if not policy.reads_images:
         from_mask = {p for p in from_mask if p <= len(hits) * policy.tokens_per_block}
     assert from_mask == {p for p in from_set if p <= num_tokens}
+
+
+def test_kept_tokens_per_kind():
+    assert [FullAttentionPolicy(16).kept_tokens(n) for n in (0, 1, 100)] == [0, 1, 100]
+    assert [FullAttentionPolicy(16, (1, 4)).kept_tokens(n) for n in (1, 4, 5)] == [1, 1, 2]
+    assert [SlidingWindowPolicy(16, window=64).kept_tokens(n) for n in (0, 63, 64, 65, 1000)] == [
+        0,
+        63,
+        64,
+        64,
+        64,
+    ]
+    assert [ChunkedLocalPolicy(4, chunk=16).kept_tokens(n) for n in (0, 1, 16, 17, 40)] == [
+        0,
+        1,
+        16,
+        1,
+        8,
+    ]
+    assert MambaPolicy(512).kept_tokens(1000) == 0
+    assert CrossAttentionPolicy(2).kept_tokens(13) == 13
+
+
+TOKEN_RANGES = [  # kinds whose kept tokens are a range (not a state, not a score-picked share)
+    FullAttentionPolicy(2),
+    SlidingWindowPolicy(2, window=5),
+    ChunkedLocalPolicy(2, chunk=6),
+    CrossAttentionPolicy(2),
+]
+
+
+@pytest.mark.parametrize("policy", TOKEN_RANGES, ids=repr)
+def test_first_live_block_is_the_start_of_what_the_next_token_reads(policy):
+    # one rule per kind: the next token (position L) reads the tokens kept at L + 1
+    for length in range(40):
+        start = length + 1 - policy.kept_tokens(length + 1)
+        assert start == policy.attended_start(length)
+        assert policy.first_live_block(length) == start // policy.tokens_per_block
+
+
+def test_policy_for_reads_the_spec():
+    from jenga.specs import LayerSpec
+
+    window = policy_for(LayerSpec(Kind.SLIDING_WINDOW, 1, 8, block_size=4, window=32))
+    assert window == SlidingWindowPolicy(4, window=32)
+    mamba = LayerSpec(Kind.MAMBA, state_bytes=64, checkpoint_interval=256)
+    assert policy_for(mamba, step_end_only=True) == MambaPolicy(256, step_end_only=True)
+    traits = {
+        kind: (cls.releases_early, cls.holds_state, cls.reads_images, cls.prefill_only)
+        for kind, cls in POLICY_BY_KIND.items()
+    }
+    assert traits == {
+        Kind.FULL: (False, False, False, False),
+        Kind.SLIDING_WINDOW: (True, False, False, False),
+        Kind.CHUNKED_LOCAL: (True, False, False, False),
+        Kind.MAMBA: (False, True, False, False),
+        Kind.CROSS_ATTENTION: (False, False, True, False),
+        Kind.VISION_EMBEDDING: (False, False, True, True),
+    }
+
+
+def test_make_policy_rejects_a_parameter_no_policy_has():
+    with pytest.raises(TypeError, match=r"no policy takes \['windw'\]"):
+        make_policy(Kind.SLIDING_WINDOW, 16, windw=4096)
+    # another kind's parameter is ignored: one call builds every group's policy
+    assert make_policy(Kind.FULL, 16, window=4096, chunk=8) == FullAttentionPolicy(16)

@@ -8,6 +8,7 @@ from jenga.pages import (
     uniform_paged_waste,
     vmm_page_table,
 )
+from jenga.policies import policy_for
 from jenga.specs import Kind, SpecError
 
 from jenga import presets
@@ -104,7 +105,7 @@ def test_pyramidkv_fractions_and_tokens_kept():
     assert [(g.name, g.layer_ids[0], g.num_layers) for g in model.groups] == [
         ("full", 0, 8), ("full@3/4", 8, 8), ("full@1/2", 16, 8), ("full@1/4", 24, 8),
     ]  # fmt: skip
-    assert [g.spec.tokens_kept(1000) for g in model.groups] == [1000, 750, 500, 250]
+    assert [policy_for(g.spec).kept_tokens(1000) for g in model.groups] == [1000, 750, 500, 250]
 
 
 def test_character_ai_like_sharing():

@@ -1,6 +1,7 @@
 """LayerSpec / KVGroup / ModelSpec: sizes, sharing, token fractions, bad input."""
 
 import pytest
+from jenga.policies import policy_for
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
 
@@ -18,8 +19,8 @@ def test_page_bytes_per_kind():
 
 def test_token_fraction_rounds_up():
     spec = LayerSpec(Kind.FULL, 8, 128, token_fraction=(1, 4))
-    assert [spec.tokens_kept(n) for n in (0, 1, 4, 5, 1000)] == [0, 1, 1, 2, 250]
-    assert LayerSpec(Kind.FULL, 8, 128).tokens_kept(1001) == 1001
+    assert [policy_for(spec).kept_tokens(n) for n in (0, 1, 4, 5, 1000)] == [0, 1, 1, 2, 250]
+    assert policy_for(LayerSpec(Kind.FULL, 8, 128)).kept_tokens(1001) == 1001
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """One vmm suite for every backend: the `backend_kind` fixture runs each test on host and
-(marked `cuda`, skipped without a GPU) on cuda. Helpers snapshot the full observable state
-of a pool so rollback tests can compare before and after exactly."""
+(marked `cuda`: a GPU or the CUDA driver emulator) on cuda. Helpers snapshot the full
+observable state of a pool so rollback tests can compare before and after exactly."""
 
 from __future__ import annotations
 
@@ -22,7 +22,12 @@ def new_backend(kind: str, **opts: Any) -> vmm.Backend:
     if kind == "host":
         opts.setdefault("granularity", HOST_GRANULARITY)
         opts.setdefault("capacity", 1 << 30)
-    return vmm.get_backend(kind, **opts)
+        return vmm.get_backend(kind, **opts)
+    # Directly, not through get_backend("cuda"): that one also wants torch to see a device,
+    # which the driver emulator (no torch CUDA) does not give; the backend itself does not.
+    from vmm.cuda import CudaBackend
+
+    return CudaBackend(**opts)
 
 
 MakePool = Callable[..., vmm.ChunkPool]

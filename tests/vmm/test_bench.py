@@ -33,7 +33,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_json_schema(tiny_run: dict) -> None:
     assert tiny_run["schema"] == "vmm-bench/1"
-    assert set(tiny_run) == {"schema", "machine", "args", "results", "bars", "passed"}
+    assert set(tiny_run) == {"schema", "machine", "args", "results", "bars", "skipped", "passed"}
+    assert tiny_run["skipped"] == [] and "device" not in tiny_run["machine"]
     assert {"nproc", "kernel", "python", "date"} <= set(tiny_run["machine"])
     assert tiny_run["args"]["backend"] == "host"
     for r in tiny_run["results"]:

@@ -14,6 +14,7 @@ from vmm.cuda import CudaBackend
 from vmm.cuda_driver import Driver, load_driver
 
 import vmm
+from tests.vmm import emulator
 from tests.vmm.cuda_driver_model import PROT_READ, PROT_READWRITE, DriverModel
 
 G = 2 << 20
@@ -179,8 +180,8 @@ SCENARIOS = {
     "unmap_to_zero": (_scenario_unmap_to_zero, None),
     "reserve_zero": (_scenario_reserve_zero, None),
     "free_zero_reservation": (_scenario_free_zero_reservation, None),
-    # create's last 4 calls give the scratch VA back after the memset; a failure there is
-    # reported, not undone (documented), so only the calls before it are injected
+    # create's last 4 calls tear the scratch mapping down after the memset; a failure there
+    # is tried again, so the create succeeds (test_cuda_emulated_faults.py injects those)
     "create": (_scenario_create, 4),
 }
 
@@ -341,6 +342,7 @@ def test_cuda_python_accepts_the_arguments_we_pass():
 
 # ---- the real driver -----------------------------------------------------------------------
 @pytest.mark.cuda
+@pytest.mark.gpu
 def test_real_backend_maps_tensors_zeros_and_shares():
     import torch
 
@@ -365,6 +367,7 @@ def test_real_backend_maps_tensors_zeros_and_shares():
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu
 def test_real_backend_create_is_zero_and_oom_rolls_back():
     import torch
 
@@ -400,12 +403,24 @@ def test_bench_cli_on_cuda(tmp_path: Any):
     from vmm.bench import cli as bench
 
     path = tmp_path / "cuda.json"
-    argv = ["--backend", "cuda", "--chunk-sizes", "2M", "--counts", "16", "--rounds", "2",
+    argv = ["--backend", "cuda", "--chunk-sizes", "64K,2M", "--counts", "16", "--rounds", "2",
             "--map-rounds", "2", "--views", "50", "--no-progress", "--json", str(path)]  # fmt: skip
     assert bench.main(argv) == 0
-    ops = {r["op"] for r in json.loads(path.read_text())["results"]}
-    assert {"create", "reserve", "map", "set_access", "unmap", "release", "apply_plan",
-            "tensor_view"} <= ops  # fmt: skip
+    report = json.loads(path.read_text())
+    ops = {r["op"] for r in report["results"]}
+    assert {"create", "reserve", "map", "set_access", "unmap", "release", "free_reservation",
+            "apply_plan"} <= ops  # fmt: skip
+    assert {r["chunk_size"] for r in report["results"]} == {G}
+    skipped = {s["op"]: s["reason"] for s in report["skipped"]}
+    assert skipped["chunk size 64K"] == "not a multiple of the device's granularity 2M"
+    emulated = emulator.loaded() is not None
+    assert report["machine"]["device"]["emulated"] is emulated
+    labels = {r["backend"] for r in report["results"]}
+    if emulated:  # driver-only: no torch CUDA tensor, and never passed off as GPU figures
+        assert labels == {"cuda-emulated"} and "tensor_view" not in ops
+        assert "torch sees no CUDA device" in skipped["tensor_view"]
+    else:
+        assert labels == {"cuda"} and "tensor_view" in ops and "tensor_view" not in skipped
 
 
 def test_bench_cuda_cases_run_on_the_model():

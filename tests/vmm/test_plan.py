@@ -11,7 +11,7 @@ import torch
 from vmm.host import HostBackend
 
 import vmm
-from tests.vmm.vmm_helpers import HOST_GRANULARITY, check, snapshot
+from tests.vmm.vmm_helpers import HOST_GRANULARITY, check, data_view, snapshot
 
 
 def setup(pool: vmm.ChunkPool) -> list[vmm.VirtualRange]:
@@ -25,7 +25,7 @@ def setup(pool: vmm.ChunkPool) -> list[vmm.VirtualRange]:
     z.share_from(a, [1], [4])
     b.unmap([5])  # one free chunk to reuse
     for i, rng in enumerate((a, b)):
-        rng.tensor((gran // 4,), torch.int32).fill_(100 + i)
+        data_view(rng, (gran // 4,), torch.int32, write=True).fill_(100 + i)
     return [a, b, z]
 
 
@@ -50,7 +50,7 @@ def test_plan_applies_in_order_and_returns_handles(make_pool):
     assert len(results) == 6
     assert z.handle(0) == results[2][0] and a.handle(0) is None
     assert b.handle(7) == a.handle(2)
-    assert int(z.tensor((1,), torch.int32)[0]) == 100  # remapped data came along
+    assert int(data_view(z, (1,), torch.int32)[0]) == 100  # remapped data came along
     stats = pool.stats()
     assert (stats["plans.applied"], stats["ops.remap"], stats["ops.share"]) == (1, 1, 2)
     check(pool)
@@ -66,7 +66,7 @@ def test_bad_op_mid_plan_rolls_everything_back(make_pool):
         plan.apply()
     assert snapshot(pool, ranges) == before
     assert pool.stats()["plans.rolled_back"] == 1
-    assert int(a.tensor((1,), torch.int32)[0]) == 100
+    assert int(data_view(a, (1,), torch.int32)[0]) == 100
     check(pool)
 
 

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from vmm.host import HostBackend
 
 import vmm
-from tests.vmm.vmm_helpers import check
+from tests.vmm.vmm_helpers import check, data_view
 
 G = 64 << 10
 NUM_RANGES, NUM_SLOTS = 3, 6
@@ -98,12 +98,30 @@ class Model:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """On the host backend, faults injected as failing syscalls; subclasses change the
+    backend through the four hooks below (the CUDA one: test_cuda_emulated_faults.py)."""
+
+    gran = G
+
+    def make_backend(self) -> vmm.Backend:
+        return HostBackend(granularity=G, capacity=1 << 24)
+
+    def inject_fault(self, k: int) -> None:
+        """The k-th backend call from now fails with an out-of-memory (0: none)."""
+        self.backend.inject_fault(k, errno.ENOMEM)
+
+    def num_backend_calls(self) -> int:
+        return self.backend.syscalls
+
+    def view(self, r: int, slot: int, n: int, *, write: bool = False) -> torch.Tensor:
+        return data_view(self.ranges[r], (n,), torch.int32, slot * self.gran, write=write)
+
     def __init__(self) -> None:
         super().__init__()
-        self.backend = HostBackend(granularity=G, capacity=1 << 24)
-        self.pool = vmm.ChunkPool(self.backend, 8 * G)
+        self.backend: Any = self.make_backend()
+        self.pool = vmm.ChunkPool(self.backend, 8 * self.gran)
         self.ranges = [
-            self.pool.reserve(NUM_SLOTS * G, name=f"r{i}", zero_backed=(i == 2))
+            self.pool.reserve(NUM_SLOTS * self.gran, name=f"r{i}", zero_backed=(i == 2))
             for i in range(NUM_RANGES)
         ]
         self.model = Model(8)
@@ -158,14 +176,14 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(r=range_st, slot=st.integers(0, NUM_SLOTS - 1), value=st.integers(1, 1000))
     def write(self, r: int, slot: int, value: int) -> None:
         if (r, slot) in self.model.where:
-            self.ranges[r].tensor((G // 4,), torch.int32, offset=slot * G).fill_(value)
+            self.view(r, slot, self.gran // 4, write=True).fill_(value)
             self.model.value[self.model.where[(r, slot)]] = value
 
     @rule(budget=st.integers(0, 10))
     def set_budget(self, budget: int) -> None:
         in_use = len(self.model.mapped_handles())
         err = vmm.BudgetError if budget < in_use else None
-        self._expect(err, lambda: self.pool.set_budget(budget * G))
+        self._expect(err, lambda: self.pool.set_budget(budget * self.gran))
         if err is None:
             excess = self.model.created - budget
             if excess > 0:
@@ -184,16 +202,16 @@ class PoolMachine(RuleBasedStateMachine):
             else:
                 getattr(plan, kind)(self.ranges[r], slots, self.ranges[dst], dst_slots)
         err = self._predict(ops)
-        before = self.backend.syscalls
-        self.backend.inject_fault(fault_at, errno.ENOMEM)
+        before = self.num_backend_calls()
+        self.inject_fault(fault_at)
         try:
             results = plan.apply()
         except (vmm.BackendError, vmm.OutOfMemory, vmm.MappingError) as exc:
-            fired = fault_at > 0 and self.backend.syscalls - before >= fault_at
+            fired = fault_at > 0 and self.num_backend_calls() - before >= fault_at
             assert err is not None or fired, f"unexpected {exc!r}"
             return
         finally:
-            self.backend.inject_fault(0, 0)
+            self.inject_fault(0)
         assert err is None, f"expected {err}"
         for (kind, r, slots, dst, dst_slots), handles in zip(ops, results, strict=True):
             if kind == "map":
@@ -263,12 +281,11 @@ class PoolMachine(RuleBasedStateMachine):
         for (r, s), h in real.items():
             expected = self.model.value.get(h)
             if expected is not None:
-                view = self.ranges[r].tensor((G // 4,), torch.int32, offset=s * G)
+                view = self.view(r, s, self.gran // 4)
                 assert int(view[0]) == int(view[-1]) == expected
-        zero = self.ranges[2]
         for s in range(NUM_SLOTS):
             if (2, s) not in real:
-                assert int(zero.tensor((4,), torch.int32, offset=s * G).abs().sum()) == 0
+                assert int(self.view(2, s, 4).abs().sum()) == 0
 
 
 PoolMachine.TestCase.settings = settings(

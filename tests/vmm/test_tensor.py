@@ -8,18 +8,19 @@ import pytest
 import torch
 
 import vmm
-from tests.vmm.vmm_helpers import check, kernel_vmas
+from tests.vmm.vmm_helpers import check, data_view, kernel_vmas
 
 
-def slot_view(rng: vmm.VirtualRange, slot: int) -> torch.Tensor:
+def slot_view(rng: vmm.VirtualRange, slot: int, *, write: bool = False) -> torch.Tensor:
     n = rng.granularity // 4
-    return rng.tensor((n,), torch.int32, offset=slot * rng.granularity)
+    return data_view(rng, (n,), torch.int32, offset=slot * rng.granularity, write=write)
 
 
 def pattern(seed: int, n: int, device: str) -> torch.Tensor:
     return torch.arange(seed * n, (seed + 1) * n, dtype=torch.int32, device=device)
 
 
+@pytest.mark.gpu
 def test_view_is_zero_copy_with_any_dtype_shape_offset(make_pool):
     pool = make_pool(4)
     rng = pool.reserve(4 * pool.granularity)
@@ -42,6 +43,7 @@ def test_view_is_zero_copy_with_any_dtype_shape_offset(make_pool):
     assert rng.tensor((0,), torch.float32).numel() == 0
 
 
+@pytest.mark.gpu
 def test_view_dtype_by_name(make_pool):
     pool = make_pool(1)
     rng = pool.reserve(pool.granularity)
@@ -77,14 +79,17 @@ def test_patterns_survive_changes_to_other_slots(make_pool):
     a.map([0, 1, 2, 3])
     n = pool.granularity // 4
     for slot in range(4):
-        slot_view(a, slot).copy_(pattern(slot, n, a.device))
+        view = slot_view(a, slot, write=True)
+        view.copy_(pattern(slot, n, view.device))
     a.unmap([1])
     b.remap_from(a, [3], [6])
     a.map([5])
     b.map([0, 1])
     for slot in (0, 2):
-        assert torch.equal(slot_view(a, slot), pattern(slot, n, a.device))
-    assert torch.equal(slot_view(b, 6), pattern(3, n, a.device))  # nothing lost in remap
+        view = slot_view(a, slot)
+        assert torch.equal(view, pattern(slot, n, view.device))
+    view = slot_view(b, 6)
+    assert torch.equal(view, pattern(3, n, view.device))  # nothing lost in remap
     check(pool)
 
 
@@ -94,7 +99,7 @@ def test_sharing_shows_writes_both_ways(make_pool):
     b = pool.reserve(4 * pool.granularity, name="b")
     a.map([2])
     b.share_from(a, [2], [0])
-    va, vb = slot_view(a, 2), slot_view(b, 0)
+    va, vb = slot_view(a, 2, write=True), slot_view(b, 0, write=True)
     va[:3] = torch.tensor([7, 8, 9], dtype=torch.int32)
     assert vb[:3].tolist() == [7, 8, 9]
     vb[-1] = 42
@@ -107,7 +112,7 @@ def test_zero_backed_range_reads_zeros_until_mapped(make_pool):
     rng = pool.reserve(4 * pool.granularity, zero_backed=True)
     assert int(slot_view(rng, 3).abs().sum()) == 0
     rng.map([3])
-    slot_view(rng, 3).fill_(5)
+    slot_view(rng, 3, write=True).fill_(5)
     rng.unmap([3])
     assert int(slot_view(rng, 3).abs().sum()) == 0  # back on the zero chunk
     assert int(slot_view(rng, 0).abs().sum()) == 0
@@ -137,7 +142,7 @@ def test_released_chunks_read_back_as_zeros_and_free_memory(host_pool):
     gran = pool.granularity
     rng = pool.reserve(4 * gran)
     rng.map([0, 1])
-    slot_view(rng, 1).fill_(-1)
+    slot_view(rng, 1, write=True).fill_(-1)
     assert pool.backend.physical_bytes() == 2 * gran
     rng.unmap([0, 1])
     assert pool.backend.physical_bytes() == 2 * gran  # unmapping alone frees nothing

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import vmm
+from tests.vmm import emulator
 
 HOST_GRANULARITY = 64 << 10  # small chunks keep the host tests light
 
@@ -40,3 +41,32 @@ def snapshot(pool: vmm.ChunkPool, ranges: list[vmm.VirtualRange]) -> dict[str, A
 def check(pool: vmm.ChunkPool) -> None:
     pool.check_invariants()
     pool.check_invariants(expensive=True)
+
+
+def data_view(
+    rng: vmm.VirtualRange,
+    shape: tuple[int, ...],
+    dtype: Any,
+    offset: int = 0,
+    *,
+    write: bool = False,
+) -> Any:
+    """The bytes of `rng` at `offset` as a tensor, to write and check data through.
+
+    `rng.tensor(...)` on host and on a GPU. On the CUDA driver emulator torch has no CUDA,
+    so this is a CPU tensor over the same device addresses (the emulator's device memory is
+    host memory at those addresses); the emulated access of every slot it spans is checked
+    first (`write`: read-write, else readable), as a GPU kernel would fault without it."""
+    import math
+
+    import torch
+
+    emu = emulator.loaded()
+    if emu is None or not rng.device.startswith("cuda"):
+        return rng.tensor(shape, dtype, offset=offset)
+    rng.check_open()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if offset < 0 or offset + nbytes > rng.size:
+        raise vmm.RangeError(f"data view of {nbytes} bytes at {offset} leaves range {rng.name!r}")
+    raw = emu.host_view(rng.va + offset, nbytes, rng.granularity, write=write)
+    return raw.view(dtype).view(shape)

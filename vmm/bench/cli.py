@@ -23,7 +23,10 @@ Bars (PASS/FAIL lines; `--check` turns a FAIL into exit status 1):
 Limitations
 -----------
 Timings on a shared machine are noisy: rounds, medians and the side-by-side baseline
-reduce that, they do not remove it. CUDA cases need a GPU, its driver and cuda-python.
+reduce that, they do not remove it. CUDA cases need a CUDA driver and cuda-python; on
+the test suite's driver emulator they run end to end and are labelled "cuda-emulated"
+(host memory: not GPU figures), and tensor views, which need torch CUDA, are reported
+as not measured.
 """
 
 from __future__ import annotations
@@ -214,7 +217,51 @@ def cases_of(args: BenchArgs, backend: str) -> list[tuple[Case, Case | None]]:
     return out
 
 
-def _run_one(args: BenchArgs, backend: str, case: Case, lifecycle: Case | None) -> list[OpResult]:
+def describe_cuda_device(ordinal: int) -> dict[str, Any]:
+    """{"name", "emulated", "granularity"} of CUDA device `ordinal`, from its driver."""
+    from vmm.cuda import CudaBackend
+    from vmm.cuda_driver import device_name, is_emulated, load_driver
+
+    name = device_name(load_driver(), ordinal)
+    probe = CudaBackend(ordinal, zero_chunk=False)
+    granularity = probe.granularity
+    probe.close()
+    return {"name": name, "emulated": is_emulated(name), "granularity": granularity}
+
+
+def _cuda_run(args: BenchArgs, report: Report) -> tuple[BenchArgs, str]:
+    """Fill in `report.device`; keep the chunk sizes the device can map (the others are
+    listed as skipped); returns the args to run and the results' backend label."""
+    from dataclasses import replace
+
+    from vmm.bench.report import size_label
+
+    report.device = describe_cuda_device(args.device)
+    gran = report.device["granularity"]
+    sizes = tuple(size for size in args.chunk_sizes if size % gran == 0)
+    for size in args.chunk_sizes:
+        if size % gran:
+            reason = f"not a multiple of the device's granularity {size_label(gran)}"
+            report.skipped.append({"op": f"chunk size {size_label(size)}", "reason": reason})
+    if not sizes:
+        raise SystemExit(f"vmm-bench: no chunk size is a multiple of {size_label(gran)}")
+    return replace(args, chunk_sizes=sizes), "cuda-emulated" if report.emulated else "cuda"
+
+
+def _views_unmeasurable(backend: str) -> str | None:
+    """Why tensor views cannot be timed on `backend` here, or None."""
+    if backend != "cuda":
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return "torch sees no CUDA device, so no CUDA tensor can be made (driver-only run)"
+
+
+def _run_one(
+    args: BenchArgs, backend: str, case: Case, lifecycle: Case | None, label: str
+) -> list[OpResult]:
     from vmm.bench import host as bench_host
 
     if backend == "host":
@@ -230,7 +277,11 @@ def _run_one(args: BenchArgs, backend: str, case: Case, lifecycle: Case | None) 
     make = _cuda_factory(args)
     pools = _pool_factory(make)
     return bench_cuda.run_case(
-        case, make, lambda c, samples: bench_host.ours_apply_plan(pools, c, samples), args.device
+        case,
+        make,
+        lambda c, samples: bench_host.ours_apply_plan(pools, c, samples),
+        args.device,
+        label=label,
     )
 
 
@@ -246,14 +297,21 @@ def run(args: BenchArgs) -> Report:
     """Measure every case of `args`; returns the report with its bars checked."""
     backend = choose_backend(args.backend, args.device)
     report = Report(args=asdict(args) | {"backend": backend})
+    label = backend
+    if backend == "cuda":
+        args, label = _cuda_run(args, report)
     cases = cases_of(args, backend)
     view_size = BAR_CHUNK if BAR_CHUNK in args.chunk_sizes else args.chunk_sizes[0]
     with _progress(args.progress, len(cases) + 1) as advance:
         for case, lifecycle in cases:
-            report.results.extend(_run_one(args, backend, case, lifecycle))
+            report.results.extend(_run_one(args, backend, case, lifecycle, label))
             gc.collect()
             advance()
-        report.results.append(_run_views(args, backend, view_size))
+        no_views = _views_unmeasurable(backend)
+        if no_views is None:
+            report.results.append(_run_views(args, backend, view_size))
+        else:
+            report.skipped.append({"op": "tensor_view", "reason": no_views})
         gc.collect()
         advance()
     report.bars.extend(check_bars(report, backend))

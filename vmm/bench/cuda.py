@@ -23,8 +23,10 @@ Per round, on one device, for N chunks of G bytes:
 
 Limitations
 -----------
-Needs a GPU, its driver and cuda-python; written against the documented driver API and
-not run in the session that wrote it (docs/vmm-bench.md says where figures came from).
+Needs a CUDA driver and cuda-python. On the test suite's driver emulator (device name
+"... emulator ...") it runs end to end, and every figure is labelled "cuda-emulated":
+host mmap/mprotect costs, not GPU latencies (docs/vmm-bench.md says where GPU figures
+came from).
 """
 
 from __future__ import annotations
@@ -137,9 +139,11 @@ def run_case(
     apply_plan: Callable[[Case, Samples], None] | None,
     ordinal: int,
     driver: Any = None,
+    label: str = "cuda",
 ) -> list[OpResult]:
     """All CUDA ops of one case, `rounds` rounds of raw and ours interleaved (`driver`:
-    an initialised `vmm.cuda_driver.Driver` for the raw loop; default cuda-python's)."""
+    an initialised `vmm.cuda_driver.Driver` for the raw loop, default cuda-python's;
+    `label`: the results' backend, "cuda-emulated" on the test suite's driver emulator)."""
     raw = RawCuda(ordinal, driver)
     ours: Samples = {}
     raw_samples: Samples = {}
@@ -160,7 +164,7 @@ def run_case(
     return [
         OpResult(
             op=op,
-            backend="cuda",
+            backend=label,
             chunk_size=case.chunk_size,
             num_chunks=case.num_chunks,
             mode=case.mode,

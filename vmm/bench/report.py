@@ -18,8 +18,13 @@ JSON schema ("vmm-bench/1"):
      "results": [{"op", "backend", "chunk_size", "num_chunks", "mode", "layout", "unit",
                   "ours": SUMMARY, "raw": SUMMARY, "ratio_p50"}],
      "bars": [{"name", "limit", "value", "unit", "passed", "detail"}],
+     "skipped": [{"op", "reason"}],
      "passed": bool}
     SUMMARY = {"n", "avg", "p50", "p99", "max"}   (nanoseconds; floats; `vmm.bench.stats`)
+
+A CUDA run adds `machine.device = {"name", "emulated", "granularity"}`. On the test
+suite's CUDA driver emulator (`emulated`: true) every result's backend is "cuda-emulated"
+and the table title says so: those are host mmap/mprotect costs, never GPU figures.
 """
 
 from __future__ import annotations
@@ -83,6 +88,14 @@ class Report:
     args: dict[str, Any]
     results: list[OpResult] = field(default_factory=list)
     bars: list[Bar] = field(default_factory=list)
+    #: CUDA runs: {"name": the driver's device name, "emulated": bool}
+    device: dict[str, Any] = field(default_factory=dict)
+    #: ops this run could not measure, with the reason
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.device.get("emulated"))
 
     @property
     def passed(self) -> bool:
@@ -98,10 +111,11 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
-            "machine": machine_facts(),
+            "machine": machine_facts() | ({"device": self.device} if self.device else {}),
             "args": self.args,
             "results": [r.to_json() for r in self.results],
             "bars": [asdict(b) | {"passed": b.passed} for b in self.bars],
+            "skipped": list(self.skipped),
             "passed": self.passed,
         }
 
@@ -133,7 +147,7 @@ def _stats(s: Summary) -> str:
     return " / ".join(_us(v) for v in (s.p50, s.avg, s.p99, s.max))
 
 
-def _size(num_bytes: int) -> str:
+def size_label(num_bytes: int) -> str:
     for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
         if num_bytes >= 1 << shift and num_bytes % (1 << shift) == 0:
             return f"{num_bytes >> shift}{unit}"
@@ -154,6 +168,10 @@ def render(report: Report, console: Any = None) -> None:
         if not console.is_terminal:  # logs and pipes: wide enough for one line per row
             console = Console(width=150)
     backend = report.args.get("backend", "?")
+    if report.device:
+        backend += f" on {report.device['name']}"
+    if report.emulated:
+        backend += ": EMULATED on host memory, not GPU figures"
     table = Table(
         title=f"vmm-bench ({backend}): µs per chunk, per call for reserve/free/tensor_view",
         caption="ours/raw = ratio of medians",
@@ -167,10 +185,12 @@ def render(report: Report, console: Any = None) -> None:
     table.add_column("ours/raw", justify="right")
     for r in report.results:
         table.add_row(
-            r.op, f"{_size(r.chunk_size)}×{r.num_chunks}", _MODES.get(r.mode, r.mode),
+            r.op, f"{size_label(r.chunk_size)}×{r.num_chunks}", _MODES.get(r.mode, r.mode),
             _LAYOUTS.get(r.layout, r.layout), _stats(r.ours), _stats(r.raw), f"{r.ratio_p50:.2f}",
         )  # fmt: skip
     console.print(table)
+    for skip in report.skipped:
+        console.print(f"[yellow]not measured[/yellow] {skip['op']}: {skip['reason']}")
     for bar in report.bars:
         verdict = "[green]PASS[/green]" if bar.passed else "[red]FAIL[/red]"
         console.print(

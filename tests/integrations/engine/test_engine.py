@@ -141,6 +141,7 @@ def test_overlap_maps_next_step_during_compute_with_identical_outputs(kind: str,
 
 
 @pytest.mark.cuda
+@pytest.mark.gpu
 def test_flash_attention_on_cuda_matches_reference():
     pytest.importorskip("flash_attn")
     model = tiny("mistral").to("cuda", torch.float16)

@@ -1,0 +1,129 @@
+"""Allocator configuration: the groups, the pool, and the rules the core allocates by.
+
+Rationale
+    An allocator is configured once, at construction, by frozen dataclasses (no knob is
+    set on a live allocator). The rules that decide allocation and eviction order are one
+    value, `AllocationRules`, handed to the C++ core whole (`jenga._core.Rules`, the same
+    fields by name), so a new rule is one field here and one line of ``JENGA_RULES`` in
+    ``csrc/jenga/core.hpp`` instead of a setter threaded through every layer.
+
+Approach
+    `GroupConfig`: one group as the allocator sees it (its kind's policy parameters and
+    its page shape). `AllocatorConfig`: the groups, the pool's units, the rules and the
+    length limit; `AllocatorConfig.from_page_table` builds one from a `jenga.pages` page
+    table. What each rule does is in the design note of `jenga.allocator`.
+
+Limitations
+    Validation that needs the whole configuration (a window beyond ``max_model_len``, a
+    page costing more than the pool) happens when `jenga.allocator.JengaAllocator` is
+    built, where it raises the allocator's errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from jenga.pages import PageTable
+from jenga.policies import POLICY_BY_KIND
+from jenga.specs import Kind, ModelSpec
+
+
+class AllocationOrder(StrEnum):
+    """Order of the five allocation steps (see the `jenga.allocator` note)."""
+
+    PAPER = "paper"  # 1, 2, 3, 4, 5
+    COMPACT = "compact"  # 1, 4, 2, 3, 5
+    PINNED = "pinned"  # 1, 4, 2, 5 on pages not wholly evictable, 3, 5
+
+
+@dataclass(frozen=True)
+class AllocationRules:
+    """How the core allocates and evicts, as one value (`jenga._core.Rules` by field name).
+
+    ``order``: the step order. ``frugal_retry``: a refused multi-group allocate is retried
+    in frugal order (costless blocks first), so it fails only when no assignment exists;
+    False is the paper's single pass (the engine then waits instead of evicting scattered
+    cached blocks to admit: more prefix hits in the simulator, some refusals with units
+    free; docs/jenga.md). ``demote_window_releases``: blocks a running request releases
+    from a sliding-window or chunked-local group (they left its window / chunk) are
+    evicted before every block of a finished request (LRU within each tier); off by
+    default, it lost hit rate in the measured runs ("Window-release demotion" in
+    docs/jenga.md). Which groups release early follows from their policies
+    (`Policy.releases_early`), so it is not a rule here.
+    """
+
+    order: AllocationOrder = AllocationOrder.PAPER
+    frugal_retry: bool = True
+    demote_window_releases: bool = False
+
+
+_DEFAULT_RULES = AllocationRules()
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One group as the allocator sees it: its policy parameters and its page shape.
+
+    ``tokens_per_block``: tokens one block covers (Mamba: the checkpoint interval, one
+    state per interval). ``blocks_per_large_page`` / ``units_per_large_page``: the page
+    table's B_g and U_g (VMM: chunks per large page over all of g's ranges; static: 1).
+    """
+
+    name: str
+    kind: Kind
+    tokens_per_block: int
+    blocks_per_large_page: int
+    units_per_large_page: int = 1
+    window: int | None = None
+    chunk: int | None = None
+    token_fraction: tuple[int, int] = (1, 1)
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The pool (``total_units``), the groups, the rules and the length limit."""
+
+    groups: tuple[GroupConfig, ...]
+    total_units: int
+    rules: AllocationRules = field(default_factory=AllocationRules)
+    max_model_len: int | None = None
+    # Mamba: True when the engine writes a state only where each step ends (vLLM's
+    # "align" mode), so one step holds 2 states, not one per checkpoint it spans.
+    mamba_step_end_only: bool = False
+
+    @classmethod
+    def from_page_table(
+        cls,
+        model: ModelSpec,
+        table: PageTable,
+        total_units: int,
+        rules: AllocationRules | AllocationOrder = _DEFAULT_RULES,
+        *,
+        mamba_step_end_only: bool = False,
+    ) -> AllocatorConfig:
+        """One `GroupConfig` per model group from a `jenga.pages` page table row.
+
+        A block covers its kind's `Policy.block_tokens` (Mamba: ``checkpoint_interval``,
+        every other kind ``block_size``). ``rules`` may be an `AllocationOrder` alone: the
+        default rules in that order.
+        """
+        if isinstance(rules, AllocationOrder):
+            rules = AllocationRules(order=rules)
+        groups = []
+        for g in model.groups:
+            row = table.group(g.name)
+            spec = g.spec
+            groups.append(
+                GroupConfig(
+                    g.name,
+                    spec.kind,
+                    POLICY_BY_KIND[spec.kind].block_tokens(spec),
+                    row.blocks_per_large_page,
+                    row.units_per_large_page,
+                    window=spec.window,
+                    chunk=spec.chunk,
+                    token_fraction=spec.token_fraction,
+                )
+            )
+        return cls(tuple(groups), total_units, rules, model.max_model_len, mamba_step_end_only)

@@ -1,0 +1,195 @@
+"""The allocator's per-request view: images, block tables, hash chains, and what a call gave.
+
+Rationale
+    The C++ core knows blocks and owners, not requests. What a request is (its tokens,
+    its images, one block table per group, how much of it is hashed) lives in Python,
+    next to the policies that read it; the allocator (`jenga.allocator`) joins the two.
+
+Approach
+    `LiveRequest` holds one request's state. Per group ``g``: ``tables[g]`` (int32 block
+    ids by block index, `NULL_BLOCK` where released), ``first_live[g]`` (entries below are
+    released) and ``num_committed[g]`` (leading blocks offered to the hash index). Its
+    methods answer the per-request questions of `allocate` (which blocks a length no
+    longer needs, how far the next calls can skip the core) from the group's policy;
+    they never call the core.
+
+        tables[g]:  | NULL | NULL | b7 | b3 | b9 |      first_live[g] = 2
+                      released      live blocks
+
+    `ImageSpan` describes an image of a prompt, `Allocation` what one `allocate` gave.
+
+Limitations
+    The fast-path limits look at most `QUIET_HORIZON` tokens ahead, so a long decode
+    recomputes them every 4096 tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jenga.errors import InvalidSize
+from jenga.plan import MappingPlan
+from jenga.policies import Policy
+from jenga.prefix import HashChain, IntBuffer, image_block_hashes
+
+NULL_BLOCK = -1
+"""Block-table entry of a block the request released (out of the window, an old Mamba state)."""
+QUIET_HORIZON = 4096  # tokens past the current length the fast-path limits look
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image of a request: ``length`` image (encoder) tokens keyed by ``content_hash``.
+
+    ``in_text=True`` (LLaVA-style): the image's tokens sit in the prompt at positions
+    ``[start, start + length)``; every group stores them, cross-attention and vision groups
+    store them again as image tokens. ``in_text=False`` (encoder-side, e.g. Llama 3.2
+    Vision / mllama): the prompt holds one placeholder token at ``start`` (its
+    ``<|image|>``); self-attention groups store only the text, and image groups
+    (cross attention) store the ``length`` encoder tokens, all or nothing, from the step
+    that computes the placeholder. Either way ``[start, end)`` is the span of prompt
+    positions the image occupies, and those positions are hashed as the image's key.
+    """
+
+    start: int
+    length: int
+    content_hash: int
+    in_text: bool = True
+
+    @property
+    def end(self) -> int:
+        """End of the image's prompt positions (``start + 1`` for an encoder-side image)."""
+        return self.start + (self.length if self.in_text else 1)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What `allocate` gave: per group (config order) the new block ids, and the plan.
+
+    ``released`` lists, per group, the blocks the request gave back to the cache in the
+    same call (they left the sliding window / chunk, or an old Mamba state).
+    """
+
+    new_blocks: tuple[tuple[int, ...], ...]
+    released: tuple[tuple[int, ...], ...]
+    plan: MappingPlan
+    num_tokens: int
+
+
+@dataclass
+class LiveRequest:
+    """One request as the allocator tracks it (see the module note)."""
+
+    internal_id: int
+    tokens: IntBuffer
+    images: tuple[ImageSpan, ...]
+    salt: int
+    num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
+    # `allocate` fast path: while num_tokens <= quiet_until and the new length <=
+    # held_until, no group releases or grows (both only grow; -1: unknown)
+    quiet_until: int = -1
+    held_until: int = -1
+    next_commit: int = 0  # `cache` below this many computed tokens commits nothing
+    num_hit: int = 0
+    tables: list[IntBuffer] = field(default_factory=list)  # int32 block ids per group
+    first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
+    num_committed: list[int] = field(default_factory=list)  # leading blocks offered to index
+    chains: dict[int, HashChain] = field(default_factory=dict)  # tokens_per_block -> chain
+
+    def skipped(self, g: int, policy: Policy, length: int) -> tuple[np.ndarray, int]:
+        """Group g's blocks the request no longer reads at ``length`` (a state kind:
+        non-NULL only) and its first live index once they are released."""
+        table = self.tables[g]
+        first = min(policy.first_live_block(length, self.images), len(table))
+        live = table.view(self.first_live[g], first)
+        release = live[live != NULL_BLOCK] if policy.holds_state else live
+        return release, max(first, self.first_live[g])
+
+    def drop_released(self, g: int, first: int) -> None:
+        """NULL group g's table entries below ``first`` (released) and record it."""
+        if first > self.first_live[g]:
+            self.tables[g].view(self.first_live[g], first)[:] = NULL_BLOCK
+        self.first_live[g] = first
+
+    def update_quiet_span(self, policies: Sequence[Policy]) -> None:
+        """Set the fast-path limits from the monotone policy functions.
+
+        ``quiet_until``: the largest length L (within the horizon) at which no group's
+        `first_live_block` passes what it already released; ``held_until``: the largest
+        length its tables already cover (`num_blocks` within the table). Both functions
+        are nondecreasing in the length, so a galloping search finds the limits.
+        """
+        cur = self.num_tokens
+        quiet = held = cur + QUIET_HORIZON
+        images = self.images
+        for g, policy in enumerate(policies):
+            n, first = len(self.tables[g]), self.first_live[g]
+            if first < n:
+                released = functools.partial(_first_live_within, policy, images, first)
+                quiet = min(quiet, _last_true(released, cur, quiet))
+            covered = functools.partial(_blocks_within, policy, images, n)
+            held = min(held, _last_true(covered, cur, held))
+        self.quiet_until, self.held_until = quiet, held
+
+    def chain(self, tokens_per_block: int) -> HashChain:
+        """The request's hash chain for blocks of ``tokens_per_block`` (shared by groups)."""
+        chain = self.chains.get(tokens_per_block)
+        if chain is None:
+            chain = self.chains[tokens_per_block] = HashChain(self.salt, tokens_per_block)
+        return chain
+
+    def image_hashes(self, policy: Policy) -> list[int]:
+        """Hashes of an image group's blocks, image after image."""
+        out: list[int] = []
+        for im in self.images:
+            n = policy.image_blocks(im)  # type: ignore[attr-defined]
+            out.extend(image_block_hashes(im.content_hash, n, policy.tokens_per_block, self.salt))
+        return out
+
+
+def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:
+    """The spans as a tuple; `InvalidSize` unless non-empty, sorted, disjoint, in the prompt."""
+    spans = tuple(images)
+    prev_end = 0
+    for im in spans:
+        if im.length <= 0 or im.start < prev_end or im.end > num_tokens:
+            raise InvalidSize(
+                f"image span [{im.start}, {im.end}) must be non-empty, sorted, "
+                f"non-overlapping and inside the {num_tokens}-token prompt"
+            )
+        prev_end = im.end
+    return spans
+
+
+def _last_true(pred: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest L in [lo, hi] with ``pred(L)`` for a predicate true then false;
+    ``lo - 1`` when ``pred(lo)`` is already false."""
+    if not pred(lo):
+        return lo - 1
+    step = 1
+    good = lo
+    while good < hi:  # gallop, then bisect the last step
+        probe = min(good + step, hi)
+        if not pred(probe):
+            bad = probe
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                if pred(mid):
+                    good = mid
+                else:
+                    bad = mid
+            return good
+        good, step = probe, step * 2
+    return good
+
+
+def _first_live_within(policy: Policy, images: Sequence[ImageSpan], first: int, L: int) -> bool:
+    return policy.first_live_block(L, images) <= first
+
+
+def _blocks_within(policy: Policy, images: Sequence[ImageSpan], n: int, L: int) -> bool:
+    return policy.num_blocks(L, images) <= n
