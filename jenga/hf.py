@@ -23,9 +23,10 @@ Approach
     Families whose older configs carry no ``layer_types`` keep a reader of their own
     (dispatch table `_READERS`) that returns ``(layer id, LayerSpec)`` pairs;
     `group_layers` turns them into KV groups. Per-layer kinds come from, in order of
-    preference: an explicit ``layer_types`` list; else the family's own rule (Gemma 2: even layers slide; Gemma 3: every `sliding_window_pattern`-th
-    layer is global; Mistral params-style per-layer `sliding_window` lists; Llama 4
-    `no_rope_layers`; Jamba `attn_layer_period/offset`; mllama `cross_attention_layers`;
+    preference: an explicit ``layer_types`` list; else the family's own rule (Gemma 2:
+    even layers slide; Gemma 3: every `sliding_window_pattern`-th layer is global;
+    Mistral params-style per-layer `sliding_window` lists; Llama 4 `no_rope_layers`;
+    Jamba `attn_layer_period/offset`; mllama `cross_attention_layers`;
     Qwen2 `use_sliding_window` + `max_window_layers`; LLaVA-OneVision adds a
     vision-embedding cache beside its Qwen2 decoder).
     A sliding window >= max_model_len is full attention and is reported as such.
@@ -39,7 +40,8 @@ Approach
 
 Limitations
     K and V of one layer share a head dim: a config whose ``v_head_dim`` differs (MLA) is
-    refused, as is multi-head latent attention. Reads the fields that shape the KV cache; it does not validate the rest of a config.
+    refused, as is multi-head latent attention. Reads the fields that shape the KV cache;
+    it does not validate the rest of a config.
     `weight_bytes` is computed for the dense families (llama, mistral, ministral, gemma2,
     gemma3 text, qwen2) from their shapes; for MoE / Mamba / vision models it is left 0 unless
     the caller passes the published figure.
@@ -191,7 +193,11 @@ def _layer_kinds_from_types(text: Config, num_layers: int) -> list[Kind] | None:
         )
     unknown = sorted(set(layer_types) - set(_LAYER_TYPE_KINDS))
     if unknown:
-        raise SpecError(f"unknown layer_types {unknown}; known: {sorted(_LAYER_TYPE_KINDS)}")
+        layers = [i for i, t in enumerate(layer_types) if t not in _LAYER_TYPE_KINDS]
+        raise SpecError(
+            f"unknown layer_types {unknown} (layers {layers}) for a "
+            f"{text.get('model_type')!r} config; known: {sorted(_LAYER_TYPE_KINDS)}"
+        )
     return [_LAYER_TYPE_KINDS[t] for t in layer_types]
 
 
@@ -319,9 +325,7 @@ def _share_kv(text: Config, layers: LayerList) -> tuple[KVGroup, ...]:
     if not owners:
         return groups
     return tuple(
-        dataclasses.replace(
-            g, readers=tuple((r, o) for r, o in owners.items() if o in g.layer_ids)
-        )
+        dataclasses.replace(g, readers=tuple((r, o) for r, o in owners.items() if o in g.layer_ids))
         for g in groups
     )
 

@@ -93,7 +93,10 @@ def linear_state(config: Config) -> LinearState:
 
     Raises `SpecError` naming the fields when the config matches no known family."""
     if config.get("linear_key_head_dim") is not None:
-        key_heads, key_dim = _int(config, "linear_num_key_heads"), _int(config, "linear_key_head_dim")
+        key_heads, key_dim = (
+            _int(config, "linear_num_key_heads"),
+            _int(config, "linear_key_head_dim"),
+        )
         value_heads = _int(config, "linear_num_value_heads")
         value_dim = _int(config, "linear_value_head_dim")
         return LinearState(
