@@ -8,7 +8,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLi
 CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
                    -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs clean test-vllm test-cuda-emulated cuda-emulator test-asan
+.PHONY: run test lint format build stubs clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -75,24 +75,30 @@ test-cuda-emulated: build $(EMU_LIB)
 	JENGA_VMM_CUDA_EMULATOR=$(abspath $(EMU_LIB)) \
 	  $(PY) -m pytest -q -m "(cuda or emulator) and not gpu" tests/vmm
 
-# vLLM 0.32.0 suite (tests/integrations/vllm) in its own venv: created with the shared recipe only if
-# missing (reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package.
-VLLM_VENV   ?= .venv-vllm
-VLLM_RECIPE ?= $(firstword $(wildcard ../shared/recipes/vllm-cpu.sh /work/shared/recipes/vllm-cpu.sh))
+# vLLM suites, each version in its own venv (.venv-vllm-VERSION, made by tools/vllm-venv.sh when
+# missing; reuse one with `make test-vllm VLLM_VENV=/path/to/venv`), then this package editable.
+#   make test-vllm [VLLM=0.32.0|0.33.0]              tests/integrations/vllm
+#   make test-vllm-conformance [VLLM=0.32.0|0.33.0]  vLLM's own tests/v1/core on vLLM's and our manager
+VLLM        ?= 0.32.0
+VLLM_VENV   ?= .venv-vllm-$(VLLM)
 VLLM_STAMP  := $(VLLM_VENV)/.jenga-vmm-installed
 
 $(VLLM_VENV)/bin/python:
-	@test -n "$(VLLM_RECIPE)" || (echo "vllm-cpu.sh recipe not found; set VLLM_RECIPE" && exit 1)
-	bash $(VLLM_RECIPE) $(VLLM_VENV)
+	nice bash tools/vllm-venv.sh $(VLLM) $(VLLM_VENV)
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" "pytest>=8"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(VLLM_STAMP)
 
-test-vllm: $(VLLM_STAMP)
+vllm-venv: $(VLLM_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
+
+test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
+test-vllm-conformance: vllm-venv
+	nice $(VLLM_VENV)/bin/python tests/integrations/vllm/conformance/run_conformance.py $(VLLM)
+
 clean:
-	rm -rf build $(VENV) $(VLLM_VENV)
+	rm -rf build $(VENV) .venv-vllm-* .conformance

@@ -4,4 +4,11 @@ from integrations.engine.engine import EngineConfig, EngineRequest, MiniEngine
 from integrations.engine.forward import PackedForward, Segment
 from integrations.engine.model_forward import ModelForward
 
-__all__ = ["EngineConfig", "EngineRequest", "MiniEngine", "ModelForward", "PackedForward", "Segment"]
+__all__ = [
+    "EngineConfig",
+    "EngineRequest",
+    "MiniEngine",
+    "ModelForward",
+    "PackedForward",
+    "Segment",
+]

@@ -17,7 +17,8 @@ Approach
        prefix cache) until the allocation fits;
     3. waiting requests are admitted (prefix-cache hit from `add_request`) while the
        token budget, the running limit and memory allow;
-    4. one packed forward (`PackedForward`) computes every scheduled chunk; a request
+    4. the model's own forward (`ModelForward`, one call per request) computes every
+       scheduled chunk (`PackedForward` with ``attention='flash'``); a request
        whose chunk reaches the end of its sequence samples its next token greedily;
        complete blocks are offered to the prefix cache; finished requests are freed.
 
@@ -28,7 +29,8 @@ Approach
            └────────── preempt (free) ────────┘
 
 Limitations
-    Greedy sampling only; recompute (not swap) preemption; one model (Llama-style).
+    Greedy sampling only; recompute (not swap) preemption; one text decoder (any family
+    `ModelForward` serves; Mamba v1 and image models are refused at construction).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
     (lengths are known; EOS is not used), so memory is committed one token early.
 """
@@ -71,9 +73,10 @@ _PACKED_TYPES = frozenset({"llama", "mistral"})
 
 def _engine_spec(model: Any, cfg: EngineConfig, itemsize: int) -> Any:
     """The model's jenga spec; refuses what the engine cannot feed (image inputs)."""
-    from integrations.hf.cache import config_dict
     from jenga.hf import HfOptions, model_spec_from_config
     from jenga.specs import Kind
+
+    from integrations.hf.cache import config_dict
 
     options = HfOptions(
         block_size=cfg.block_size, dtype_bytes=itemsize, conv_full_kernel=True,

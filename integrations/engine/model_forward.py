@@ -29,7 +29,10 @@ Approach
 
 Limitations
     One forward per request (no packed varlen kernel on CPU); the gather copies the
-    visible K/V, as transformers' own cache does. Text decoders only.
+    visible K/V, as transformers' own cache does. Text decoders only. Mamba (v1) models
+    (Jamba) are refused: transformers' mixer cannot start a multi-token forward from a
+    state. Positions are passed explicitly (Bamba derives them from layer 0, a Mamba
+    layer, and would restart at 0).
 """
 
 from __future__ import annotations
@@ -106,6 +109,13 @@ class ModelForward:
             from jenga.hf_states import STATE_ALIGN, linear_state
 
             state = linear_state(text.to_dict())
+            if state.family == "mamba":
+                layers = kv.model.groups[self.state_groups[0]].layer_ids
+                raise UnsupportedLayer(
+                    f"{model.config.model_type}: Mamba (v1) layers {layers}"
+                    " start every multi-token forward from a zero SSM state in transformers (no "
+                    "initial state), so a chunked prefill or a prefix hit cannot continue a request"
+                )
             conv = state.conv_channels * state.conv_kernel * itemsize
             self.recurrent_offset = -(-conv // STATE_ALIGN) * STATE_ALIGN
         self._state_layouts: dict[int, Any] = {}
@@ -117,21 +127,23 @@ class ModelForward:
         its multiples)."""
         if not self.state_groups:
             return None
-        return self.kv.model.groups[self.state_groups[0]].spec.block_size
+        return self.kv.model.groups[self.state_groups[0]].spec.checkpoint_interval
 
     def prepare(self, segments: Sequence[Segment]) -> dict[Hashable, list[list[int]]]:
         """Each request's block tables as they are now, state blocks copied forward."""
         tables: dict[Hashable, list[list[int]]] = {}
         for seg in segments:
             rid = seg.request_id
-            tables[rid] = [list(self.kv.block_table(rid, g)) for g in range(len(self.kv.geometries))]
+            tables[rid] = [
+                list(self.kv.block_table(rid, g)) for g in range(len(self.kv.geometries))
+            ]
             if seg.start > 0:
                 for g in self.state_groups:
                     self._copy_state_forward(g, seg, tables[rid][g])
         return tables
 
     def _copy_state_forward(self, group: int, seg: Segment, table: list[int]) -> None:
-        t = self.kv.model.groups[group].spec.block_size
+        t = self.kv.model.groups[group].spec.checkpoint_interval
         src, dst = table[-(-seg.start // t) - 1], table[-1]
         if src == dst:
             return
@@ -173,7 +185,10 @@ class ModelForward:
             ids = torch.tensor([token_ids[offset : offset + seg.num_tokens]], device=self.device)
             offset += seg.num_tokens
             cache = self._cache_for(seg, tables[seg.request_id])
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            positions = torch.arange(seg.start, seg.stop, device=self.device)[None]
+            logits = self.model(
+                input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True
+            ).logits  # positions given: some models derive them from layer 0 (Bamba: 0)
             out.append(logits[0, -1])
             for i, layer in enumerate(cache.layers):
                 if isinstance(layer, _StatePart) and i not in self._state_layouts:

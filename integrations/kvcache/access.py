@@ -70,7 +70,8 @@ def token_slots(
     if last >= len(table) or NULL_BLOCK in table[first : last + 1]:
         raise ReleasedBlockError(
             f"request {request_id!r} group {geo.name!r}: positions [{start}, {stop}) need "
-            f"blocks {first}..{last}, table has {len(table)} entries: {list(table[first : last + 1])}"
+            f"blocks {first}..{last}, table has {len(table)} entries: "
+            f"{list(table[first : last + 1])}"
         )
     positions = torch.arange(start, stop)
     block_ids = torch.tensor(list(table), dtype=torch.long)[positions // t]

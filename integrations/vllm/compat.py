@@ -160,3 +160,35 @@ def model_runner_output(**kwargs: Any) -> Any:
     from vllm.v1.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput(**kwargs)
+
+
+# -- engine (harness, tests) -------------------------------------------------------------
+def engine_core_class() -> type:
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore
+
+
+def executor_base_class() -> type:
+    from vllm.v1.executor.abstract import Executor
+
+    return Executor
+
+
+def engine_core_request(**kwargs: Any) -> Any:
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(**kwargs)
+
+
+def lora_request(name: str, adapter_id: int) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=adapter_id, lora_path="/nonexistent")
+
+
+def kv_cache_layout(name: str) -> Any:
+    """vLLM's `KVCacheLayout` member of this name (e.g. "LBNHC")."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    return KVCacheLayout[name]

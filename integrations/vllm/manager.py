@@ -16,7 +16,7 @@ Approach
     ============================  ==============================================
     vLLM call                     jenga
     ============================  ==============================================
-    get_computed_blocks           match_prefix_junction (no state change)
+    get_computed_blocks           match_prefix_junction + digest check (a probe claim)
     allocate_slots (new request)  add_request (claims the hit) + allocate
     allocate_slots (running)      allocate for the tokens past what it holds
     cache_blocks                  append_tokens + cache (hash complete blocks)
@@ -40,24 +40,32 @@ Approach
     a `KVCacheBlock` with ``is_null=True`` and the group's null id (0 on vLLM's tensors,
     ``capacity`` on VMM ranges; see `integrations.vllm.layout`), never a live id.
 
+    Block identity is vLLM's (`integrations.vllm.identity`): hits are verified block by
+    block against the request's own ``block_hashes``; the same registry produces the KV
+    events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Only computed
+    tokens enter the cache (a sampled token vLLM may still replace never does). The
+    ``full_sequence_must_fit`` gate (vLLM's ``scheduler_reserve_full_isl``) uses
+    `blocks_needed`, which also answers the coordinator view
+    (`integrations.vllm.coordinator`) the engine reads.
+
 Limitations
     No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
-    slot allocation, no KV events beyond ``AllBlocksCleared`` on reset, no
-    ``full_sequence_must_fit`` admission gate (vLLM's ``scheduler_reserve_full_isl``),
-    no watermark. Blocks skipped by a sliding window are released at the request's
-    next `allocate_slots`, not in `remove_skipped_blocks`. `get_computed_blocks`
+    slot allocation, no watermark. Blocks skipped by a sliding window are released at
+    the request's next `allocate_slots`, not in `remove_skipped_blocks`, and not
+    deferred past an in-flight async step (vLLM defers them). `get_computed_blocks`
     reports the hit length with empty block lists: the blocks are claimed by
-    `allocate_slots`, which re-derives them (nothing changes in between).
+    `allocate_slots`, which re-derives them (nothing changes in between). The
+    ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
+    whole pages of evictable blocks), not vLLM's block count.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable
 from typing import Any
 
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator
-from jenga.plan import MappingPlan
+from jenga.plan import MappingPlan, UnmapPage
 from jenga.specs import Kind
 
 from integrations.vllm.compat import (
@@ -68,6 +76,8 @@ from integrations.vllm.compat import (
     PrefixCacheStats,
     Request,
 )
+from integrations.vllm.coordinator import CoordinatorView
+from integrations.vllm.identity import DigestRegistry, request_salt, stable_int
 from integrations.vllm.layout import JengaLayout, JengaVllmError, UnsupportedFeature
 from integrations.vllm.slots import SharedSlots
 
@@ -87,11 +97,12 @@ class JengaKVCacheManager:
         enable_caching: bool = True,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        kv_cache_config: Any = None,
+        hash_block_size: int | None = None,
     ) -> None:
         self.layout = layout
         self.max_model_len = layout.model.max_model_len
         self.enable_caching = enable_caching
-        self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(layout.groups)
@@ -109,7 +120,21 @@ class JengaKVCacheManager:
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.kv_tensors == "vmm"
         self._events: list[KVCacheEvent] = []
+        self.kv_cache_config = kv_cache_config
+        self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
+        self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self._num_hit_blocks: dict[Hashable, list[int]] = {}  # per group, at admission
+        self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        return self.identity.events_on
+
+    @enable_kv_cache_events.setter
+    def enable_kv_cache_events(self, on: bool) -> None:
+        self.identity.events_on = on
 
     # -- stats ------------------------------------------------------------------------
     @property
@@ -140,6 +165,48 @@ class JengaKVCacheManager:
             preempted=request.num_preemptions > 0,
         )
 
+    @property
+    def coordinator(self) -> CoordinatorView:
+        """The coordinator-level metadata vLLM's engine and scheduler read."""
+        if self.kv_cache_config is None:
+            raise AttributeError(
+                "this JengaKVCacheManager was built without kv_cache_config, so it has no "
+                "coordinator view (install_jenga_manager passes the scheduler's)"
+            )
+        return CoordinatorView(self.kv_cache_config, self.blocks_needed)
+
+    def blocks_needed(self, request_id: str, num_tokens: int, num_computed: int = 0) -> int:
+        """Blocks (over all groups) the request must still get to hold ``num_tokens``."""
+        live = request_id in self._tokens_known
+        total = 0
+        for g, policy in enumerate(self.allocator.policies):
+            want = len(policy.active_blocks(num_tokens))
+            held = 0
+            if live:
+                table = self.allocator.block_table(request_id, g)
+                held = sum(1 for b in table if b != NULL_BLOCK)
+            total += max(0, want - held)
+        return total
+
+    def _fits(self, request_id: str, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` of the request fit now (free units + evictable pages)."""
+        use = self.allocator.usage()
+        need_units = 0
+        avail = use.free_units
+        live = request_id in self._tokens_known
+        for g, (policy, group) in enumerate(
+            zip(self.allocator.policies, self.layout.groups, strict=True)
+        ):
+            per_page, units = group.pages.blocks_per_large_page, group.pages.units_per_large_page
+            want = len(policy.active_blocks(num_tokens))
+            held = 0
+            if live:
+                held = sum(1 for b in self.allocator.block_table(request_id, g) if b != NULL_BLOCK)
+            missing = max(0, want - held - use.free_blocks[g])
+            need_units += -(-missing // per_page) * units
+            avail += use.cached_blocks[g] // per_page * units
+        return need_units <= avail
+
     def stats(self) -> dict[str, int]:
         """The allocator's dotted counters plus ``requests.*`` of this manager."""
         out = self.allocator.stats()
@@ -147,7 +214,9 @@ class JengaKVCacheManager:
         return out
 
     # -- prefix lookup ----------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
         """(empty blocks, hit tokens, shared-prefix boundary); `allocate_slots` claims the hit.
 
         The boundary (0 if none) is the longest prefix one group alone has cached when it
@@ -158,10 +227,37 @@ class JengaKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         hit, junction = self.allocator.match_prefix_junction(
-            request.all_token_ids, images=self._images(request), salt=_salt(request)
+            request.all_token_ids, images=self._images(request), salt=request_salt(request)
         )
+        if hit and not self._verified(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is not None and hit > max_cache_hit_length:
+            # a shorter hit valid in every group is not derived here: compute it all
+            return self.empty_kv_cache_blocks, 0, 0
         report = self.layout.options.junctions and junction > hit
         return self.empty_kv_cache_blocks, hit, junction if report else 0
+
+    _PROBE = ("jenga-vmm", "identity-probe")
+
+    def _verified(self, request: Request) -> bool:
+        """Claim the hit under a probe id, check each hit block's vLLM digest, release.
+
+        The probe changes only the hit blocks' LRU time (as the allocation that follows
+        would); its release leaves them cached.
+        """
+        self.allocator.add_request(
+            self._PROBE,
+            request.all_token_ids,
+            images=self._images(request),
+            salt=request_salt(request),
+        )
+        try:
+            tables = [
+                self.allocator.block_table(self._PROBE, g) for g in range(self.num_kv_cache_groups)
+            ]
+        finally:
+            self._queue_plan(self.allocator.free(self._PROBE))
+        return self.identity.verify(request, tables)
 
     def get_computed_blocks_for_connector(
         self, request: Request
@@ -170,9 +266,14 @@ class JengaKVCacheManager:
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request whose blocks are committed to the prefix cache."""
-        if request.request_id not in self._tokens_known:
+        rid = request.request_id
+        if not self.enable_caching or rid not in self._tokens_known:
             return 0
-        return min(request.num_computed_tokens, self.allocator.num_tokens(request.request_id))
+        computed = min(
+            request.num_computed_tokens, self.allocator.num_tokens(rid), self._tokens_known[rid]
+        )
+        sizes = [g.block_size for g in self.layout.groups if g.kind is not Kind.CROSS_ATTENTION]
+        return min((computed // size * size for size in sizes), default=0)
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(
@@ -185,6 +286,7 @@ class JengaKVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
         **_ignored: Any,
     ) -> KVCacheBlocks | None:
         """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room.
@@ -207,6 +309,13 @@ class JengaKVCacheManager:
         admitted = rid not in self._tokens_known
         if admitted:
             self._admit(request, num_new_computed_tokens)
+        if full_sequence_must_fit and not self._fits(
+            rid, min(request.num_tokens, self.max_model_len)
+        ):  # checked with the hit claimed, as vLLM counts its hit blocks as held
+            if admitted:
+                self._release(rid)
+            self.counters["requests.rejected"] += 1
+            return None
         computed = request.num_computed_tokens + num_new_computed_tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
@@ -235,6 +344,9 @@ class JengaKVCacheManager:
         got = self.allocator.allocate(request.request_id, need)
         if got is None:
             return None
+        for g, blocks in enumerate(got.new_blocks):
+            if blocks and self.identity.digest[g]:
+                self.identity.forget(g, blocks)  # a recorded block handed out again
         self._queue_plan(got.plan)
         return [list(blocks) for blocks in got.new_blocks]
 
@@ -248,6 +360,9 @@ class JengaKVCacheManager:
         """Hand a plan to the worker queue and, on shared tensors, move slots now."""
         if not plan:
             return
+        for op in plan.ops:
+            if isinstance(op, UnmapPage):
+                self.identity.forget_page(op.group, op.page)
         if self._slots is not None:
             self._slots.apply(plan)
         if self._queue_plans:
@@ -258,7 +373,11 @@ class JengaKVCacheManager:
         tokens = request.all_token_ids
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
         hit = self.allocator.add_request(
-            rid, tokens, images=self._images(request), salt=_salt(request), use_cache=use_cache
+            rid,
+            tokens,
+            images=self._images(request),
+            salt=request_salt(request),
+            use_cache=use_cache,
         )
         if hit != num_new_computed_tokens:
             self.allocator.free(rid)
@@ -267,6 +386,10 @@ class JengaKVCacheManager:
                 f"tokens but the allocator's hit is {hit}"
             )
         self._tokens_known[rid] = len(tokens)
+        self._recorded[rid] = [
+            sum(1 for b in self.allocator.block_table(rid, g) if b != NULL_BLOCK)
+            for g in range(self.num_kv_cache_groups)
+        ]
         self.counters["requests.admitted"] += 1
         self.counters["prefix.hit_tokens"] += hit
 
@@ -284,7 +407,7 @@ class JengaKVCacheManager:
             ImageSpan(
                 int(f.mm_position.offset),
                 int(f.mm_position.length),
-                _stable_int(f.identifier),
+                stable_int(f.identifier),
                 in_text=not self._encoder_side,
             )
             for f in features
@@ -293,6 +416,7 @@ class JengaKVCacheManager:
     def _release(self, rid: Hashable) -> None:
         self._queue_plan(self.allocator.free(rid))
         del self._tokens_known[rid]
+        self._recorded.pop(rid, None)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the hashes of the request's blocks complete within the computed tokens."""
@@ -303,11 +427,33 @@ class JengaKVCacheManager:
         rid = request.request_id
         known = self._tokens_known[rid]
         tokens = request.all_token_ids
-        if len(tokens) > known:
-            self.allocator.append_tokens(rid, tokens[known:])
-            self._tokens_known[rid] = len(tokens)
+        # only computed tokens: a sampled token not yet computed may still be replaced
+        # (streaming-input sessions drop the chunk's last sampled token)
+        upto = min(len(tokens), num_computed_tokens)
+        if upto > known:
+            self.allocator.append_tokens(rid, tokens[known:upto])
+            self._tokens_known[rid] = upto
         limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
-        self.allocator.cache(rid, max(0, min(num_computed_tokens, limit)))
+        computed = max(0, min(num_computed_tokens, limit))
+        if self.allocator.cache(rid, computed):
+            self._record(request, computed)
+
+    def _record(self, request: Request, computed: int) -> None:
+        """Hand the registry the blocks this request just entered in the index (complete
+        within ``computed`` tokens; blocks below ``_recorded`` were looked at before)."""
+        rid = request.request_id
+        done = self._recorded[rid]
+        for g, group in enumerate(self.layout.groups):
+            table = self.allocator.block_table(rid, g)
+            stop = min(len(table), computed // group.block_size)
+            new = {
+                i: b
+                for i in range(done[g], stop)
+                if (b := table[i]) != NULL_BLOCK and self._is_cached_page_block(g, b)
+            }
+            if new:
+                self.identity.record(request, g, new)
+            done[g] = max(done[g], stop)
 
     def free(self, request: Request) -> None:
         """Finish or preempt: hashed blocks stay cached; unknown requests are ignored."""
@@ -333,6 +479,7 @@ class JengaKVCacheManager:
             return False
         self.allocator = self.layout.new_allocator()
         self._slots = self._new_slots()
+        self.identity.clear()
         if self._queue_plans:
             self._plans.append(MappingPlan())  # marker: the worker unmaps everything
         if self.enable_kv_cache_events:
@@ -366,7 +513,11 @@ class JengaKVCacheManager:
     def is_cached_block(self, group: int, block_id: int) -> bool:
         """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
         page = block_id if self._slots is None else self._slots.page(group, block_id)
-        return bool(self.allocator._core.block_info(group, page)[2])
+        return self._is_cached_page_block(group, page)
+
+    def _is_cached_page_block(self, group: int, block: int) -> bool:
+        """Whether allocator block ``block`` of ``group`` is in the prefix cache's index."""
+        return bool(self.allocator._core.block_info(group, block)[2])
 
     @property
     def shares_block_ids(self) -> bool:
@@ -404,7 +555,7 @@ class JengaKVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
-        return events
+        return self.identity.take_events() + events
 
     def take_mapping_plans(self) -> list[MappingPlan]:
         """Plans since the last call, in order (an empty plan = reset: unmap everything)."""
@@ -434,15 +585,3 @@ class JengaKVCacheManager:
             assert self._slots.num_mapped == self.allocator.usage().used_units
         for rid in self._tokens_known:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
-
-
-def _salt(request: Request) -> int:
-    """A stable 63-bit integer for the request's cache salt (0 without one)."""
-    salt = getattr(request, "cache_salt", None)
-    return _stable_int(salt) if salt else 0
-
-
-def _stable_int(value: object) -> int:
-    """A 63-bit integer derived from ``str(value)``, the same in every process."""
-    digest = hashlib.blake2b(str(value).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1

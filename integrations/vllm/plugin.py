@@ -15,6 +15,14 @@ Approach
     - ``GPUModelRunner.execute_model``: before vLLM's step, the mapping plans the
       scheduler attached to the `SchedulerOutput` are applied (maps and unmaps;
       `VmmKVCache.apply_scheduler_output`).
+    - Both model runners: vLLM 0.32 builds its *V2* runner
+      (``vllm.v1.worker.gpu.model_runner``) whenever Triton is importable. Its
+      ``initialize_kv_cache`` allocates through ``attn_utils.allocate_kv_cache`` (same
+      signature as V1's), so the same swap is applied there, and its ``execute_model``
+      is wrapped the same way. If the V2 runner cannot be imported (no Triton) only V1
+      is wrapped; if it is imported but cannot be wrapped, a V2 start-up with
+      ``kv_tensors="vmm"`` raises `UnsupportedFeature` naming the runner and
+      ``VLLM_USE_V2_MODEL_RUNNER=0`` — never a silent fallback to vLLM's tensors.
 
 Limitations
     Not exercised on a GPU in this repository's CI (no device); the host backend runs
@@ -24,14 +32,15 @@ Limitations
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import vmm
 from integrations.vllm.kv_tensors import VmmKVCache
-from integrations.vllm.layout import JengaVllmOptions, build_layout
+from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
 _log = logging.getLogger(__name__)
@@ -45,16 +54,45 @@ def register() -> None:
     except UnsupportedVllmVersion as exc:
         _log.warning("jenga-vmm plugin inactive: %s", exc)
         return
-    from integrations.vllm.compat import gpu_model_runner_module
+    from integrations.vllm import compat
 
-    gpu_model_runner = gpu_model_runner_module()
-    runner = gpu_model_runner.GPUModelRunner
-    if getattr(runner.initialize_kv_cache_tensors, _MARK, False):
+    v1 = compat.gpu_model_runner_module()
+    _wrap_runner(v1.GPUModelRunner, "initialize_kv_cache_tensors", v1)
+    try:
+        v2, v2_alloc = compat.v2_model_runner_module(), compat.v2_attn_utils_module()
+    except ImportError as exc:  # vLLM then never builds the V2 runner either
+        _log.info("jenga-vmm: vLLM's V2 model runner is not importable (%s)", exc)
         return
-    runner.initialize_kv_cache_tensors = _wrap_initialize(  # type: ignore[method-assign]
-        runner.initialize_kv_cache_tensors, gpu_model_runner
-    )
-    runner.execute_model = _wrap_execute(runner.execute_model)  # type: ignore[method-assign]
+    _wrap_runner(v2.GPUModelRunner, "initialize_kv_cache", v2_alloc)
+
+
+def _wrap_runner(runner: Any, init_name: str, alloc_module: Any) -> None:
+    """Wrap one runner class's KV-cache initialisation and step, once."""
+    init = getattr(runner, init_name)
+    if getattr(init, _MARK, False):
+        return
+    if not hasattr(alloc_module, "allocate_kv_cache"):
+        setattr(runner, init_name, _refuse_vmm(init, runner))
+        return
+    setattr(runner, init_name, _wrap_initialize(init, alloc_module))
+    runner.execute_model = _wrap_execute(runner.execute_model)
+
+
+def _refuse_vmm(original: Callable[..., Any], runner: Any) -> Callable[..., Any]:
+    """A runner whose allocation we cannot reach: refuse VMM tensors, never ignore them."""
+
+    @functools.wraps(original)
+    def initialize(self: Any, *args: Any, **kw: Any) -> Any:
+        if wants_vmm_tensors(self.vllm_config):
+            raise UnsupportedFeature(
+                f"kv_tensors='vmm' cannot take effect under {runner.__module__}."
+                f"{runner.__qualname__} (its KV allocation is not reachable); select the "
+                "other model runner with VLLM_USE_V2_MODEL_RUNNER=0, or use kv_tensors='torch'"
+            )
+        return original(self, *args, **kw)
+
+    setattr(initialize, _MARK, True)
+    return initialize
 
 
 def wants_vmm_tensors(vllm_config: Any) -> bool:
@@ -81,23 +119,34 @@ def vmm_allocate_kv_cache(
     return VmmKVCache(kv_cache_config, layout, pool, kv_cache_layout, kernel_block_sizes)
 
 
+@contextlib.contextmanager
+def vmm_allocation(
+    module: Any, vllm_config: Any, made: list[VmmKVCache], backend: vmm.Backend | None = None
+) -> Iterator[None]:
+    """While inside, ``module.allocate_kv_cache`` builds `VmmKVCache` s (kept in ``made``)."""
+
+    def allocate(config: Any, device: Any, layout: Any, kernel_sizes: Any = None) -> Any:
+        made.append(
+            vmm_allocate_kv_cache(vllm_config, config, layout, kernel_sizes, backend=backend)
+        )
+        return made[-1].kv_caches
+
+    saved = module.allocate_kv_cache
+    module.allocate_kv_cache = allocate
+    try:
+        yield
+    finally:
+        module.allocate_kv_cache = saved
+
+
 def _wrap_initialize(original: Callable[..., Any], module: Any) -> Callable[..., Any]:
     @functools.wraps(original)
     def initialize_kv_cache_tensors(self: Any, kv_cache_config: Any, *args: Any, **kw: Any) -> Any:
         if not wants_vmm_tensors(self.vllm_config):
             return original(self, kv_cache_config, *args, **kw)
         made: list[VmmKVCache] = []
-
-        def allocate(config: Any, device: Any, layout: Any, kernel_sizes: Any = None) -> Any:
-            made.append(vmm_allocate_kv_cache(self.vllm_config, config, layout, kernel_sizes))
-            return made[-1].kv_caches
-
-        saved = module.allocate_kv_cache
-        module.allocate_kv_cache = allocate
-        try:
+        with vmm_allocation(module, self.vllm_config, made):
             result = original(self, kv_cache_config, *args, **kw)
-        finally:
-            module.allocate_kv_cache = saved
         self.jenga_vmm_kv_cache = made[-1] if made else None
         return result
 

@@ -36,6 +36,14 @@ def check_supported_config(vllm_config: Any) -> None:
         problems.append("speculative decoding (speculative_config)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
+    cache_config = getattr(vllm_config, "cache_config", None)
+    retention = getattr(cache_config, "prefix_cache_retention_interval", 0)
+    if retention != 0:
+        problems.append(
+            f"prefix_cache_retention_interval={retention} (jenga keeps the sliding-window "
+            "and Mamba entries its prefix-subset evictor chooses; only the default 0 is "
+            "served)"
+        )
     if problems:
         raise UnsupportedFeature(
             "the jenga KV-cache manager does not support "
@@ -55,6 +63,8 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         enable_caching=bool(scheduler.cache_config.enable_prefix_caching),
         log_stats=scheduler.log_stats,
         enable_kv_cache_events=scheduler.enable_kv_cache_events,
+        kv_cache_config=scheduler.kv_cache_config,
+        hash_block_size=getattr(scheduler, "hash_block_size", None),
     )
     scheduler.kv_cache_manager = manager  # type: ignore[assignment]
     # Flags vLLM derived from its own manager's coordinator.

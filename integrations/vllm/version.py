@@ -1,7 +1,19 @@
-"""The vLLM versions this integration targets, and the check that names them.
+"""The vLLM versions this integration follows, and the check that names them.
 
-Reads the installed version from the package metadata, so checking never imports vLLM
-(every import of vLLM lives in `integrations.vllm.compat`).
+Rationale
+    The manager mirrors vLLM's scheduler-facing surface, which changes between releases
+    (signatures, module moves); running on a release we have not followed fails in
+    ways far from the cause. So start-up checks the version first and names ours.
+
+Approach
+    `check_vllm_version` reads the installed version from the package metadata (or
+    takes a given string), so checking never imports vLLM (every import of vLLM lives
+    in `integrations.vllm.compat`), and raises `UnsupportedVllmVersion` unless its
+    release (local ``+...`` suffix dropped) is in `SUPPORTED_VLLM_VERSIONS`.
+
+Limitations
+    Exact releases only: a patch release is unsupported until it is added here and run
+    through the suite and the conformance suite (`docs/vllm.md`).
 """
 
 from __future__ import annotations
@@ -9,11 +21,16 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _distribution_version
 
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 
 
 class UnsupportedVllmVersion(ImportError):
     """The installed vLLM is not one whose scheduler/manager surface we follow."""
+
+
+def release(version: str) -> str:
+    """``version`` without a local suffix (``0.33.0+cpu`` -> ``0.33.0``)."""
+    return version.split("+", 1)[0]
 
 
 def installed_vllm_version() -> str | None:
@@ -33,10 +50,9 @@ def check_vllm_version(version: str | None = None) -> str:
             f"vLLM is not installed; jenga-vmm's vLLM integration supports vLLM "
             f"{', '.join(SUPPORTED_VLLM_VERSIONS)}"
         )
-    base = version.split("+", 1)[0]
-    if base not in SUPPORTED_VLLM_VERSIONS:
+    if release(version) not in SUPPORTED_VLLM_VERSIONS:
         raise UnsupportedVllmVersion(
             f"jenga-vmm's vLLM integration supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
-            f"found {version}. Install it with `pip install jenga-vmm[vllm]`."
+            f"found {version}. Install one of them (`pip install 'jenga-vmm[vllm]'`)."
         )
     return version

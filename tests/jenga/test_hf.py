@@ -192,7 +192,8 @@ def test_options_block_size_and_dtype():
 
 
 def test_unsupported_and_malformed_configs():
-    with pytest.raises(SpecError, match="unsupported model_type 'gpt2'; supported: gemma2, "):
+    # no family rule: read from the fields; GPT-2's n_layer / n_positions are not read
+    with pytest.raises(SpecError, match="'max_position_embeddings' must be an int, got None"):
         model_spec_from_config({"model_type": "gpt2"})
     assert "jamba" in supported_model_types() and "mllama" in supported_model_types()
     with pytest.raises(SpecError, match="layer_types has 2 entries, num_hidden_layers is 42"):
@@ -241,3 +242,72 @@ def test_llava_onevision_adds_a_vision_embedding_cache():
     assert embedding.spec.page_bytes == 114_688  # 16 tokens x 3584 x 2 B
     assert model.models == ("target", "encoder")
     assert model.weight_bytes == 7_615_616_512 * 2  # the decoder; pass the card's total
+
+
+LLAMA_LIKE = {
+    "model_type": "some_new_llama", "hidden_size": 2048, "num_hidden_layers": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 8192,
+}  # fmt: skip
+
+
+def test_any_model_type_is_read_from_its_layer_types():
+    types = ["sliding_attention", "sliding_attention", "chunked_attention", "full_attention"]
+    model = model_spec_from_config(
+        {**LLAMA_LIKE, "layer_types": types, "sliding_window": 512, "attention_chunk_size": 1024}
+    )
+    assert [(g.name, g.layer_ids) for g in model.groups] == [
+        ("sliding_window", (0, 1)), ("chunked_local", (2,)), ("full", (3,)),
+    ]  # fmt: skip
+    assert (model.groups[0].spec.window, model.groups[1].spec.chunk) == (512, 1024)
+    # no layer_types: transformers' inference (sliding_window set: every layer slides)
+    inferred = model_spec_from_config({**LLAMA_LIKE, "sliding_window": 4096})
+    assert [(g.name, g.spec.window) for g in inferred.groups] == [("sliding_window", 4096)]
+
+
+def test_unstorable_layer_types_are_refused_naming_type_and_layers():
+    types = ["full_attention", "indexed_attention", "moe", "indexed_attention"]
+    with pytest.raises(
+        SpecError,
+        match=r"layer 1: layer type 'indexed_attention' has no jenga kind \(layers \[1, 3\]\)",
+    ):
+        model_spec_from_config({**LLAMA_LIKE, "layer_types": types})
+    with pytest.raises(SpecError, match="K head dim 128 and V head dim 64 differ"):
+        model_spec_from_config({**LLAMA_LIKE, "head_dim": 128, "v_head_dim": 64})
+
+
+def test_kv_sharing_layers_read_the_last_earlier_layer_of_their_type():
+    types = ["sliding_attention", "full_attention"] * 3
+    config = {**LLAMA_LIKE, "num_hidden_layers": 6, "layer_types": types, "sliding_window": 512,
+              "num_kv_shared_layers": 2}  # fmt: skip
+    model = model_spec_from_config(config)
+    sliding, full = model.group("sliding_window"), model.group("full")
+    assert (sliding.layer_ids, sliding.readers) == ((0, 2), ((4, 2),))
+    assert (full.layer_ids, full.readers) == ((1, 3), ((5, 3),))
+    assert model.num_layers == 4 and model.num_model_layers == 6  # readers cost nothing
+
+
+MAMBA2 = {
+    **LLAMA_LIKE, "num_hidden_layers": 4, "hidden_size": 64, "mamba_n_heads": 4,
+    "mamba_d_head": 32, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_d_conv": 4,
+    "mamba_expand": 2,
+}  # fmt: skip
+
+
+def test_linear_and_hybrid_layers_get_state_groups():
+    # Bamba style: attention at attn_layer_indices, Mamba2 elsewhere
+    model = model_spec_from_config({**MAMBA2, "attn_layer_indices": [1, 3]})
+    assert [(g.name, g.layer_ids) for g in model.groups] == [("mamba", (0, 2)), ("full", (1, 3))]
+    # conv: (128 + 2*8) channels x 3 columns x 2 B = 864; ssm: 4*32*8 x 4 B = 4096
+    assert model.group("mamba").spec.state_bytes == 864 + 4096
+    # hybrid layers: one layer id in the attention group and in the state group
+    hybrid = model_spec_from_config({**MAMBA2, "layer_types": ["hybrid"] * 4})
+    assert [(g.name, g.layer_ids) for g in hybrid.groups] == [
+        ("full", (0, 1, 2, 3)), ("mamba", (0, 1, 2, 3)),
+    ]  # fmt: skip
+    gdn = {**LLAMA_LIKE, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4}  # fmt: skip
+    # gated delta-net: conv (2*2*8 + 4*8) x 3 x 2 B = 384; recurrent 4*8*8 x 4 B = 1024
+    assert model_spec_from_config(gdn).group("mamba").spec.state_bytes == 384 + 1024
+    with pytest.raises(SpecError, match="no known state fields"):
+        model_spec_from_config({**LLAMA_LIKE, "layer_types": ["linear_attention"] * 4})

@@ -91,15 +91,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                     "shared_expert_intermediate_size": 32}),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                {"num_hidden_layers": 4, "head_dim": 16, "attention_chunk_size": WINDOW,
-                "intermediate_size_mlp": 96, "num_local_experts": 1, "interleave_moe_layer_step": 2}),
+                "intermediate_size_mlp": 96, "num_local_experts": 1,
+                "interleave_moe_layer_step": 2}),
 }  # fmt: skip
 
 
-def tiny_model(name: str, dtype: torch.dtype = torch.float32) -> Any:
-    """The family's tiny model with seed-0 random weights, in eval mode, cast to `dtype`."""
+def tiny_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
+    """The family's tiny model with random weights from `seed`, in eval mode, as `dtype`."""
     config_name, model_name, extra = FAMILIES[name]
     config = getattr(transformers, config_name)(**SMALL, **extra)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     return model.to(dtype)
 

@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from integrations.hf import VmmCache  # noqa: E402
-from jenga.specs import Kind  # noqa: E402
+from jenga.specs import Kind
 
-from tests.integrations.hf.families import CHECKPOINT, FAMILIES, text_inputs, tiny_model  # noqa: E402
+from integrations.hf import VmmCache
+from tests.integrations.hf.families import CHECKPOINT, FAMILIES, text_inputs, tiny_model
 
 GENERATE = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
             "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
@@ -47,7 +47,9 @@ def test_family_logits_bitwise_equal_to_transformers_cache(name, dtype, batch):
         assert cache.store.state_moves == 2 * batch * sum(
             g.num_layers for g in kv.model.groups if g.spec.kind is Kind.MAMBA
         )
-    if Kind.SLIDING_WINDOW in kinds:  # position 21 reads 14..21: 4-token blocks 0..2 left the window
+    if (
+        Kind.SLIDING_WINDOW in kinds
+    ):  # position 21 reads 14..21: 4-token blocks 0..2 left the window
         group = next(i for i, g in enumerate(kv.model.groups) if g.spec.kind is Kind.SLIDING_WINDOW)
         assert kv.block_table(0, group)[:3] == [-1, -1, -1]
     kv.check_invariants(expensive=True)

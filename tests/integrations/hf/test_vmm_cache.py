@@ -12,7 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from integrations.hf import UnsupportedLayer, VmmCache  # noqa: E402
+from jenga.specs import SpecError  # noqa: E402
+
+from integrations.hf import VmmCache  # noqa: E402
 
 SMALL = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -137,12 +139,44 @@ def test_jamba_mamba_states_live_in_the_mamba_group_blocks():
     cache.close()
 
 
-def test_unsupported_layer_types_are_refused():
-    config = transformers.Llama4TextConfig(
-        **SMALL, num_hidden_layers=4, head_dim=16, attention_chunk_size=8
+def test_unstorable_layer_types_are_refused_naming_the_layer():
+    config = transformers.LlamaConfig(
+        **SMALL, num_hidden_layers=2, layer_types=["full_attention", "indexed_attention"]
     )
-    with pytest.raises(UnsupportedLayer, match="chunked_attention"):
-        VmmCache(config, chunk_bytes=4096, budget_bytes=4 << 20)
+    with pytest.raises(
+        SpecError, match=r"unknown layer_types \['indexed_attention'\] \(layers \[1\]\)"
+    ):
+        VmmCache(config)
+
+
+def test_default_pool_holds_max_length_and_dtype_comes_from_the_model():
+    # SmolLM2-135M's cache shape: 30 layers x 3 KV heads x 64, bf16 = 23,040 B per token
+    config = transformers.LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+        num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192,
+    )  # fmt: skip
+    cache = VmmCache(config)
+    keys = torch.zeros(1, 3, 1, 64, dtype=torch.bfloat16)
+    cache.update(keys, keys, 0)  # opens the cache: the model's dtype, one row
+    assert cache.kv.dtype == torch.bfloat16
+    # a 16-token block of one layer is 12 KiB: a large page is lcm(12 KiB, 64 KiB) = 3
+    # chunks holding 16 blocks; 8192 tokens + 1 block = 513 blocks -> 33 pages, + 1 spare
+    assert cache.kv.pool.budget_bytes == 30 * 34 * 3 * (64 << 10) >= 8192 * 23_040
+    cache.close()
+    with pytest.raises(TypeError, match=r"VmmCache\(dtype=torch.float16\) but the model hands"):
+        VmmCache(config, dtype=torch.float16).update(keys, keys, 0)
+
+
+def test_long_generation_fits_the_default_budget():
+    model = tiny_model("llama")  # max_position_embeddings 512
+    ids = torch.randint(1, 128, (1, 300))
+    cache = VmmCache(model.config)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         max_new_tokens=200, min_new_tokens=200, do_sample=False)  # fmt: skip
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200,
+                         min_new_tokens=200, do_sample=False)  # fmt: skip
+    assert torch.equal(out, ref) and cache.get_seq_length() == 499
+    cache.close()
 
 
 def tiny_mllama():

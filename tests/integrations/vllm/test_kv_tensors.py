@@ -183,7 +183,9 @@ def test_a_worker_in_another_process_follows_maps_and_unmaps(model_dir: Path) ->
     usage = manager.allocator.usage()
     assert seen["unmaps"] > 0 and seen["ops"] > seen["unmaps"]
     assert [len(p) for p in cache.mapped_pages] == list(usage.mapped_pages)
-    assert cache.mapped_bytes() == usage.used_units * CHUNK == backend.physical_bytes()
+    assert cache.mapped_bytes() == usage.used_units * CHUNK
+    # the pool keeps chunks it created in its free heap (vmm.ChunkPool): at most the peak
+    assert seen["peak"] <= backend.physical_bytes() <= manager.layout.memory_bytes
     assert seen["peak"] <= manager.layout.memory_bytes
     cache.close()
     pool.close()

@@ -1,0 +1,61 @@
+"""What vLLM's engine and scheduler read off ``kv_cache_manager.coordinator``, from our state.
+
+Rationale
+    vLLM's `EngineCore` and `Scheduler` reach past the manager into its coordinator:
+    ``coordinator.single_type_managers`` (each with ``block_size``, ``kv_cache_spec``,
+    ``kv_cache_group_id``) for the effective attention block size, the KV-group metadata
+    for event consumers and the speculative-step block count; ``enable_partial_hash_hits``;
+    and ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
+    vLLM's own coordinator would allocate its block pool; this view answers the same
+    questions from the jenga layout and allocator.
+
+Approach
+    `GroupView` is one vLLM group as the engine sees it (vLLM's own spec object, so
+    ``is_full_attention_spec`` and friends classify it as vLLM does). `CoordinatorView`
+    holds them in vLLM's group order and delegates block counting to the manager's
+    `blocks_needed` estimate (the same one the ``full_sequence_must_fit`` gate uses).
+
+Limitations
+    Only the members vLLM 0.32's engine and scheduler read are served; anything else
+    raises AttributeError naming the member (no silent default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One KV-cache group as vLLM's single-type managers describe it."""
+
+    kv_cache_group_id: int
+    kv_cache_spec: Any
+    block_size: int
+
+
+class CoordinatorView:
+    """``kv_cache_manager.coordinator`` for the jenga manager (read-only metadata)."""
+
+    enable_partial_hash_hits = False  # hits are whole blocks of the scheduler block size
+
+    def __init__(self, kv_cache_config: Any, blocks_needed: Callable[[str, int, int], int]) -> None:
+        self.single_type_managers = tuple(
+            GroupView(i, g.kv_cache_spec, int(g.kv_cache_spec.block_size))
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        self._blocks_needed = blocks_needed
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, *, total_computed_tokens: int = 0, **_: Any
+    ) -> int:
+        """Blocks (in vLLM's units) the request needs to reach ``num_tokens`` tokens."""
+        return self._blocks_needed(request_id, num_tokens, total_computed_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"the jenga KV-cache manager's coordinator view does not serve {name!r} "
+            "(vLLM's coordinator internals are not built)"
+        )

@@ -1,0 +1,66 @@
+"""A constructor with the signature of vLLM's `KVCacheManager` that builds ours.
+
+Rationale
+    vLLM's scheduler is the usual way in (`integrations.vllm.scheduler`), but code that
+    builds a KV-cache manager directly — vLLM's own core tests, other schedulers — calls
+    ``KVCacheManager(kv_cache_config, max_model_len, ...)``. Offering the same call lets
+    such code run on the jenga manager unchanged (the conformance suite swaps it in this
+    way) and gives the features we do not serve one clear refusal at construction.
+
+Approach
+    `jenga_kv_cache_manager` accepts vLLM's keyword arguments of every supported version,
+    refuses EAGLE block dropping and decode/prefill context parallelism with
+    `UnsupportedFeature` naming them, and builds `JengaKVCacheManager` on `build_layout`
+    of the config with default `JengaVllmOptions` (or the ones given).
+
+Limitations
+    Arguments that only tune vLLM's own manager (``hash_block_size``,
+    ``scheduler_block_size``, ``max_in_flight_tokens``, ``num_prefill_lookahead``,
+    ``metrics_collector``, ``watermark``, ...) are accepted and not used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.manager import JengaKVCacheManager
+
+
+def check_manager_args(use_eagle: bool, dcp_world_size: int, pcp_world_size: int) -> None:
+    """Raise `UnsupportedFeature` for manager arguments that ask for what we do not serve."""
+    problems = []
+    if use_eagle:
+        problems.append("EAGLE speculative decoding (use_eagle=True)")
+    if dcp_world_size > 1:
+        problems.append(f"decode context parallelism (dcp_world_size={dcp_world_size})")
+    if pcp_world_size > 1:
+        problems.append(f"prefill context parallelism (pcp_world_size={pcp_world_size})")
+    if problems:
+        raise UnsupportedFeature(
+            "the jenga KV-cache manager does not support " + ", ".join(problems)
+        )
+
+
+def jenga_kv_cache_manager(
+    kv_cache_config: Any,
+    max_model_len: int,
+    *args: Any,
+    enable_caching: bool = True,
+    use_eagle: bool = False,
+    log_stats: bool = False,
+    enable_kv_cache_events: bool = False,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+    jenga_options: JengaVllmOptions | None = None,
+    **_vllm_only: Any,
+) -> JengaKVCacheManager:
+    """`JengaKVCacheManager` from the arguments vLLM's `KVCacheManager` takes."""
+    check_manager_args(use_eagle, dcp_world_size, pcp_world_size)
+    layout = build_layout(kv_cache_config, max_model_len, jenga_options)
+    return JengaKVCacheManager(
+        layout,
+        enable_caching=enable_caching,
+        log_stats=log_stats,
+        enable_kv_cache_events=enable_kv_cache_events,
+    )

@@ -1,0 +1,147 @@
+"""vLLM's real `EngineCore` on a CPU: only the model executor is ours (fake outputs).
+
+Rationale
+    ``--scheduler-cls`` is used by vLLM's engine, not by our tests: `EngineCore.__init__`
+    profiles memory, builds the KV-cache config, constructs the scheduler and then reads
+    the manager's coordinator metadata. The model executor needs a GPU; everything else
+    runs here, so the engine's start-up and steps are exercised for real.
+
+Approach
+    `HostExecutor` is a `vllm.v1.executor.abstract.Executor` whose one in-process
+    `HostWorker` answers the calls vLLM's engine makes (KV specs, available memory,
+    layouts, ``initialize_from_config``, ``execute_model``, ``sample_tokens``). With
+    ``kv_tensors="vmm"`` the worker builds the VMM KV tensors on the host backend
+    (`integrations.vllm.plugin.vmm_allocate_kv_cache`) and applies each step's plans,
+    as the GPU runner's wrapper does. Each step samples one deterministic token for
+    every request whose prompt the step completes.
+
+Limitations
+    One worker, no model, no sampling; the KV tensors are never read or written.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import vmm
+from integrations.vllm import compat
+from integrations.vllm.harness import cases
+from integrations.vllm.plugin import vmm_allocate_kv_cache, wants_vmm_tensors
+
+
+class HostWorker:
+    """The worker-side calls of vLLM's engine, answered on the host."""
+
+    def __init__(self, vllm_config: Any, case: str, memory_bytes: int) -> None:
+        self.vllm_config = vllm_config
+        self.specs = cases.layer_specs(case, block_size=vllm_config.cache_config.block_size)
+        self.memory_bytes = memory_bytes
+        self.kv_cache = None
+        self.lengths: dict[str, int] = {}
+        self.steps = 0
+        self.pending: Any = None
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        return dict(self.specs)
+
+    def determine_available_memory(self) -> int:
+        return self.memory_bytes
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]
+
+    def set_kv_cache_layout(self, layout_name: str) -> None:
+        self.layout_name = layout_name
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        if wants_vmm_tensors(self.vllm_config):
+            chunk = compat_chunk_bytes(self.vllm_config)
+            backend = vmm.HostBackend(chunk, capacity=self.memory_bytes + chunk)
+            self.kv_cache = vmm_allocate_kv_cache(
+                self.vllm_config,
+                kv_cache_configs[0],
+                compat.kv_cache_layout("LBNHC"),
+                backend=backend,
+            )
+
+    def execute_model(self, scheduler_output: Any) -> None:
+        if self.kv_cache is not None:
+            self.kv_cache.apply_scheduler_output(scheduler_output)
+        self.pending = scheduler_output
+        return None
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out, self.pending = self.pending, None
+        self.steps += 1
+        for new in out.scheduled_new_reqs:
+            self.lengths[new.req_id] = len(new.prompt_token_ids)
+        cached = out.scheduled_cached_reqs
+        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            done = computed[rid] + out.num_scheduled_tokens[rid] >= self.lengths[rid]
+            sampled.append([1000 + (len(rid) * 7 + self.steps) % 20000] if done else [])
+            if done:
+                self.lengths[rid] += 1
+        return compat.model_runner_output(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+        )
+
+
+def compat_chunk_bytes(vllm_config: Any) -> int:
+    from integrations.vllm.layout import JengaVllmOptions
+
+    return JengaVllmOptions.from_vllm_config(vllm_config).chunk_bytes
+
+
+def host_executor_class(case: str, memory_bytes: int) -> type:
+    """An `Executor` subclass whose worker is a `HostWorker` for ``case``."""
+
+    class HostExecutor(compat.executor_base_class()):  # type: ignore[misc]
+        def _init_executor(self) -> None:
+            self.worker = HostWorker(self.vllm_config, case, memory_bytes)
+
+        def collective_rpc(
+            self,
+            method: Any,
+            timeout: float | None = None,
+            args: tuple = (),
+            kwargs: dict | None = None,
+            non_block: bool = False,
+        ) -> Any:
+            if isinstance(method, str):
+                result = getattr(self.worker, method)(*args, **(kwargs or {}))
+            else:
+                result = method(self.worker, *args, **(kwargs or {}))
+            return _done([result]) if non_block else [result]
+
+        def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+            result = self.worker.execute_model(scheduler_output)
+            return _done(result) if non_block else result
+
+        def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+            result = self.worker.sample_tokens(grammar_output)
+            return _done(result) if non_block else result
+
+        def compile_or_warm_up_model(self) -> None:
+            return None
+
+        def check_health(self) -> None:
+            return None
+
+        def shutdown(self) -> None:
+            if self.worker.kv_cache is not None:
+                self.worker.kv_cache.close()
+
+    return HostExecutor
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
