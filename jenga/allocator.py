@@ -89,8 +89,18 @@ from jenga import _core
 from jenga.config import AllocationOrder as AllocationOrder
 from jenga.config import AllocationRules, AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
+from jenga.errors import (
+    MAX_TOKENS,
+    DoubleFree,
+    DuplicateRequest,
+    InvalidSize,
+    PageTooLarge,
+    UnknownRequest,
+    as_count,
+    checked_token_ids,
+)
 from jenga.errors import AllocatorError as AllocatorError
-from jenga.errors import DoubleFree, DuplicateRequest, InvalidSize, PageTooLarge, UnknownRequest
+from jenga.errors import InvalidInput as InvalidInput
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer
@@ -194,6 +204,11 @@ class JengaAllocator:
             )
         return req
 
+    def _length_cap(self) -> int:
+        """Most token ids one call may carry (checked before they are read one by one)."""
+        limit = self.config.max_model_len
+        return MAX_TOKENS if limit is None else limit
+
     def _check_length(self, request_id: Hashable, what: str, length: int) -> None:
         limit = self.config.max_model_len
         if limit is not None and length > limit:
@@ -220,6 +235,8 @@ class JengaAllocator:
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already live")
+        prompt = checked_token_ids(prompt, f"request {request_id!r}: prompt", self._length_cap())
+        salt = as_count(salt, f"request {request_id!r}: salt")
         if len(prompt) == 0:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
@@ -261,6 +278,7 @@ class JengaAllocator:
         (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
         """
         req = self._request(request_id)
+        num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
         if num_new_tokens <= 0:
             raise InvalidSize(
                 f"request {request_id!r}: num_new_tokens must be > 0, got {num_new_tokens}"
@@ -336,6 +354,8 @@ class JengaAllocator:
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
         req = self._request(request_id)
+        what = f"request {request_id!r}: token_ids"
+        token_ids = checked_token_ids(token_ids, what, self._length_cap())
         self._check_length(request_id, "tokens", len(req.tokens) + len(token_ids))
         req.tokens.extend(token_ids)
 
@@ -348,6 +368,9 @@ class JengaAllocator:
         `UnknownRequest`, `InvalidSize` (more tokens than allocated or known).
         """
         req = self._request(request_id)
+        num_computed_tokens = as_count(
+            num_computed_tokens, f"request {request_id!r}: num_computed_tokens"
+        )
         known = min(req.num_tokens, len(req.tokens))
         if num_computed_tokens < 0 or num_computed_tokens > known:
             raise InvalidSize(
