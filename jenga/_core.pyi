@@ -146,6 +146,10 @@ class Core:
         """
         The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, reused_units) tuples
         """
+    def evict_cached_pages(self, units: typing.SupportsInt | typing.SupportsIndex) -> int:
+        """
+        Evict whole evictable pages in step 3's order until `units` units are freed or none is left; returns the units freed (the unmaps are plan ops)
+        """
     def eviction_order(self, group: typing.SupportsInt | typing.SupportsIndex) -> list[int]: ...
     def group_counts(self, group: typing.SupportsInt | typing.SupportsIndex) -> tuple:
         """
@@ -160,10 +164,6 @@ class Core:
         Block id per hash (int32 array), -1 where absent
         """
     def page_eviction_order(self) -> list[tuple[int, int]]: ...
-    def evict_cached_pages(self, units: typing.SupportsInt | typing.SupportsIndex) -> int:
-        """
-        Evict whole evictable pages in step 3's order until `units` units are freed or none is left; returns the units freed (the unmaps are plan ops)
-        """
     def release(
         self,
         group: typing.SupportsInt | typing.SupportsIndex,
