@@ -262,6 +262,25 @@ class JengaAllocator:
         self._stats["prefix.query_tokens"] += len(prompt)
         return hit
 
+    def _group_needs(
+        self, req: LiveRequest, old: int, new: int, upto: int
+    ) -> tuple[list[np.ndarray], list[int], list[int], list[int]]:
+        """Per group, for growing ``req`` from ``old`` to ``new`` tokens: the blocks to
+        release (those left behind at ``upto`` tokens), the first still-live block index,
+        the Mamba checkpoints skipped inside the span, and the blocks to take."""
+        releases: list[np.ndarray] = []
+        firsts: list[int] = []
+        skips: list[int] = []
+        counts: list[int] = []
+        for g, policy in enumerate(self.policies):
+            release, first = req.skipped(g, policy, upto)
+            releases.append(release)
+            firsts.append(first)
+            count = max(0, policy.num_blocks(new, req.images) - len(req.tables[g]))
+            skips.append(min(count, policy.num_superseded(old, new, req.images)))
+            counts.append(count - skips[g])
+        return releases, firsts, skips, counts
+
     def allocate(
         self, request_id: Hashable, num_new_tokens: int, *, release_upto: int | None = None
     ) -> Allocation | None:
@@ -289,18 +308,7 @@ class JengaAllocator:
         if old <= req.quiet_until and new <= req.held_until:
             req.num_tokens = new  # every slot is held and nothing leaves any window
             return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
-        releases: list[np.ndarray] = []
-        counts: list[int] = []
-        firsts: list[int] = []
-        skips: list[int] = []
-        for g, policy in enumerate(self.policies):
-            table = req.tables[g]
-            release, first = req.skipped(g, policy, upto)
-            releases.append(release)
-            firsts.append(first)
-            count = max(0, policy.num_blocks(new, req.images) - len(table))
-            skips.append(min(count, policy.num_superseded(old, new, req.images)))
-            counts.append(count - skips[g])
+        releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
