@@ -8,7 +8,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLi
 CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
                    -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator
+.PHONY: run test lint format build stubs clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,11 @@ run: build
 
 test: build
 	$(PY) -m pytest -q
+
+# C++ extensions under -fsanitize=address,undefined (build/asan), then the vmm, jenga and
+# kvcache suites with libasan preloaded; skips cleanly without a sanitizer toolchain.
+test-asan: $(STAMP)
+	PY=$(PY) .ci/test-asan
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -146,6 +146,10 @@ class Core:
         """
         The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, reused_units) tuples
         """
+    def evict_cached_pages(self, units: typing.SupportsInt | typing.SupportsIndex) -> int:
+        """
+        Evict whole evictable pages in step 3's order until `units` units are freed or none is left; returns the units freed (the unmaps are plan ops)
+        """
     def eviction_order(self, group: typing.SupportsInt | typing.SupportsIndex) -> list[int]: ...
     def group_counts(self, group: typing.SupportsInt | typing.SupportsIndex) -> tuple:
         """

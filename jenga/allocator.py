@@ -89,8 +89,18 @@ from jenga import _core
 from jenga.config import AllocationOrder as AllocationOrder
 from jenga.config import AllocationRules, AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
+from jenga.errors import (
+    MAX_TOKENS,
+    DoubleFree,
+    DuplicateRequest,
+    InvalidSize,
+    PageTooLarge,
+    UnknownRequest,
+    as_count,
+    checked_token_ids,
+)
 from jenga.errors import AllocatorError as AllocatorError
-from jenga.errors import DoubleFree, DuplicateRequest, InvalidSize, PageTooLarge, UnknownRequest
+from jenga.errors import InvalidInput as InvalidInput
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer
@@ -194,6 +204,11 @@ class JengaAllocator:
             )
         return req
 
+    def _length_cap(self) -> int:
+        """Most token ids one call may carry (checked before they are read one by one)."""
+        limit = self.config.max_model_len
+        return MAX_TOKENS if limit is None else limit
+
     def _check_length(self, request_id: Hashable, what: str, length: int) -> None:
         limit = self.config.max_model_len
         if limit is not None and length > limit:
@@ -220,6 +235,8 @@ class JengaAllocator:
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already live")
+        prompt = checked_token_ids(prompt, f"request {request_id!r}: prompt", self._length_cap())
+        salt = as_count(salt, f"request {request_id!r}: salt")
         if len(prompt) == 0:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
@@ -245,22 +262,30 @@ class JengaAllocator:
         self._stats["prefix.query_tokens"] += len(prompt)
         return hit
 
-    def allocate(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
+    def allocate(
+        self, request_id: Hashable, num_new_tokens: int, *, release_upto: int | None = None
+    ) -> Allocation | None:
         """Give the request slots for ``num_new_tokens`` more tokens in every group.
 
         In one all-or-nothing core call: blocks the policies no longer need
         (window/chunk/old Mamba state) are released to the cache, then each group gets
-        what it needs. Returns None ("no room") with nothing changed when any group cannot
-        be satisfied. Raises `UnknownRequest`, `InvalidSize` (``num_new_tokens <= 0`` or
-        beyond ``max_model_len``).
+        what it needs. ``release_upto`` bounds the release: only blocks no longer read at
+        that many tokens go (default: the request's current length). An engine whose
+        earlier step may still be running (asynchronous scheduling) passes the tokens
+        whose step has finished, so a block that step still reads is not handed out; a
+        later call (or `free`) releases it. Returns None ("no room") with nothing changed
+        when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
+        (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
         """
         req = self._request(request_id)
+        num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
         if num_new_tokens <= 0:
             raise InvalidSize(
                 f"request {request_id!r}: num_new_tokens must be > 0, got {num_new_tokens}"
             )
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(request_id, "after allocate", new)
+        upto = _release_length(request_id, old, release_upto)
         if old <= req.quiet_until and new <= req.held_until:
             req.num_tokens = new  # every slot is held and nothing leaves any window
             return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
@@ -270,7 +295,7 @@ class JengaAllocator:
         skips: list[int] = []
         for g, policy in enumerate(self.policies):
             table = req.tables[g]
-            release, first = req.skipped(g, policy, old)
+            release, first = req.skipped(g, policy, upto)
             releases.append(release)
             firsts.append(first)
             count = max(0, policy.num_blocks(new, req.images) - len(table))
@@ -299,15 +324,20 @@ class JengaAllocator:
         req.update_quiet_span(self.policies)
         return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
 
-    def release_skipped(self, request_id: Hashable) -> MappingPlan:
-        """Release the blocks no policy needs at the request's current length, allocating
-        nothing: what `allocate` would release first, for an engine that frees them even
-        when the allocation is refused (vLLM frees skipped blocks before its check).
+    def release_skipped(
+        self, request_id: Hashable, *, release_upto: int | None = None
+    ) -> MappingPlan:
+        """Release the blocks no policy needs at the request's current length (or at
+        ``release_upto`` tokens, as in `allocate`), allocating nothing: what `allocate`
+        would release first, for an engine that frees them even when the allocation is
+        refused (vLLM frees skipped blocks before its check).
 
-        Returns the plan (pages that became empty are unmapped). Raises `UnknownRequest`.
+        Returns the plan (pages that became empty are unmapped). Raises `UnknownRequest`,
+        `InvalidSize` (``release_upto < 0``).
         """
         req = self._request(request_id)
-        skipped = [req.skipped(g, p, req.num_tokens) for g, p in enumerate(self.policies)]
+        upto = _release_length(request_id, req.num_tokens, release_upto)
+        skipped = [req.skipped(g, p, upto) for g, p in enumerate(self.policies)]
         releases = [release for release, _ in skipped]
         if not any(len(r) for r in releases):
             return _EMPTY_PLAN
@@ -324,6 +354,8 @@ class JengaAllocator:
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Record generated token ids so their blocks can be hashed by `cache`."""
         req = self._request(request_id)
+        what = f"request {request_id!r}: token_ids"
+        token_ids = checked_token_ids(token_ids, what, self._length_cap())
         self._check_length(request_id, "tokens", len(req.tokens) + len(token_ids))
         req.tokens.extend(token_ids)
 
@@ -336,6 +368,9 @@ class JengaAllocator:
         `UnknownRequest`, `InvalidSize` (more tokens than allocated or known).
         """
         req = self._request(request_id)
+        num_computed_tokens = as_count(
+            num_computed_tokens, f"request {request_id!r}: num_computed_tokens"
+        )
         known = min(req.num_tokens, len(req.tokens))
         if num_computed_tokens < 0 or num_computed_tokens > known:
             raise InvalidSize(
@@ -405,6 +440,22 @@ class JengaAllocator:
         self._freed[request_id] = None
         if len(self._freed) > _FREED_IDS_KEPT:
             self._freed.popitem(last=False)
+        return self._drain_plan()
+
+    def evict_cached(self, num_units: int) -> MappingPlan:
+        """Give back prefix-cache memory on request: evict whole evictable large pages (no
+        block in use, one cached at least), in the order step 3 evicts them
+        (`page_eviction_order`), until at least ``num_units`` units are free beyond those
+        free now, or no evictable page is left. Blocks cached on pages that live blocks
+        keep mapped are not touched (they free no unit).
+
+        Returns the plan (one ``UnmapPage`` per evicted page, in eviction order); the units
+        freed are the pages' ``units_per_large_page``. All or nothing: a failure midway
+        undoes every eviction. Raises `InvalidSize` (``num_units < 0``).
+        """
+        if num_units < 0:
+            raise InvalidSize(f"num_units must be >= 0, got {num_units}")
+        self._core.evict_cached_pages(num_units)
         return self._drain_plan()
 
     def _drain_plan(self) -> MappingPlan:
@@ -573,6 +624,16 @@ class JengaAllocator:
             assert used == len(refs), (
                 f"group {g}: core has {used} used blocks, live tables hold {len(refs)}"
             )
+
+
+def _release_length(request_id: Hashable, num_tokens: int, release_upto: int | None) -> int:
+    """The length whose out-of-window blocks a call releases: ``release_upto`` capped at
+    the request's ``num_tokens`` (all of them when None)."""
+    if release_upto is None:
+        return num_tokens
+    if release_upto < 0:
+        raise InvalidSize(f"request {request_id!r}: release_upto must be >= 0, got {release_upto}")
+    return min(release_upto, num_tokens)
 
 
 def _core_rules(rules: AllocationRules, policies: Sequence[Policy]) -> _core.Rules:

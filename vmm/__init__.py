@@ -20,6 +20,7 @@ Modules, each importing at run time only modules listed before it (no import cir
 checked by `tests/test_layout.py`):
 
     errors, stats, backend        exceptions, the stats key scheme, the backend contract
+    checks                        strict integer arguments (InputError)
     host, cuda_driver, cuda       the two backends (cuda imported only when asked for)
     selection                     get_backend("host" | "cuda" | "auto")
     ledger                        ChunkLedger: free heap, refcounts, budget, counters, state
@@ -42,6 +43,8 @@ from vmm.errors import (
     BackendUnavailable,
     BudgetError,
     ClosedError,
+    ConcurrentUse,
+    InputError,
     MappingError,
     OutOfMemory,
     RangeError,
@@ -62,7 +65,9 @@ __all__ = [
     "BudgetError",
     "ChunkPool",
     "ClosedError",
+    "ConcurrentUse",
     "HostBackend",
+    "InputError",
     "MappingError",
     "MappingPlan",
     "OutOfMemory",

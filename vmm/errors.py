@@ -28,6 +28,16 @@ class VmmError(Exception):
     """Base class of every error `vmm` raises on purpose."""
 
 
+class InputError(VmmError, TypeError, ValueError):
+    """An argument of the wrong type (a float or string where an integer is needed) or out
+    of the bounds a public call accepts (a negative count, a size past the address space).
+    Both a `TypeError` and a `ValueError`, so either builtin handler catches it."""
+
+
+class ConcurrentUse(VmmError):
+    """An object that is not thread-safe was entered by a second thread while in use."""
+
+
 class OutOfMemory(VmmError):
     """The pool's byte budget, or the device/OS, cannot provide the chunks asked for."""
 

@@ -18,8 +18,10 @@ Limitations
 -----------
 Linux only (memfd_create, fallocate PUNCH_HOLE, MADV_COLLAPSE on >= 6.1). The
 VMA count is the backend's own model (runs of mergeable slots), checked against
-/proc/self/maps by the tests; other mappings of the process are not counted, hence the
-default budget of half of `vm.max_map_count`.
+/proc/self/maps by the tests. Every host backend of the process adds its VMAs to one
+process-wide ledger (in C++) checked against a shared budget, by default
+`vm.max_map_count` less a quarter of headroom for the process's other mappings (which
+are not counted); a backend may also get its own smaller `vma_budget`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, NoReturn
 
 from vmm._core import host as _h
 from vmm.backend import Backend, SharedChunks, ViewFactory
+from vmm.checks import as_index
 from vmm.errors import (
     AlignmentError,
     BackendError,
@@ -56,9 +59,34 @@ _OOM_ERRNOS = (errno_codes.ENOMEM, errno_codes.ENOSPC)
 _MAP_COUNT_SLACK = 16
 
 
+#: Fraction of `vm.max_map_count` left to the process's other mappings (libraries, heaps,
+#: torch's allocations): the host pools of a process share the rest.
+VMA_HEADROOM_FRACTION = 4
+#: Per-backend VMA budget when none is given: unlimited, only the process-wide one applies.
+UNLIMITED_VMAS = 1 << 62
+
+
 def default_vma_budget() -> int:
-    """Half of `vm.max_map_count` (the rest is left to the process's other mappings)."""
-    return max(kernel_map_limit() // 2, 1)
+    """The process-wide VMA budget every host pool shares by default: `vm.max_map_count`
+    less a quarter of it (headroom for the process's other mappings)."""
+    limit = kernel_map_limit()
+    return max(limit - limit // VMA_HEADROOM_FRACTION, 1)
+
+
+def set_process_vma_budget(budget: int) -> None:
+    """Set the VMA budget shared by every host backend of the process (the kernel's
+    `vm.max_map_count` counts every mapping of the process, not one pool's)."""
+    _h.set_process_vma_budget(as_index(budget, "process VMA budget", low=1))
+
+
+def process_vma_budget() -> int:
+    """The VMA budget shared by every host backend (set on the first backend's creation)."""
+    return int(_h.process_vma_budget())
+
+
+def process_vmas() -> int:
+    """VMAs held now by every host backend of the process together."""
+    return int(_h.process_vmas())
 
 
 def translate_host_error(exc: Exception) -> NoReturn:
@@ -66,6 +94,8 @@ def translate_host_error(exc: Exception) -> NoReturn:
     message, op, code = exc.args
     if isinstance(exc, _h.HostVmaError):
         raise VmaBudgetExceeded(message) from None
+    if isinstance(exc, _h.HostBrokenError):
+        raise BackendError(message, op="rollback", code=code) from None
     if isinstance(exc, _h.HostRangeError):
         raise RangeError(message) from None
     if isinstance(exc, _h.HostArgError):
@@ -119,7 +149,8 @@ class HostBackend(Backend):
     Args:
         granularity: chunk size in bytes, a power of two >= the page size (default 2 MiB).
         capacity: memfd size in bytes (sparse upper bound on physical memory).
-        vma_budget: most VMAs this backend may hold (default: half of vm.max_map_count).
+        vma_budget: most VMAs this backend may hold (default: no limit of its own; the
+            process-wide budget, `set_process_vma_budget`, always applies).
         collapse: best-effort MADV_COLLAPSE of mapped chunks into huge pages.
         import_fd: build over a memfd another host backend exported (`export_handles`);
             such a backend cannot `create`, only `import_handles` (capacity: the memfd's).
@@ -137,10 +168,16 @@ class HostBackend(Backend):
         collapse: bool = False,
         import_fd: int | None = None,
     ) -> None:
-        budget = default_vma_budget() if vma_budget is None else vma_budget
-        fd = -1 if import_fd is None else import_fd
+        granularity = as_index(granularity, "granularity", low=1)
+        capacity = as_index(capacity, "capacity", low=1)
+        budget = UNLIMITED_VMAS
+        if vma_budget is not None:
+            budget = as_index(vma_budget, "vma_budget", low=1, high=UNLIMITED_VMAS)
+        if _h.process_vma_budget() <= 0:
+            _h.set_process_vma_budget(default_vma_budget())
+        fd = -1 if import_fd is None else as_index(import_fd, "import_fd", low=0)
         try:
-            self._vmm = _h.HostVmm(granularity, capacity, budget, collapse, fd)
+            self._vmm = _h.HostVmm(granularity, capacity, budget, bool(collapse), fd)
         except _h.HostError as exc:
             translate_host_error(exc)
         self._granularity = granularity
@@ -231,7 +268,7 @@ class HostBackend(Backend):
         vmm: Any = self._vmm
         return {
             "vmas.current": vmm.vmas,
-            "vmas.budget": vmm.vma_budget,
+            "vmas.budget": min(vmm.vma_budget, _h.process_vma_budget()),
             "bytes.physical.current": vmm.physical_bytes,
         }
 
@@ -248,9 +285,10 @@ class HostBackend(Backend):
         """Counted syscalls so far (the unit of `inject_fault`), including rollbacks."""
         return int(self._vmm.syscalls)
 
-    def inject_fault(self, k: int, errno_value: int = errno_codes.ENOMEM) -> None:
-        """Make the k-th counted syscall from now fail with `errno_value` (k <= 0: off)."""
-        self._vmm.inject_fault(k, errno_value)
+    def inject_fault(self, k: int, errno_value: int = errno_codes.ENOMEM, count: int = 1) -> None:
+        """Make the k-th counted syscall from now and the `count` - 1 after it fail with
+        `errno_value` (k <= 0: off); `count` > 1 makes the rollback of a batch fail too."""
+        self._vmm.inject_fault(k, errno_value, count)
 
     @property
     def num_chunks(self) -> int:

@@ -35,21 +35,43 @@ Invariants (`check_invariants`): created <= budget; free and mapped are disjoint
 cover every created chunk; every refcount equals the number of slots mapping the chunk
 over all open ranges.
 
+Thread safety: `lock` (an `RLock`) is held across every public call of the pool, its
+ranges and its plans (the `locked` decorator), so the ledger's own methods, only called
+from inside those, take no lock themselves.
+
 Limitations
 -----------
-Single-threaded, like the pool. A range sees its ledger through `ChunkPool.ledger`; the
+One lock per pool: calls on one pool are serialized (the backend call included); two
+pools run in parallel. A range sees its ledger through `ChunkPool.ledger`; the
 ledger knows ranges only through the few methods named in `OpenRange`.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
-from collections.abc import Sequence
-from typing import Protocol
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from vmm.backend import Backend
 from vmm.errors import BackendError, BudgetError, ClosedError, OutOfMemory
 from vmm.stats import new_counters
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def locked(method: _F) -> _F:
+    """Run `method` holding `self._lock` (the ledger's re-entrant lock): a public call on a
+    pool, range or plan is one critical section, so two threads never interleave inside
+    the tables."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class OpenRange(Protocol):
@@ -82,6 +104,9 @@ class ChunkLedger:
         self._num_created = 0
         self._ranges: dict[int, OpenRange] = {}  # id -> open range
         self._counters = new_counters()
+        #: held across every public call of the pool, its ranges and its plans (re-entrant:
+        #: a plan calls range methods, a range calls ledger methods)
+        self.lock = threading.RLock()
         #: True once the pool is closed (set by `mark_closed`)
         self.closed = False
         #: why the pool can no longer be trusted (a failed rollback), or "" (`mark_broken`)

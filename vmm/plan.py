@@ -122,23 +122,28 @@ class MappingPlan:
         for op in self.ops:
             if op.dst.pool is not pool or (op.src is not None and op.src.pool is not pool):
                 raise MappingError(f"plan op {op.kind} touches a range of another pool")
-        ledger = pool.ledger
-        ledger.check_usable()
-        counters = ledger.counters()
-        undo_log: list[Undo] = []
-        results: list[list[int]] = []
-        try:
-            for op in self.ops:
-                handles, undo_steps = _run(op)
-                results.append(handles)
-                undo_log.extend(reversed(undo_steps))
-        except BaseException:
-            _roll_back(ledger, undo_log)
-            ledger.restore_counters(counters)
-            ledger.count("plans.rolled_back")
-            raise
-        ledger.count("plans.applied")
-        return results
+        with pool.ledger.lock:  # one critical section: no other thread sees a half plan
+            return _apply(self.ops, pool.ledger)
+
+
+def _apply(ops: list[PlanOp], ledger: ChunkLedger) -> list[list[int]]:
+    """`MappingPlan.apply` under the pool's lock."""
+    ledger.check_usable()
+    counters = ledger.counters()
+    undo_log: list[Undo] = []
+    results: list[list[int]] = []
+    try:
+        for op in ops:
+            handles, undo_steps = _run(op)
+            results.append(handles)
+            undo_log.extend(reversed(undo_steps))
+    except BaseException:
+        _roll_back(ledger, undo_log)
+        ledger.restore_counters(counters)
+        ledger.count("plans.rolled_back")
+        raise
+    ledger.count("plans.applied")
+    return results
 
 
 def _run(op: PlanOp) -> tuple[list[int], list[Undo]]:

@@ -25,23 +25,32 @@ Invariants (`check_invariants`): the ledger's (created <= budget; free and mappe
 disjoint and cover every created chunk; refcounts match the open ranges' slots) and the
 backend agrees on the chunk count.
 
+Thread safety: every public method of the pool, of its ranges and of its plans holds the
+ledger's lock for the whole call (`vmm.ledger.locked`), so several threads may share a
+pool (a mapping worker beside the scheduler); tensors over a range are plain memory and
+are not guarded. Arguments are checked strictly (`vmm.checks`) before anything changes.
+
 Limitations
 -----------
-Single-threaded: callers serialize calls on one pool (the engine's scheduler step does).
+The lock serializes calls on one pool (the backend call included).
 Reused chunks keep their old contents (like `torch.empty`); freshly created ones are zero.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from vmm.backend import Backend
-from vmm.errors import BudgetError
-from vmm.ledger import ChunkLedger
+from vmm.checks import MAX_BYTES, as_index
+from vmm.errors import BudgetError, InputError
+from vmm.ledger import ChunkLedger, locked
 from vmm.range import VirtualRange
 
 if TYPE_CHECKING:
     from vmm.plan import MappingPlan
+
+_log = logging.getLogger(__name__)
 
 
 class ChunkPool:
@@ -57,15 +66,20 @@ class ChunkPool:
         self.backend = backend
         self.granularity = backend.granularity
         budget_chunks = self._chunks_of_budget(budget_bytes)
-        if reserve_ahead < 0:
-            raise ValueError(f"reserve_ahead must be >= 0, got {reserve_ahead}")
-        self.reserve_ahead = reserve_ahead
+        self.reserve_ahead = as_index(reserve_ahead, "reserve_ahead")
         #: the chunk accounting ranges and plans update (see `vmm.ledger`)
         self.ledger = ChunkLedger(backend, budget_chunks)
+        self._lock = self.ledger.lock
+        #: what `close()` could not release cleanly (empty after a clean close)
+        self.close_errors: list[str] = []
         self.top_up()
 
     # ---- budget ---------------------------------------------------------------------
     def _chunks_of_budget(self, budget_bytes: int) -> int:
+        try:
+            budget_bytes = as_index(budget_bytes, "budget_bytes", low=-MAX_BYTES)
+        except InputError as exc:
+            raise BudgetError(str(exc)) from None
         if budget_bytes < 0 or budget_bytes % self.granularity:
             raise BudgetError(
                 f"budget {budget_bytes} bytes is not a non-negative multiple of the "
@@ -91,6 +105,7 @@ class ChunkPool:
         """Chunks mapped at one slot or more."""
         return self.ledger.num_mapped
 
+    @locked
     def set_budget(self, budget_bytes: int) -> None:
         """Grow or shrink the budget at run time.
 
@@ -101,24 +116,29 @@ class ChunkPool:
         self.ledger.set_budget_chunks(self._chunks_of_budget(budget_bytes))
         self.top_up()
 
+    @locked
     def top_up(self) -> int:
         """Create chunks until `reserve_ahead` are free (within budget); returns how many."""
         self.ledger.check_usable()
         return self.ledger.top_up(self.reserve_ahead)
 
     # ---- ranges and plans -----------------------------------------------------------
+    @locked
     def reserve(self, size: int, *, zero_backed: bool = False, name: str = "") -> VirtualRange:
         """Reserve a virtual range of `size` bytes (a granularity multiple); no physical cost.
 
         With `zero_backed`, unmapped slots read as zeros (writes still fault)."""
         self.ledger.check_usable()
-        return VirtualRange(self, size, zero_backed=zero_backed, name=name)
+        size = as_index(size, "reserve size", low=1)
+        return VirtualRange(self, size, zero_backed=zero_backed, name=str(name))
 
+    @locked
     def apply(self, plan: MappingPlan) -> list[list[int]]:
         """Apply `plan` atomically (see `MappingPlan.apply`)."""
         return plan.apply(self)
 
     # ---- accounting -----------------------------------------------------------------
+    @locked
     def stats(self) -> dict[str, int]:
         """Every key of the `vmm.stats` scheme."""
         gran, ledger = self.granularity, self.ledger
@@ -141,6 +161,7 @@ class ChunkPool:
             out.update(self.backend.stats())
         return out
 
+    @locked
     def check_invariants(self, *, expensive: bool = False) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent.
 
@@ -157,6 +178,7 @@ class ChunkPool:
 
     # ---- lifetime -------------------------------------------------------------------
     @property
+    @locked
     def closed(self) -> bool:
         return self.ledger.closed
 
@@ -166,27 +188,35 @@ class ChunkPool:
         return self.ledger.broken
 
     def close(self) -> None:
-        """Close every range, release every chunk, close the backend. Idempotent.
+        """Close every range, release every chunk, close the backend. Idempotent; never
+        raises.
 
         A broken pool (failed rollback) is not unmapped range by range, since its tables
         cannot be trusted: the backend's close tears everything down (unmaps, releases,
-        frees every reservation) and the ranges are marked closed."""
+        frees every reservation) and the ranges are marked closed. An orderly close that
+        fails part-way (ENOMEM at the kernel's map limit) takes the same path. What could
+        not be released is listed in `close_errors` (and logged), not raised."""
         ledger = self.ledger
         if ledger.closed:
             return
-        if ledger.broken:
-            ledger.mark_closed()
+        if not ledger.broken:
             try:
-                self.backend.close()
-            finally:
-                ledger.abandon()
-            return
-        for rng in ledger.open_ranges():
-            rng.close()
-        if ledger.num_free:
-            ledger.release_free(ledger.num_free)
+                for rng in ledger.open_ranges():
+                    rng.close()
+                if ledger.num_free:
+                    ledger.release_free(ledger.num_free)
+            except Exception as exc:  # e.g. ENOMEM at vm.max_map_count: tear down instead
+                self.close_errors.append(f"orderly close failed: {exc}")
+                ledger.mark_broken(f"close() could not unmap range by range: {exc}")
         ledger.mark_closed()
-        self.backend.close()
+        try:
+            self.backend.close()
+        except Exception as exc:  # what the backend could not release is reported, not raised
+            self.close_errors.append(f"backend close failed: {exc}")
+        if ledger.broken:
+            ledger.abandon()
+        if self.close_errors:
+            _log.warning("chunk pool closed with errors: %s", "; ".join(self.close_errors))
 
     def __enter__(self) -> ChunkPool:
         return self

@@ -40,7 +40,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vmm import tensor as _tensor
-from vmm.errors import ClosedError, MappingError, RangeError
+from vmm.checks import as_index
+from vmm.errors import BackendError, ClosedError, MappingError, RangeError
+from vmm.ledger import locked
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +65,7 @@ class VirtualRange:
         gran = pool.granularity
         self.pool = pool
         self._ledger = ledger = pool.ledger
+        self._lock = ledger.lock
         self.granularity = gran
         self.size = size
         self.name = name
@@ -83,12 +86,14 @@ class VirtualRange:
         )
 
     # ---- queries ----------------------------------------------------------------------
+    @locked
     def handle(self, slot: int) -> int | None:
         """The chunk mapped at `slot`, or None."""
         self._check_slots((slot,), "handle")
         handle = self._slot_to_handle[slot]
         return None if handle < 0 else handle
 
+    @locked
     def slot_to_handle(self) -> dict[int, int]:
         """Every mapped slot and its chunk."""
         return {s: h for s, h in enumerate(self._slot_to_handle) if h >= 0}
@@ -109,6 +114,7 @@ class VirtualRange:
         """The backend's DLPack factory over this range (None on CUDA, or once closed)."""
         return self._views
 
+    @locked
     def address(self, slot: int) -> int:
         """Virtual address of `slot`."""
         self._check_slots((slot,), "address")
@@ -129,6 +135,8 @@ class VirtualRange:
         self.check_open()
         n = self.num_slots
         for slot in slots:
+            if type(slot) is not int:
+                as_index(slot, f"{op}: slot")  # numpy ints pass, floats and bools do not
             if not 0 <= slot < n:
                 raise RangeError(f"{op}: slot {slot} is outside range {self.name!r} of {n} slots")
 
@@ -141,6 +149,8 @@ class VirtualRange:
         table, n, va, gran = self._slot_to_handle, self.num_slots, self.va, self.granularity
         vas = []
         for slot in slots:
+            if type(slot) is not int:
+                as_index(slot, f"{op}: slot")  # numpy ints pass, floats and bools do not
             if not 0 <= slot < n:
                 raise RangeError(f"{op}: slot {slot} is outside range {self.name!r} of {n} slots")
             if (table[slot] >= 0) is not mapped:
@@ -152,11 +162,13 @@ class VirtualRange:
         return vas
 
     # ---- atomic slot operations -------------------------------------------------------
+    @locked
     def map(self, slots: Sequence[int]) -> list[int]:
         """Map a free (or new) chunk at each slot; returns the handles, in slot order."""
         handles, _ = self.map_new(slots)
         return handles
 
+    @locked
     def map_new(self, slots: Sequence[int]) -> tuple[list[int], int]:
         """`map`, also returning how many of the handles were created for it (the last
         ones): a plan's rollback releases those."""
@@ -165,13 +177,15 @@ class VirtualRange:
         handles, num_created = ledger.take(len(vas))
         try:
             self.pool.backend.map(vas, handles)
-        except BaseException:
+        except BaseException as exc:
+            self._note_failure(exc)
             ledger.untake(handles, num_created)
             raise
         self._set(slots, handles)
         ledger.retain_taken(handles)
         return handles, num_created
 
+    @locked
     def map_handles(self, slots: Sequence[int], handles: Sequence[int]) -> None:
         """Map chunks that already exist (mapped elsewhere, or free) at `slots`."""
         vas = self._validate(slots, False, "map")
@@ -181,10 +195,15 @@ class VirtualRange:
         for handle in handles:
             if not ledger.owns(handle):
                 raise MappingError(f"map: handle {handle} is no chunk of this pool")
-        self.pool.backend.map(vas, handles)
+        try:
+            self.pool.backend.map(vas, handles)
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
         self._set(slots, handles)
         ledger.retain(handles)
 
+    @locked
     def unmap(self, slots: Sequence[int]) -> list[int]:
         """Unmap the chunks at `slots` (they become free once mapped nowhere); returns them.
 
@@ -192,21 +211,29 @@ class VirtualRange:
         vas = self._validate(slots, True, "unmap")
         table = self._slot_to_handle
         handles = [table[slot] for slot in slots]
-        self.pool.backend.unmap(vas, to_zero=self.zero_backed)
+        try:
+            self.pool.backend.unmap(vas, to_zero=self.zero_backed)
+        except BaseException as exc:
+            self._note_failure(exc)
+            raise
         for slot in slots:
             table[slot] = -1
         self.num_mapped -= len(vas)
         self._ledger.drop(handles)
         return handles
 
+    @locked
     def share_from(self, src: VirtualRange, src_slots: Sequence[int], slots: Sequence[int]) -> None:
         """Map the chunks at `src_slots` of `src` also at `slots` of this range (no copy)."""
+        self._check_same_pool(src, "share")
         handles = src.mapped_handles(src_slots, "share")
         self.map_handles(slots, handles)
         self._ledger.count("ops.share", len(slots))
 
+    @locked
     def remap_from(self, src: VirtualRange, src_slots: Sequence[int], slots: Sequence[int]) -> None:
         """Move the chunks at `src_slots` of `src` to `slots` of this range (no copy)."""
+        self._check_same_pool(src, "remap")
         handles = src.mapped_handles(src_slots, "remap")
         self.map_handles(slots, handles)
         try:
@@ -215,6 +242,16 @@ class VirtualRange:
             self._undo_remap_target(slots, exc)
             raise
         self._ledger.count("ops.remap", len(slots))
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """A backend call failed: if its own rollback failed too (the backend's slots no
+        longer match the tables), mark the pool broken, so every later call says so."""
+        if isinstance(exc, BackendError) and exc.op == "rollback" and not self._ledger.broken:
+            self._ledger.mark_broken(f"range {self.name!r}: {exc}")
+
+    def _check_same_pool(self, src: VirtualRange, op: str) -> None:
+        if src._ledger is not self._ledger:
+            raise MappingError(f"{op}: range {src.name!r} belongs to another pool")
 
     def _undo_remap_target(self, slots: Sequence[int], cause: BaseException) -> None:
         """Compensate a remap whose source unmap failed; if that fails too the chunks are
@@ -227,6 +264,7 @@ class VirtualRange:
                 f"source unmap failed ({cause}): {exc}"
             ) from exc
 
+    @locked
     def mapped_handles(self, slots: Sequence[int], op: str = "handles") -> list[int]:
         """The chunks at `slots`, each of which must be mapped (`op` names the caller in
         errors)."""
@@ -263,14 +301,15 @@ class VirtualRange:
         ):
             try:  # fast path (~1.5 µs): C++ capsule, torch adopts it; errors take the slow one
                 capsule = views.capsule(offset, shape, strides or (), info[0], info[1], 1)
-            except _tensor.HostError:
-                pass  # the slow path re-raises it as the matching vmm error
+            except (_tensor.HostError, TypeError, OverflowError):
+                pass  # the slow path checks the arguments and raises the matching vmm error
             else:
                 return _tensor.adopt_capsule(capsule)
         self.check_open()
         return _tensor.view(self, shape, dtype, offset, strides)
 
     # ---- checks and lifetime ----------------------------------------------------------
+    @locked
     def check_invariants(self, *, expensive: bool = False) -> None:
         """Raise AssertionError if the slot table is inconsistent (expensive: walk it)."""
         assert 0 <= self.num_mapped <= self.num_slots, f"num_mapped {self.num_mapped}"
@@ -291,6 +330,7 @@ class VirtualRange:
     def closed(self) -> bool:
         return self._closed
 
+    @locked
     def close(self) -> None:
         """Unmap every slot (chunks go back to the pool) and free the reservation.
 

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vmm._core import host as _h
+from vmm.checks import INT64_MAX, as_index, as_indices
 from vmm.errors import AlignmentError, ClosedError, RangeError
 
 #: The C++ host error base class (what a view capsule raises on bad input).
@@ -106,8 +107,11 @@ def view(
     strides: Sequence[int] | None,
 ) -> torch.Tensor:
     """See `VirtualRange.tensor`."""
-    if isinstance(shape, int):
-        shape = (shape,)
+    dims: Sequence[object] = shape if isinstance(shape, (list, tuple)) else (shape,)
+    shape = as_indices(dims, "view shape", low=-INT64_MAX, high=INT64_MAX)  # C++ checks bounds
+    offset = as_index(offset, "view offset", high=INT64_MAX)
+    if strides is not None:
+        strides = as_indices(strides, "view strides", low=-INT64_MAX, high=INT64_MAX)
     if isinstance(dtype, str):
         dtype = resolve_dtype(dtype)
     code, bits, itemsize, reinterpret = dtype_info(dtype)

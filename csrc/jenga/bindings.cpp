@@ -6,6 +6,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
+#include <utility>
+
 #include "jenga/core.hpp"
 
 namespace py = pybind11;
@@ -16,6 +19,24 @@ namespace {
 
 using jenga::Core;
 using Release = py::call_guard<py::gil_scoped_release>;
+using Lock = std::lock_guard<std::mutex>;
+
+// A member function of Core run under the core's API mutex (bound with Release(): the GIL
+// is dropped first, so a thread waiting for the mutex never holds the GIL).
+template <typename R, typename... A>
+auto locked(R (Core::*f)(A...)) {
+  return [f](Core& core, A... args) -> R {
+    const Lock lock(core.api_mutex());
+    return (core.*f)(std::forward<A>(args)...);
+  };
+}
+template <typename R, typename... A>
+auto locked(R (Core::*f)(A...) const) {
+  return [f](const Core& core, A... args) -> R {
+    const Lock lock(core.api_mutex());
+    return (core.*f)(std::forward<A>(args)...);
+  };
+}
 
 // The pending plan as a list of (kind, group, page, reused_units) tuples, the keys of the
 // Python op cache (one call, no parallel arrays to zip); an empty list when nothing is pending.
@@ -25,6 +46,7 @@ py::list plan_keys(Core& core) {
   std::vector<jenga::PlanOp> ops;
   {
     py::gil_scoped_release nogil;
+    const Lock lock(core.api_mutex());
     ops = core.drain_plan();
   }
   for (const auto& op : ops) {
@@ -34,6 +56,7 @@ py::list plan_keys(Core& core) {
 }
 
 py::dict counters_dict(const Core& core) {
+  const Lock lock(core.api_mutex());  // with the GIL: the holder never waits for it
   const jenga::Counters& c = core.counters();
   py::dict d;
   for (int s = 1; s <= 5; ++s) d[py::str("alloc.step." + std::to_string(s))] = c.step_blocks[s];
@@ -54,6 +77,7 @@ py::dict counters_dict(const Core& core) {
 }
 
 py::tuple group_counts(const Core& core, int32_t g) {
+  const Lock lock(core.api_mutex());
   const jenga::Group& G = core.group(g);
   return py::make_tuple(
       G.num_mapped_pages, G.num_cached_blocks, G.num_free_blocks,
@@ -61,6 +85,7 @@ py::tuple group_counts(const Core& core, int32_t g) {
 }
 
 py::tuple block_info(const Core& core, int32_t g, int32_t b) {
+  const Lock lock(core.api_mutex());
   const jenga::Group& G = core.group(g);
   if (b < 0 || static_cast<size_t>(b) >= G.blocks.size()) {
     throw py::index_error("group " + std::to_string(g) + ": block " + std::to_string(b) +
@@ -101,6 +126,7 @@ py::array_t<int32_t> lookup(const Core& core, int32_t g, U64Array hashes) {
   const size_t n = static_cast<size_t>(hashes.shape(0));
   {
     py::gil_scoped_release nogil;
+    const Lock lock(core.api_mutex());
     core.lookup(g, in, n, dst);
   }
   return out;
@@ -118,6 +144,7 @@ int64_t commit_run(Core& core, int32_t g,
   }
   const uint64_t* h = hashes.data();
   py::gil_scoped_release nogil;
+  const Lock lock(core.api_mutex());
   return core.commit_run(g, blocks, h, first_prefix, step);
 }
 
@@ -144,6 +171,7 @@ py::object allocate_arrays(Core& core, int64_t owner, const std::vector<int32_t>
   std::optional<std::vector<std::vector<int32_t>>> got;
   {
     py::gil_scoped_release nogil;
+    const Lock lock(core.api_mutex());
     got = core.allocate(owner, counts, now, rel);
   }
   if (!got) return py::none();
@@ -155,12 +183,14 @@ py::object allocate_arrays(Core& core, int64_t owner, const std::vector<int32_t>
 void release_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
   std::vector<int32_t> v = to_vector(blocks);
   py::gil_scoped_release nogil;
+  const Lock lock(core.api_mutex());
   core.release(g, v, now);
 }
 
 void acquire_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
   std::vector<int32_t> v = to_vector(blocks);
   py::gil_scoped_release nogil;
+  const Lock lock(core.api_mutex());
   core.acquire(g, v, now);
 }
 
@@ -203,14 +233,17 @@ void register_jenga(py::module_ m) {
                     const jenga::Rules&>(),
            py::arg("blocks_per_page"), py::arg("units_per_page"), py::arg("total_units"),
            py::arg_v("rules", jenga::Rules{}, "Rules()"))
-      .def("allocate", &Core::allocate, py::arg("owner"), py::arg("counts"), py::arg("now"),
+      .def("allocate", locked(&Core::allocate), py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
       .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<I32Array>{},
            "allocate() taking and returning int32 arrays")
+      .def("evict_cached_pages", &Core::evict_cached_pages, py::arg("units"), Release(),
+           "Evict whole evictable pages in step 3's order until `units` units are freed or "
+           "none is left; returns the units freed (the unmaps are plan ops)")
       .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
-      .def("commit", &Core::commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
+      .def("commit", locked(&Core::commit), py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("prefix_lens"), Release())
       .def("commit_run", &commit_run, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("first_prefix"), py::arg("step"),
@@ -221,18 +254,24 @@ void register_jenga(py::module_ m) {
       .def("drain_plan", &plan_keys,
            "The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, "
            "reused_units) tuples")
-      .def_property("rules", &Core::rules, &Core::set_rules,
-                    "The rules (a copy; assign a new Rules to change them)")
-      .def("check_invariants", &Core::check_invariants, py::arg("expensive") = false, Release())
-      .def("eviction_order", &Core::eviction_order, py::arg("group"))
-      .def("page_eviction_order", &Core::page_eviction_order)
+      .def_property(
+          "rules",
+          [](const Core& core) -> jenga::Rules {
+            const Lock lock(core.api_mutex());
+            return core.rules();  // a copy, taken under the lock
+          },
+          locked(&Core::set_rules), "The rules (a copy; assign a new Rules to change them)")
+      .def("check_invariants", locked(&Core::check_invariants), py::arg("expensive") = false,
+           Release())
+      .def("eviction_order", locked(&Core::eviction_order), py::arg("group"), Release())
+      .def("page_eviction_order", locked(&Core::page_eviction_order), Release())
       .def("counters", &counters_dict)
       .def("group_counts", &group_counts, py::arg("group"),
            "(mapped_pages, cached_blocks, free_blocks, used_blocks)")
       .def("block_info", &block_info, py::arg("group"), py::arg("block"),
            "(state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)")
-      .def_property_readonly("total_units", &Core::total_units)
-      .def_property_readonly("free_units", &Core::free_units)
+      .def_property_readonly("total_units", locked(&Core::total_units))
+      .def_property_readonly("free_units", locked(&Core::free_units))
       .def_property_readonly("num_groups", &Core::num_groups);
   m.def("hash_blocks", &hash_blocks, py::arg("tokens"), py::arg("tokens_per_block"),
         py::arg("parent") = 0,

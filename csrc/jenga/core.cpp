@@ -267,6 +267,36 @@ bool Core::evict_pages_for(int32_t g, Counters& c, int32_t& reused_units) {
   return true;
 }
 
+int64_t Core::evict_cached_pages(int64_t units) {
+  if (units < 0) throw std::invalid_argument("units must be >= 0, got " + str(units));
+  const int64_t before = free_units_;
+  const size_t plan_mark = plan_.size();
+  Counters c;
+  undo_.clear();
+  logging_ = true;
+  try {
+    while (free_units_ - before < units && !evictable_pages_.empty()) {
+      const PageKey victim = *evictable_pages_.begin();
+      const int32_t h = std::get<2>(victim);
+      const int32_t page = std::get<3>(victim);
+      c.blocks_evicted += grp(h).pages[static_cast<size_t>(page)].num_cached;
+      evict_page(h, page);
+      c.pages_evicted += 1;
+      c.pages_unmapped += 1;
+    }
+  } catch (...) {
+    rollback(0, plan_mark);
+    logging_ = false;
+    throw;
+  }
+  logging_ = false;
+  undo_.clear();
+  counters_.pages_evicted += c.pages_evicted;
+  counters_.pages_unmapped += c.pages_unmapped;
+  counters_.blocks_evicted += c.blocks_evicted;
+  return free_units_ - before;
+}
+
 void Core::evict_page(int32_t g, int32_t page) {
   Group& G = grp(g);
   set_page_evictable(g, page, false);

@@ -43,6 +43,7 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -213,6 +214,10 @@ class Core {
   Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
        int64_t total_units, const Rules& rules = Rules{});
 
+  // Held by the bindings across every public call (after the GIL is released), so threads
+  // sharing one Core never interleave inside its tables. The core itself never locks it.
+  std::mutex& api_mutex() const { return api_mutex_; }
+
   // All-or-nothing: first drop one reference per block in releases[g] (blocks the owner no
   // longer needs), then allocate counts[g] new blocks for `owner` in every group g. Returns
   // the block ids per group, or nullopt with every change (releases too) undone.
@@ -223,6 +228,11 @@ class Core {
   // (hashed) or FREE, and pages left all FREE are unmapped.
   // Throws std::invalid_argument (nothing changed) if a block is not USED.
   void release(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
+  // Evict whole evictable pages (step 3's order: LRU by newest access, ties as there) until
+  // at least `units` units were freed or none is left; their cached blocks leave the index
+  // and the pages are unmapped (plan ops). Returns the units freed. All or nothing: a
+  // failure midway rolls every eviction back. Throws std::invalid_argument if units < 0.
+  int64_t evict_cached_pages(int64_t units);
   // Take one reference per listed block (a prefix hit). Blocks must be USED or CACHED.
   void acquire(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
   // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.
@@ -345,6 +355,7 @@ class Core {
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;
+  mutable std::mutex api_mutex_;
 };
 
 // Chained block hashes over token ids: h[i] = H(h[i-1], tokens[i*T .. (i+1)*T)), h[-1] = parent.

@@ -250,8 +250,10 @@ class MiniEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> int:
         """One scheduling + forward step; returns the number of segments computed."""
-        computed = self._step()
-        if self.gate is not None:
+        if self.gate is None:
+            return self._step()
+        with self.gate.lock:  # an owner's reclaim evicts cached pages only between steps
+            computed = self._step()
             self.kv.sync()
             self.gate.after_step()
         return computed

@@ -26,7 +26,12 @@ Approach (per_layer layout, see `integrations.kvcache.geometry`)
 Limitations
     If the backend fails (OS out of memory) after the allocator committed an allocation,
     the vmm plan rolls back but the allocator cannot; the cache is then marked broken
-    and raises `KVCacheBroken` on further use. Single-threaded (like the pool).
+    and raises `KVCacheBroken` on further use. The cache object itself is single-threaded
+    (one scheduler thread calls it; the overlap worker maps through the pool, whose calls
+    are thread-safe). Arguments (token counts, token ids) are checked strictly
+    (`vmm.checks`). Reserved but unmapped slots are zero-backed by default: a stray read
+    gives zeros, a stray write through a raw `layer_view`/`block_view` still faults;
+    `block` is the checked per-block view.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from jenga.pages import PageTable, vmm_page_table
 from jenga.plan import MapPage
 from jenga.plan import MappingPlan as PagePlan
 from jenga.specs import Kind, ModelSpec
-from vmm.errors import VmmError
+from vmm.checks import as_index, as_indices
+from vmm.errors import ClosedError, MappingError, VmmError
 from vmm.plan import MappingPlan
 from vmm.pool import ChunkPool
 from vmm.range import VirtualRange
@@ -64,6 +70,10 @@ class KVCacheBroken(VmmError):
     """A backend failure left the allocator ahead of the mapped memory; the cache is unusable."""
 
 
+class UnmappedBlockError(MappingError):
+    """A checked view or write names a block whose large page is not mapped."""
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """How the cache is laid out. `dtype` is a torch dtype (its size must match the specs)."""
@@ -72,7 +82,9 @@ class KVCacheConfig:
     kv_split: bool = False
     epsilon: float = 0.01
     order: AllocationOrder = AllocationOrder.PAPER
-    zero_backed: bool = False
+    #: back reserved but unmapped slots with the read-only zero chunk (reads give zeros, a
+    #: stray read never faults); None: whenever the backend has a zero chunk
+    zero_backed: bool | None = None
     layout: str = "per_layer"  # or "per_group" (one range per group, strided layer views)
 
 
@@ -128,6 +140,7 @@ class KVCache:
         self._counters = {"kv.plans": 0, "kv.remapped_units": 0, "kv.pages.mapped": 0,
                           "kv.pages.unmapped": 0}  # fmt: skip
         self._broken = False
+        self._closed = False
         self._worker: OverlapWorker | None = None
         self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
         self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []
@@ -167,11 +180,15 @@ class KVCache:
             labels = [f"{geo.name}.L{layer}.{n}" for layer in geo.layer_ids for n in names]
         for label in labels:
             zero = self.config.zero_backed
+            if zero is None:
+                zero = self.pool.backend.zero_handle is not None
             reserved.append(self.pool.reserve(geo.range_bytes, zero_backed=zero, name=label))
         return tuple(reserved[-len(labels) :])
 
     # ---- allocator front -----------------------------------------------------------------
     def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedError("KV cache used after close(); nothing was allocated")
         if self._broken:
             raise KVCacheBroken("a backend failure left this KV cache inconsistent; rebuild it")
 
@@ -186,6 +203,7 @@ class KVCache:
     ) -> int:
         """Register a request; returns its prefix-cache hit in tokens (no memory needed)."""
         self._check_usable()
+        prompt = as_indices(prompt, "prompt")
         return self.allocator.add_request(
             request_id, prompt, images=images, salt=salt, use_cache=use_cache
         )
@@ -193,6 +211,7 @@ class KVCache:
     def allocate(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
         """Slots for `num_new_tokens` more tokens in every group, mapped; None: no room."""
         self._check_usable()
+        num_new_tokens = as_index(num_new_tokens, "num_new_tokens")
         got = self.allocator.allocate(request_id, num_new_tokens)
         if got is not None:
             self._apply(got.plan)
@@ -203,8 +222,18 @@ class KVCache:
         self._check_usable()
         self._apply(self.allocator.free(request_id))
 
+    def evict_cached(self, num_units: int) -> int:
+        """Evict prefix-cache pages until `num_units` chunks are unmapped (or none is left,
+        see `JengaAllocator.evict_cached`); returns the chunks unmapped."""
+        self._check_usable()
+        plan = self.allocator.evict_cached(num_units)
+        self._apply(plan)
+        groups = self.allocator.config.groups
+        return sum(groups[op.group].units_per_large_page for op in plan.ops)
+
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
-        self.allocator.append_tokens(request_id, token_ids)
+        self._check_usable()
+        self.allocator.append_tokens(request_id, as_indices(token_ids, "token_ids"))
 
     def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
         """Offer the request's complete blocks to the prefix cache (see JengaAllocator.cache)."""
@@ -245,6 +274,7 @@ class KVCache:
         the worker) or `sync` (plans that unmap, and every plan after one). Call `sync`
         before any other call that touches memory."""
         self._check_usable()
+        num_new_tokens = as_index(num_new_tokens, "num_new_tokens")
         got = self.allocator.allocate(request_id, num_new_tokens)
         if got is not None and got.plan:
             vmm_plan, remapped = translate(got.plan, self.geometries, self.ranges)
@@ -334,8 +364,37 @@ class KVCache:
         strides = (geo.page_bytes // self.itemsize, block_elems, *inner_strides)
         return rng.tensor(shape, self.dtype, geo.layer_offset(layer), strides)
 
+    def block(self, layer: int, block: int, tensor: int = 0) -> torch.Tensor:
+        """The one block `block` of `layer` (``[*block]``, zero-copy), checked: raises
+        UnmappedBlockError, before touching memory, unless its large page is mapped. The
+        safe way to fill or copy a block (a raw `layer_view` / `block_view` spans unmapped
+        pages too, where a write faults)."""
+        owner = self._reader_to_owner.get(layer, layer)
+        geo = self.group_of(owner)
+        page = self._check_block(geo, block)
+        view = self.layer_view(owner, tensor)
+        return view[page, block % geo.blocks_per_page]
+
+    def _check_block(self, geo: GroupGeometry, block: object) -> int:
+        """The page of `block`; raises unless it is an int of a mapped page."""
+        if type(block) is not int:
+            block = as_index(block, f"group {geo.name!r}: block")
+        if not 0 <= block < geo.max_blocks:
+            raise LayoutError(f"group {geo.name!r}: block {block} outside [0, {geo.max_blocks})")
+        page = block // geo.blocks_per_page
+        if page not in self.mapped_pages[geo.index]:
+            raise UnmappedBlockError(
+                f"group {geo.name!r}: block {block} is on page {page}, which is not mapped "
+                f"({len(self.mapped_pages[geo.index])} of {geo.max_pages} pages are)"
+            )
+        return page
+
     def block_view(self, layer: int, tensor: int = 0) -> torch.Tensor:
-        """``[max_blocks, *block]``: block b at ``b * p``; only when the group has no tail."""
+        """``[max_blocks, *block]``: block b at ``b * p``; only when the group has no tail.
+
+        A raw view of the whole range: reading an unmapped block gives zeros (zero-backed,
+        the default), writing one faults (SIGSEGV on host). Index it with the block table's
+        ids only, or use `block` (checked)."""
         geo = self.group_of(self._reader_to_owner.get(layer, layer))
         if not geo.uniform_blocks:
             raise LayoutError(
@@ -396,7 +455,9 @@ class KVCache:
                 assert got == want, f"range {rng.name!r}: slots {sorted(got)} != {sorted(want)}"
 
     def close(self) -> None:
-        """Close every range (chunks go back to the pool). The pool stays open."""
+        """Close every range (chunks go back to the pool). The pool stays open. Every
+        later call that allocates, frees or views raises ClosedError."""
+        self._closed = True
         if self._worker is not None:
             self._worker.close()
             self._worker = None

@@ -51,8 +51,15 @@ from vllm.v1.request import Request
 import vllm
 
 VLLM_VERSION = str(vllm.__version__)
+AT_LEAST_0_33 = tuple(int(p) for p in VLLM_VERSION.split("+")[0].split(".")[:2]) >= (0, 33)
+"""0.33 differs from 0.32 in: KV-config building moved to ``kv_cache_planning``
+(`get_kv_cache_configs`); the scheduler calls ``get_computed_blocks(request,
+max_cache_hit_length)`` (the manager takes the bound on both); the output update that
+caches blocks under async scheduling moved from ``AsyncScheduler`` into ``Scheduler``
+(``_update_request_with_output``; `scheduler_owns_output_update`)."""
 
 __all__ = [
+    "AT_LEAST_0_33",
     "VLLM_VERSION",
     "AllBlocksCleared",
     "AsyncScheduler",
@@ -116,7 +123,17 @@ def config_classes() -> dict[str, Any]:
 def get_kv_cache_configs(
     vllm_config: Any, layer_specs: list[dict[str, Any]], memory_bytes: list[int]
 ) -> list[Any]:
-    """vLLM's grouping and block count per worker (0.32: ``kv_cache_utils``)."""
+    """vLLM's grouping and block count per worker, as its engine core computes them.
+
+    0.32: ``kv_cache_utils.get_kv_cache_configs(config, specs, memory)``. 0.33 moved it to
+    ``kv_cache_planning`` and takes the whole model's groups as a fourth argument, which
+    the engine computes first with ``get_global_kv_cache_groups(config, specs)``.
+    """
+    if AT_LEAST_0_33:
+        from vllm.v1.core import kv_cache_planning as planning
+
+        groups = planning.get_global_kv_cache_groups(vllm_config, layer_specs)
+        return list(planning.get_kv_cache_configs(vllm_config, layer_specs, memory_bytes, groups))
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as build
 
     return list(build(vllm_config, layer_specs, memory_bytes))
@@ -160,6 +177,16 @@ def model_runner_output(**kwargs: Any) -> Any:
     from vllm.v1.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput(**kwargs)
+
+
+def scheduler_owns_output_update() -> bool:
+    """Whether ``Scheduler`` itself defines the async-aware ``_update_request_with_output``.
+
+    0.32: ``AsyncScheduler`` overrides it (placeholders, ``cache_blocks`` of new tokens);
+    0.33: the override moved into ``Scheduler`` (``is_stale`` argument), so a subclass
+    that wraps it must wrap ``Scheduler``'s on 0.33 and ``AsyncScheduler``'s on 0.32.
+    """
+    return AT_LEAST_0_33
 
 
 # -- engine (harness, tests) -------------------------------------------------------------

@@ -14,9 +14,9 @@ Approach
     of the config with default `JengaVllmOptions` (or the ones given).
 
 Limitations
-    Arguments that only tune vLLM's own manager (``hash_block_size``,
-    ``scheduler_block_size``, ``max_in_flight_tokens``, ``num_prefill_lookahead``,
-    ``metrics_collector``, ``watermark``, ...) are accepted and not used.
+    Arguments that only tune vLLM's own manager (``scheduler_block_size``,
+    ``max_in_flight_tokens``, ``num_prefill_lookahead``, ``metrics_collector``,
+    ``watermark``, ...) are accepted and not used.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def jenga_kv_cache_manager(
     enable_kv_cache_events: bool = False,
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
+    hash_block_size: int | None = None,
     jenga_options: JengaVllmOptions | None = None,
     **_vllm_only: Any,
 ) -> JengaKVCacheManager:
@@ -63,4 +64,6 @@ def jenga_kv_cache_manager(
         enable_caching=enable_caching,
         log_stats=log_stats,
         enable_kv_cache_events=enable_kv_cache_events,
+        kv_cache_config=kv_cache_config,
+        hash_block_size=hash_block_size,
     )

@@ -36,6 +36,13 @@ Approach
     (`integrations.vllm.slots.SharedSlots`, driven by the same plans); with VMM tensors
     (``pages="vmm"``) the allocator's ids are used as they are.
 
+    Blocks that leave a sliding window / local chunk (and old Mamba states) are released
+    as vLLM releases them: in `allocate_slots` and `remove_skipped_blocks`, only those out
+    of the window as of the tokens whose step has finished (``num_computed_tokens -
+    num_in_flight_tokens``), so under asynchronous scheduling a block the in-flight step
+    still reads is not handed to another request before that step's output is processed
+    (`JengaAllocator.allocate`'s ``release_upto``).
+
     Null blocks: a released entry (out of the window, an old Mamba state) is shown as
     a `KVCacheBlock` with ``is_null=True`` and the group's null id (0 on vLLM's tensors,
     ``capacity`` on VMM ranges; see `integrations.vllm.layout`), never a live id.
@@ -50,9 +57,7 @@ Approach
 
 Limitations
     No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
-    slot allocation, no watermark. Blocks skipped by a sliding window are released at
-    the request's next `allocate_slots`, not in `remove_skipped_blocks`, and not
-    deferred past an in-flight async step (vLLM defers them). `get_computed_blocks`
+    slot allocation, no watermark. `get_computed_blocks`
     reports the hit length with empty block lists: the blocks are claimed by
     `allocate_slots`, which re-derives them (nothing changes in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
@@ -260,7 +265,7 @@ class JengaKVCacheManager:
         return self.identity.verify(request, tables)
 
     def get_computed_blocks_for_connector(
-        self, request: Request
+        self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
         raise UnsupportedFeature("KV connectors are not supported by the jenga manager")
 
@@ -320,12 +325,14 @@ class JengaKVCacheManager:
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
-        new_blocks = self._allocate(request, need) if need > 0 else None
+        # as vLLM: release on the processed basis (an in-flight step reads below it)
+        processed = max(0, computed - request.num_in_flight_tokens)
+        new_blocks = self._allocate(request, need, processed) if need > 0 else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
             else:  # as vLLM: skipped blocks go even when the request cannot grow
-                self._queue_plan(self.allocator.release_skipped(rid))
+                self._queue_plan(self.allocator.release_skipped(rid, release_upto=processed))
             self.counters["requests.rejected"] += 1
             return None
         if self.enable_caching:
@@ -334,14 +341,15 @@ class JengaKVCacheManager:
             return self.empty_kv_cache_blocks
         return self._blocks_of(new_blocks)
 
-    def _allocate(self, request: Request, need: int) -> list[list[int]] | None:
-        """Slots for ``need`` more tokens in one all-or-nothing allocator call.
+    def _allocate(self, request: Request, need: int, processed: int) -> list[list[int]] | None:
+        """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
+        the blocks out of the window as of ``processed`` tokens.
 
         Per group the new block ids, or None with nothing changed. The layout configures
         Mamba groups with ``mamba_step_end_only`` (vLLM writes a state only where a chunk
         ends), so a long chunk holds the state it starts from and the one it ends at.
         """
-        got = self.allocator.allocate(request.request_id, need)
+        got = self.allocator.allocate(request.request_id, need, release_upto=processed)
         if got is None:
             return None
         for g, blocks in enumerate(got.new_blocks):
@@ -468,7 +476,12 @@ class JengaKVCacheManager:
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
-        """No-op: jenga releases out-of-window blocks in the request's next allocation."""
+        """Release the blocks out of the window as of ``processed_computed_tokens``."""
+        if request_id in self._tokens_known:
+            plan = self.allocator.release_skipped(
+                request_id, release_upto=processed_computed_tokens
+            )
+            self._queue_plan(plan)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")

@@ -14,7 +14,13 @@ Approach
     every baseline, so byte accounting is exact (no cross-size fragmentation).
 
         uniform          one group "all", every layer stores every token, 16 tokens/block
+                         (vLLM 0.6's PagedAttention block manager)
         vllm_hybrid      real groups, equal page bytes: tokens/block = page // bytes/token
+                         (vLLM's hybrid allocator as first merged, RFC #11382 / v0.9:
+                         ``unify_kv_cache_spec_page_size`` grows the smaller pages' block
+                         size, all groups share one block pool; no group-size padding, no
+                         Mamba, every computed block cached; today's manager with those
+                         rules is `jenga.sim.vllm_v1`)
         static_partition real groups, one pool per group, equal blocks per group
 
     Blocks move free -> live (refcount > 0) -> cached (refcount 0, hashed, in the LRU)
@@ -24,7 +30,9 @@ Approach
     hit is the longest length valid in every group (its kept interval fully cached).
 
     The MAX-page baseline is not here: it is a page-table configuration of the real
-    Jenga core (`jenga_adapter.max_page`).
+    Jenga core (`jenga_adapter.max_page`). Tokens per block come from the model's specs
+    (16 unless ``--block-size`` changed them). ``use_prefix_cache = False`` turns lookups
+    and hashing off (``--no-prefix-cache``).
 
 Limitations
     No Mamba groups (raises SimError). LRU ties follow release order (tail first).
@@ -39,8 +47,6 @@ from dataclasses import dataclass
 from jenga.sim.needs import group_length, kept_interval, role_of
 from jenga.sim.protocol import AllocatorSnapshot, RequestState, SimError
 from jenga.specs import Kind, LayerSpec, ModelSpec
-
-BASE_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class PagedAllocator:
     def __init__(self, config: PagedConfig) -> None:
         self.name = config.name
         self.config = config
+        self.use_prefix_cache = True
         self._groups = config.groups
         self._capacity = list(config.pool_capacity)
         self._used = [0] * len(self._capacity)
@@ -171,6 +178,8 @@ class PagedAllocator:
 
     def _register_computed(self, state: RequestState) -> None:
         """Give every full, computed block of the request a hash (so it can be shared)."""
+        if not self.use_prefix_cache:
+            return
         tables = self._tables[state.req_id]
         done = self._registered[state.req_id]
         for gi, table in enumerate(tables):
@@ -258,7 +267,7 @@ class PagedAllocator:
     def admit(self, state: RequestState) -> int:
         if state.req_id in self._tables:
             raise SimError(f"{self.name}: request {state.req_id} admitted twice")
-        hit = self._longest_hit(state)
+        hit = self._longest_hit(state) if self.use_prefix_cache else 0
         tables: list[list[int | None]] = []
         for gi, layout in enumerate(self._groups):
             start, end = self._hit_interval(gi, state, hit)
@@ -310,6 +319,10 @@ class PagedAllocator:
         for gi, count in enumerate(wanted):
             tables[gi].extend(self._new_block(gi) for _ in range(count))
         return True
+
+    def trim(self, state: RequestState) -> None:
+        self._register_computed(state)
+        self._release_out_of_window(state)
 
     def release(self, state: RequestState) -> None:
         tables = self._tables.get(state.req_id)
@@ -379,13 +392,18 @@ def uniform(model: ModelSpec, capacity: int) -> PagedAllocator:
     _reject_mamba(model, "uniform")
     per_token = sum(g.num_layers * g.spec.bytes_per_token for g in model.groups)
     layout = GroupLayout(
-        "all", FULL_RULES, "all", BASE_BLOCK_TOKENS, BASE_BLOCK_TOKENS * per_token, 0
+        "all", FULL_RULES, "all", _block_tokens(model), _block_tokens(model) * per_token, 0
     )
     return PagedAllocator(PagedConfig("uniform", (layout,), (capacity,)))
 
 
 def _small_page(spec: LayerSpec) -> int:
-    return spec.bytes_per_token * BASE_BLOCK_TOKENS
+    return spec.bytes_per_token * spec.block_size
+
+
+def _block_tokens(model: ModelSpec) -> int:
+    """The model's tokens per block (the smallest, when groups differ)."""
+    return min(g.spec.block_size for g in model.groups)
 
 
 def vllm_hybrid(model: ModelSpec, capacity: int) -> PagedAllocator:
@@ -412,7 +430,7 @@ def static_partition(model: ModelSpec, capacity: int) -> PagedAllocator:
     costs = [g.num_layers * _small_page(g.spec) for g in model.groups]
     blocks_each = capacity // sum(costs)
     layouts = tuple(
-        GroupLayout(g.name, g.spec, role_of(g.spec, model), BASE_BLOCK_TOKENS, cost, i)
+        GroupLayout(g.name, g.spec, role_of(g.spec, model), g.spec.block_size, cost, i)
         for i, (g, cost) in enumerate(zip(model.groups, costs, strict=True))
     )
     pools = tuple(blocks_each * c for c in costs)

@@ -1,8 +1,12 @@
 """``jenga-sim``: compare KV allocators on a simulated serving run.
 
-With no flags it runs the default scenario (Ministral 8B serving the arXiv-QA trace on
-an H100 80 GB) under every allocator and prints the comparison table. ``--scenario``
-picks another named scenario; the other flags override parts of it.
+With no flags it runs the default scenario (``mamba-chat``: a Mamba-2 hybrid, Nemotron
+Nano 9B v2, serving closed-loop multi-turn chats on an H100) under today's vLLM
+(``vllm_v1``) and Jenga, prints the comparison table and one line saying how Jenga
+compares on the scenario's headline metric. ``--scenario arxiv-ministral`` is the Jenga
+paper's Fig. 15 setup; the other flags override parts of a scenario. ``--seeds 0-9``
+reports every metric as mean and range over trace seeds; ``--sweep KEY=LIST`` sweeps a
+knob (``articles=1,2,4,8``: the paper's Fig. 17).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from dataclasses import replace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
-from jenga.sim import report, sweep
+from jenga.sim import report, seeds, sweep
+from jenga.sim.engine import ADMISSIONS, PREFILLS, EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
 from jenga.sim.models import UnknownModel, model_names
@@ -57,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", default=DEFAULT_SCENARIO, help=f"one of {sorted(SCENARIOS)}")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
-    p.add_argument("--reserved", type=float, help="share of GPU memory kept back (0.1)")
+    p.add_argument("--reserved", type=float, help="share of GPU memory left unused (0.1)")
+    p.add_argument("--reserved-gib", type=float, help="fixed GiB kept back (activations...)")
     p.add_argument("--kv-gib", type=float, help="KV cache size in GiB (overrides the GPU budget)")
     p.add_argument("--workload", help=f"one of {sorted(GENERATORS)}")
     p.add_argument(
@@ -68,13 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="workload parameter (repeatable), e.g. num_requests=50",
     )
     p.add_argument("--seed", type=int)
+    p.add_argument("--seeds", metavar="LIST", help="run each seed, e.g. 0-9: mean and range")
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at once)")
     p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-num-seqs", type=int)
-    p.add_argument(
-        "--sweep-kv-gib", metavar="LIST", help="run at each KV size, e.g. 4,6,8 (Fig. 17)"
-    )
+    p.add_argument("--admission", choices=ADMISSIONS, help="allocate the first chunk or the prompt")
+    p.add_argument("--prefill", choices=PREFILLS, help="chunked (vLLM V1) or separate (0.6)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    p.add_argument("--block-size", type=int, help="tokens per block of attention groups")
+    p.add_argument("--sweep", metavar="KEY=LIST", help="e.g. articles=1,2,4,8 or kv_gib=4,8")
+    p.add_argument("--sweep-kv-gib", metavar="LIST", help="same as --sweep kv_gib=LIST")
     p.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
     p.add_argument("--plot-dir", help="write PNG plots there")
@@ -85,34 +95,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _engine_from_args(base: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    changes = {
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "admission": args.admission,
+        "prefill": args.prefill,
+    }
+    return replace(base, **{k: v for k, v in changes.items() if v is not None})
+
+
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
     base = get_scenario(args.scenario)
     params = dict(base.workload_params) if args.workload in (None, base.workload) else {}
     params.update(_parse_params(args.param))
-    engine = replace(
-        base.engine,
-        **{
-            k: v
-            for k, v in (
-                ("max_num_batched_tokens", args.max_num_batched_tokens),
-                ("max_num_seqs", args.max_num_seqs),
-            )
-            if v is not None
-        },
-    )
     allocators = tuple(a.strip() for a in args.allocators.split(",")) if args.allocators else None
     return with_overrides(
         base,
         model=args.model,
         gpu=args.gpu,
         reserved_share=args.reserved,
+        reserved_gib=args.reserved_gib,
         kv_gib=args.kv_gib,
         workload=args.workload,
         seed=args.seed,
         rate=args.rate,
         allocators=allocators,
         workload_params=params,
-        engine=engine,
+        engine=_engine_from_args(base.engine, args),
+        prefix_cache=False if args.no_prefix_cache else None,
+        block_size=args.block_size,
     )
 
 
@@ -124,26 +136,54 @@ def _print_lists(console: Console) -> None:
     console.print("allocators:", ", ".join(sorted(ALLOCATORS)))
 
 
+def _seed_list(args: argparse.Namespace, scenario: Scenario) -> list[int]:
+    return seeds.parse_seeds(args.seeds) if args.seeds else [scenario.seed]
+
+
 def _run_sweep(args: argparse.Namespace, console: Console, scenario: Scenario) -> int:
-    try:
-        sizes = [float(x) for x in args.sweep_kv_gib.split(",") if x.strip()]
-    except ValueError as exc:
-        raise SimError(f"--sweep-kv-gib expects numbers, got {args.sweep_kv_gib!r}") from exc
-    result = sweep.run_sweep(scenario, sizes)
+    key, values = sweep.parse_sweep(args.sweep or f"kv_gib={args.sweep_kv_gib}")
+    metric, baseline = "hit_rate", scenario.headline[1]  # sweeps ask about the prefix cache
+    result = sweep.run_sweep(scenario, key, values, _seed_list(args, scenario))
     if args.json != "-":
-        console.print(sweep.sweep_table(scenario, result))
+        console.print(sweep.sweep_table(scenario, key, result, metric))
     if args.json:
-        doc = {"scenario": scenario.name, "sweep": sweep.sweep_json(result)}
+        doc = {"scenario": scenario.name, "sweep": sweep.sweep_json(key, result, metric, baseline)}
         report.write_json(doc, args.json)
     if args.plot_dir:
-        console.print(f"wrote {sweep.plot_sweep(result, args.plot_dir)}")
+        console.print(f"wrote {sweep.plot_sweep(scenario, key, result, args.plot_dir, metric)}")
+    return 0
+
+
+def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -> int:
+    per_seed, not_run = seeds.run_seeds(scenario, _seed_list(args, scenario))
+    if args.json != "-":
+        console.print(report.seeds_table(scenario, per_seed))
+        for name, reason in not_run.items():
+            console.print(f"[yellow]{name} has no result: {reason}")
+    if args.json:
+        metric, baseline = scenario.headline
+        doc = {
+            "scenario": scenario.name,
+            "seeds": sorted(per_seed),
+            "spreads": {
+                n: {m: s.as_dict() for m, s in ms.items()}
+                for n, ms in seeds.spreads(per_seed).items()
+            },
+            "ratios": {n: s.as_dict() for n, s in seeds.ratios(per_seed, metric, baseline).items()},
+            "headline": [metric, baseline],
+            "per_seed": {k: {n: s.as_dict() for n, s in v.items()} for k, v in per_seed.items()},
+            "not_run": not_run,
+        }
+        report.write_json(doc, args.json)
     return 0
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     scenario = scenario_from_args(args)
-    if args.sweep_kv_gib:
+    if args.sweep or args.sweep_kv_gib:
         return _run_sweep(args, console, scenario)
+    if args.seeds:
+        return _run_seeds(args, console, scenario)
     quiet = args.no_progress or args.json == "-"
     with Progress(
         TextColumn("{task.description}"),

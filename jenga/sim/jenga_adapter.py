@@ -15,7 +15,8 @@ Approach
         jenga_vmm     2 MiB chunks; group g's large page is k chunks per range (the
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
-    ``jenga_vmm_compact`` (compact step order), ``jenga_static_demote`` /
+    ``jenga_vmm_group`` is ``jenga_vmm`` with the ``per_group`` layout (one range per
+    group). ``jenga_vmm_compact`` (compact step order), ``jenga_static_demote`` /
     ``jenga_vmm_demote`` (window-release demotion on) and ``jenga_vmm_single_pass`` (no
     frugal retry) vary the rules, for side-by-side runs.
 
@@ -71,6 +72,7 @@ class JengaCoreAllocator:
         rules: AllocationRules | None = None,
     ) -> None:
         self.name = name
+        self.use_prefix_cache = True  # False: no lookups, nothing committed (--no-prefix-cache)
         self.table = table
         self._unit_bytes = table.unit_bytes
         self._total_units = kv_bytes // table.unit_bytes
@@ -120,12 +122,16 @@ class JengaCoreAllocator:
 
     def _commit(self, state: RequestState) -> None:
         self._sync_tokens(state)
+        if not self.use_prefix_cache:
+            return
         computed = self._core_length(state, state.num_computed, computed=True)
         self.core.cache(state.req_id, min(computed, self.core.num_tokens(state.req_id)))
 
     def admit(self, state: RequestState) -> int:
         prompt = self._core_prompt(state)
-        hit = self.core.add_request(state.req_id, prompt, images=self._images(state))
+        hit = self.core.add_request(
+            state.req_id, prompt, images=self._images(state), use_cache=self.use_prefix_cache
+        )
         self._known_tokens[state.req_id] = len(state.tokens)
         state.num_computed = hit + self._encoder_offset(state) if hit else 0
         return state.num_computed
@@ -136,6 +142,10 @@ class JengaCoreAllocator:
         if delta <= 0:
             return True
         return self.core.allocate(state.req_id, delta) is not None
+
+    def trim(self, state: RequestState) -> None:
+        self._commit(state)
+        self.core.release_skipped(state.req_id)
 
     def release(self, state: RequestState) -> None:
         self._commit(state)
@@ -174,11 +184,18 @@ def _vmm_table(model: ModelSpec) -> PageTable:
     return vmm_page_table(model, epsilon=0.01)  # 2 MiB chunks, tails within 1 %
 
 
+def _vmm_group_table(model: ModelSpec) -> PageTable:
+    # one range per group, a block holds all of its layers: what paged engines use
+    # (DESIGN.md, "Which layout where"); a Mamba large page is one state of every layer
+    return vmm_page_table(model, epsilon=0.01, layout="per_group")
+
+
 # name -> (page table, rules): every simulator row of the real core
 VARIANTS: dict[str, tuple[Callable[[ModelSpec], PageTable], AllocationRules]] = {
     "max_page": (_max_table, AllocationRules()),  # every group block padded to the largest
     "jenga_static": (_lcm_table, AllocationRules()),  # paper-faithful: LCM pages, one buffer
     "jenga_vmm": (_vmm_table, AllocationRules()),
+    "jenga_vmm_group": (_vmm_group_table, AllocationRules()),
     "jenga_vmm_compact": (_vmm_table, AllocationRules(order=AllocationOrder.COMPACT)),
     "jenga_static_demote": (_lcm_table, AllocationRules(demote_window_releases=True)),
     "jenga_vmm_demote": (_vmm_table, AllocationRules(demote_window_releases=True)),

@@ -10,6 +10,9 @@ Definitions (also in docs/simulator.md):
     hit rate         prefix-hit tokens / prompt tokens, over first admissions only
                      (recompute after preemption is not counted as a hit).
     alloc cpu        measured wall time of all allocator calls in a step.
+    self share       share of the KV held for running requests that full-attention
+                     groups hold (min and max over steps holding >= 10 % of the KV
+                     memory: the paper's used-self / (used-self + used-window), Fig. 16c/d).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class Summary:
     alloc_us_p50: float
     alloc_us_p99: float
     alloc_us_max: float
+    self_share_min: float = 0.0
+    self_share_max: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -62,10 +67,31 @@ def avg_decode_batch(result: RunResult) -> float:
     return statistics.fmean(batches) if batches else 0.0
 
 
+SELF_SHARE_FLOOR = 0.10  # steps holding less than this share of the KV are start-up noise
+
+
+def self_share_range(result: RunResult) -> tuple[float, float]:
+    """(min, max) over busy steps of full-attention groups' share of live KV (0, 0 if none)."""
+    full = [
+        n for n, kind in result.group_kinds.items() if kind == "full" and n in result.group_live
+    ]
+    if not full or not result.group_live:
+        return 0.0, 0.0
+    live = result.timeline["live_bytes"]
+    floor = SELF_SHARE_FLOOR * result.capacity_bytes
+    shares = [
+        sum(result.group_live[n][i] for n in full) / total
+        for i, total in enumerate(live)
+        if total > 0 and total >= floor
+    ]
+    return (min(shares), max(shares)) if shares else (0.0, 0.0)
+
+
 def summarize(result: RunResult) -> Summary:
     tl = result.timeline
     cpu_us = sorted(1e6 * t for t in tl["alloc_cpu_s"])
     committed = tl["committed_bytes"]
+    share_lo, share_hi = self_share_range(result)
     return Summary(
         allocator=result.allocator,
         steps=len(tl["step"]),
@@ -82,4 +108,6 @@ def summarize(result: RunResult) -> Summary:
         alloc_us_p50=_percentile(cpu_us, 0.50),
         alloc_us_p99=_percentile(cpu_us, 0.99),
         alloc_us_max=cpu_us[-1] if cpu_us else 0.0,
+        self_share_min=share_lo,
+        self_share_max=share_hi,
     )

@@ -12,6 +12,8 @@ Approach
                   all-or-nothing: on ``False`` nothing changed.
     ``release``   the request finished or was preempted: its blocks go to the prefix
                   cache (full, computed blocks) or back to free memory.
+    ``trim``      after a prefill chunk: release the blocks the request's next step no
+                  longer reads (left a window), as `allocate` would at the next step.
     ``snapshot``  bytes held, cached, committed, and the capacity.
 
     `RequestState` is the engine's view of a request, shared with allocators read-only
@@ -49,6 +51,7 @@ class RequestState:
     admitted: bool = False
     num_preemptions: int = 0
     finish_s: float | None = None
+    ready_s: float | None = None  # closed loop: when the engine released it (else arrival)
     scratch: dict[object, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +61,10 @@ class RequestState:
     @property
     def req_id(self) -> str:
         return self.request.req_id
+
+    @property
+    def arrival_s(self) -> float:
+        return self.request.arrival_s if self.ready_s is None else self.ready_s
 
     @property
     def image_tokens(self) -> int:
@@ -94,12 +101,15 @@ class SimAllocator(Protocol):
     """What the engine calls; see the module note."""
 
     name: str
+    use_prefix_cache: bool  # False: admit finds no hit and nothing is cached
 
     def admit(self, state: RequestState) -> int: ...
 
     def allocate(self, state: RequestState, num_tokens: int) -> bool: ...
 
     def release(self, state: RequestState) -> None: ...
+
+    def trim(self, state: RequestState) -> None: ...
 
     def snapshot(self) -> AllocatorSnapshot: ...
 

@@ -1,15 +1,20 @@
-"""Named scenarios (model x GPU x workload x allocators) and the allocator registry.
+"""Named scenarios (model x GPU x workload x engine x allocators) and the allocator registry.
 
 Rationale
-    A paper figure is a scenario: one model, one GPU budget, one trace, several
-    allocators run on the identical trace. Naming them keeps `docs/reproduction.md`
-    commands short and makes ``jenga-sim`` with no flags a meaningful comparison.
+    A paper figure is a scenario: one model, one GPU budget, one trace, one engine
+    configuration, several allocators run on the identical trace. Naming them keeps
+    `docs/reproduction.md` commands short and makes ``jenga-sim`` with no flags a
+    meaningful comparison: the default shows where Jenga beats *today's* vLLM
+    (`vllm_v1`), the paper's setups are one ``--scenario`` away.
 
 Approach
     `ALLOCATORS` maps a CLI name to ``factory(model, kv_bytes) -> SimAllocator``. The
     Jenga entries come from `jenga.sim.jenga_adapter` (its `VARIANTS` table).
     `run_scenario` builds the trace once and runs every allocator on it with a fresh
-    engine.
+    engine; ``prefix_cache=False`` turns every allocator's lookups off and
+    ``block_size`` rewrites the model's tokens per block first. A scenario's
+    ``headline`` names the metric and the baseline its one-line verdict under the table
+    compares against (`report.headline_line`).
 
 Limitations
     Scenarios run sequentially in one process (the machine has two cores).
@@ -21,10 +26,11 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from jenga.sim import baselines, jenga_adapter
+from jenga.errors import AllocatorError
+from jenga.sim import baselines, jenga_adapter, vllm_v1
 from jenga.sim.engine import Engine, EngineConfig, RunResult
-from jenga.sim.hardware import get_gpu
-from jenga.sim.models import get_model
+from jenga.sim.hardware import GiB, get_gpu
+from jenga.sim.models import get_model, with_block_size
 from jenga.sim.protocol import SimAllocator, SimError
 from jenga.sim.workloads import Trace, make_trace
 from jenga.specs import ModelSpec
@@ -35,18 +41,33 @@ ALLOCATORS: dict[str, AllocatorFactory] = {
     "uniform": baselines.uniform,
     "static_partition": baselines.static_partition,
     "vllm_hybrid": baselines.vllm_hybrid,
+    "vllm_v1": vllm_v1.vllm_v1,
     **jenga_adapter.FACTORIES,
 }
 
-DEFAULT_ALLOCATORS = (
+JENGA_NAMES = frozenset(jenga_adapter.VARIANTS)
+PAPER_ALLOCATORS = (
     "uniform",
     "max_page",
     "static_partition",
     "vllm_hybrid",
+    "vllm_v1",
     "jenga_static",
     "jenga_vmm",
     "jenga_vmm_compact",
 )
+DEFAULT_ALLOCATORS = PAPER_ALLOCATORS
+MAMBA_ALLOCATORS = ("vllm_v1", "jenga_static", "jenga_vmm", "jenga_vmm_group")
+# vLLM 0.6.3 as the Jenga paper ran it: the whole prompt allocated at admission, prefill in
+# steps of its own, a token budget of max_model_len (its default without chunked prefill)
+PAPER_ENGINE = EngineConfig(
+    max_num_batched_tokens=131_072, admission="whole-prompt", prefill="separate"
+)
+HEADLINE_METRICS = {
+    "hit_rate": "prefix hit rate",
+    "avg_decode_batch": "average decode batch",
+    "sim_time_s": "time to finish the trace",
+}
 
 
 @dataclass(frozen=True)
@@ -58,31 +79,108 @@ class Scenario:
     gpu: str
     workload: str
     workload_params: dict[str, object] = field(default_factory=dict)
-    reserved_share: float = 0.10
+    reserved_share: float = 0.10  # 1 - gpu_memory_utilization
     kv_gib: float | None = None  # overrides the budget from the GPU (a small cache)
     seed: int = 0
     rate: float | None = None
     allocators: tuple[str, ...] = DEFAULT_ALLOCATORS
     engine: EngineConfig = field(default_factory=EngineConfig)
     note: str = ""
+    reserved_gib: float = 0.0  # fixed: activations, CUDA graphs (what vLLM profiles)
+    prefix_cache: bool = True
+    block_size: int | None = None  # tokens per block of attention groups (None: 16)
+    headline: tuple[str, str] = ("avg_decode_batch", "uniform")  # (metric, baseline)
 
     def kv_bytes(self, model: ModelSpec) -> int:
         if self.kv_gib is not None:
             if self.kv_gib <= 0:
                 raise SimError(f"kv_gib must be > 0, got {self.kv_gib}")
-            return int(self.kv_gib * (1 << 30))
-        return get_gpu(self.gpu).kv_budget_bytes(model.weight_bytes, self.reserved_share)
+            return int(self.kv_gib * GiB)
+        if self.reserved_gib < 0:
+            raise SimError(f"reserved_gib must be >= 0, got {self.reserved_gib}")
+        return get_gpu(self.gpu).kv_budget_bytes(
+            model.weight_bytes, self.reserved_share, int(self.reserved_gib * GiB)
+        )
+
+    def model_spec(self) -> ModelSpec:
+        model = get_model(self.model)
+        return model if self.block_size is None else with_block_size(model, self.block_size)
 
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
         Scenario(
+            "mamba-chat",
+            "nemotron-nano-9b-v2",
+            "h100-80gb",
+            "multi-turn",
+            {
+                "num_clients": 32,
+                "num_rounds": 6,
+                "request_len": 200,
+                "output_len": 600,
+                "closed_loop": 1,
+                "think_s": 2.0,
+            },
+            rate=4.0,
+            reserved_gib=2.0,
+            allocators=MAMBA_ALLOCATORS,
+            headline=("hit_rate", "vllm_v1"),
+            note="a Mamba-2 hybrid chatting: today's vLLM vs Jenga on prefix reuse",
+        ),
+        Scenario(
             "arxiv-ministral",
             "ministral-8b",
             "h100-80gb",
             "arxiv-qa",
-            note="Jenga paper Fig. 15/16: Ministral 8B, arXiv-QA, H100 80 GB",
+            reserved_gib=12.0,
+            engine=PAPER_ENGINE,
+            note="Jenga paper Fig. 15: Ministral 8B, arXiv-QA, H100, vLLM 0.6.3's engine",
+        ),
+        Scenario(
+            "arxiv-ministral-static",
+            "ministral-8b",
+            "h100-80gb",
+            "arxiv-qa-stream",
+            {"num_requests": 60, "dynamic": 0},
+            rate=0.5,
+            reserved_gib=12.0,
+            engine=PAPER_ENGINE,
+            allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),
+            note="Jenga paper Fig. 16a/b: static length distribution, requests over time",
+        ),
+        Scenario(
+            "arxiv-ministral-dynamic",
+            "ministral-8b",
+            "h100-80gb",
+            "arxiv-qa-stream",
+            {"num_requests": 60, "dynamic": 1},
+            rate=0.5,
+            reserved_gib=12.0,
+            engine=PAPER_ENGINE,
+            allocators=("uniform", "vllm_v1", "jenga_static", "jenga_vmm"),
+            note="Jenga paper Fig. 16c/d: average length rising then falling over time",
+        ),
+        Scenario(
+            "articles-ministral",
+            "ministral-8b",
+            "h100-80gb",
+            "articles-questions",
+            {
+                "num_articles": 8,
+                "questions_per_article": 4,
+                "min_article_len": 55_000,
+                "max_article_len": 110_000,
+                "question_len": 64,
+                "output_len": 64,
+            },
+            rate=0.1,
+            reserved_gib=12.0,
+            engine=PAPER_ENGINE,
+            allocators=("uniform", "vllm_v1", "jenga_vmm", "jenga_vmm_demote"),
+            headline=("hit_rate", "uniform"),
+            note="Jenga paper Fig. 17: N arXiv-length articles x 4 questions, Ministral 8B",
         ),
         Scenario(
             "mmmu-llama-vision",
@@ -99,6 +197,7 @@ SCENARIOS: dict[str, Scenario] = {
             "articles-questions",
             {"num_articles": 16, "questions_per_article": 8, "article_len": 6000},
             kv_gib=6.0,
+            headline=("hit_rate", "uniform"),
             note="Jenga paper Fig. 17: Gemma 2, N articles x M questions, cache < articles",
         ),
         Scenario(
@@ -108,6 +207,7 @@ SCENARIOS: dict[str, Scenario] = {
             "articles-questions",
             {"num_articles": 16, "questions_per_article": 8, "article_len": 8000},
             kv_gib=16.0,
+            headline=("hit_rate", "uniform"),
             note="Fig. 17 variant: Gemma 3 12B (1K window, 5:1), 8K-token articles, 16 GiB",
         ),
         Scenario(
@@ -136,7 +236,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     )
 }
-DEFAULT_SCENARIO = "arxiv-ministral"
+DEFAULT_SCENARIO = "mamba-chat"
 
 
 def get_scenario(name: str) -> Scenario:
@@ -152,6 +252,21 @@ def check_allocators(names: tuple[str, ...]) -> None:
         raise SimError(f"unknown allocators {unknown}; known: {sorted(ALLOCATORS)}")
 
 
+def make_allocator(
+    name: str, model: ModelSpec, kv_bytes: int, prefix_cache: bool = True
+) -> SimAllocator:
+    """A fresh allocator ``name`` for ``model`` (``prefix_cache=False``: no lookups).
+
+    Raises `SimError` when the allocator cannot be built for this budget (a Jenga large
+    page larger than the whole KV memory: "does not fit") or model ("not modelled")."""
+    try:
+        allocator = ALLOCATORS[name](model, kv_bytes)
+    except AllocatorError as exc:
+        raise SimError(f"{name}: does not fit: {exc}") from exc
+    allocator.use_prefix_cache = prefix_cache
+    return allocator
+
+
 def build_trace(scenario: Scenario) -> Trace:
     return make_trace(
         scenario.workload, seed=scenario.seed, rate=scenario.rate, **scenario.workload_params
@@ -164,9 +279,10 @@ def run_scenario(
     """Run every allocator of ``scenario`` on one trace.
 
     Returns the results and, for each allocator that produced none, why: the run raised
-    `SimError` (e.g. a request that never fits under that allocator's page layout).
+    `SimError` (a request that never fits under that allocator's page layout, a large
+    page bigger than the KV memory, a layer kind the baseline does not model).
     """
-    model = get_model(scenario.model)
+    model = scenario.model_spec()
     gpu = get_gpu(scenario.gpu)
     kv_bytes = scenario.kv_bytes(model)
     check_allocators(scenario.allocators)
@@ -174,14 +290,13 @@ def run_scenario(
     trace = build_trace(scenario)
     results = []
     for name in scenario.allocators:
-        allocator = ALLOCATORS[name](model, kv_bytes)
         callback = None if on_step is None else (lambda d, t, n=name: on_step(n, d, t))
-        engine = Engine(model, gpu, allocator, scenario.engine, on_step=callback)
         try:
+            allocator = make_allocator(name, model, kv_bytes, scenario.prefix_cache)
+            engine = Engine(model, gpu, allocator, scenario.engine, on_step=callback)
             results.append(engine.run(trace))
         except SimError as exc:
             not_run[name] = str(exc)
-        del allocator, engine
         gc.collect()
     return results, not_run
 

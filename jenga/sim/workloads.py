@@ -43,7 +43,8 @@ class Request:
     ``prompt`` holds every prompt token id in sequence order; the first ``image_tokens``
     of them are the image's tokens (cross-attention / vision-embedding input), the rest
     is text. ``output`` is the token ids the engine will generate, fixed in advance so a
-    later turn of a conversation can quote them.
+    later turn of a conversation can quote them. A request with ``after`` set (the next
+    turn of a closed-loop client) arrives ``think_s`` after that request finished.
     """
 
     req_id: str
@@ -51,6 +52,8 @@ class Request:
     output: tuple[int, ...]
     arrival_s: float = 0.0
     image_tokens: int = 0
+    after: str = ""  # closed loop: sent ``think_s`` after request ``after`` finished
+    think_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -107,9 +110,10 @@ def _positive(name: str, value: float) -> None:
 
 
 def _make(
-    req_id: str, prompt: tuple[int, ...], out_len: int, rng: random.Random, **kw: int
+    req_id: str, prompt: tuple[int, ...], out_len: int, rng: random.Random, image_tokens: int = 0
 ) -> Request:
-    return Request(req_id=req_id, prompt=prompt, output=random_ids(rng, out_len), **kw)
+    output = random_ids(rng, out_len)
+    return Request(req_id=req_id, prompt=prompt, output=output, image_tokens=image_tokens)
 
 
 # --- the papers' traces ------------------------------------------------------------------
@@ -207,9 +211,13 @@ def articles_questions(
     question_len: int = 64,
     output_len: int = 32,
     shuffle: int = 1,
+    min_article_len: int = 0,
+    max_article_len: int = 0,
 ) -> list[Request]:
     """N articles x M questions (Jenga paper Fig. 17): each prompt = article + question.
 
+    Articles are ``article_len`` tokens, or uniform in ``[min_article_len,
+    max_article_len]`` when ``max_article_len`` > 0 (arXiv articles vary in length).
     ``shuffle=1`` (default) sends the N x M questions in a seeded random order;
     ``shuffle=0`` round-robin over articles (q0 of every article, then q1, ...), which an
     LRU cache smaller than all articles never hits.
@@ -221,7 +229,15 @@ def articles_questions(
         ("question_len", question_len),
     ):
         _positive(name, v)
-    articles = [random_ids(rng, article_len) for _ in range(num_articles)]
+    if max_article_len and not 0 < min_article_len <= max_article_len:
+        raise WorkloadError(
+            f"bad article length range {min_article_len}-{max_article_len} (need 0 < min <= max)"
+        )
+
+    def length() -> int:
+        return rng.randint(min_article_len, max_article_len) if max_article_len else article_len
+
+    articles = [random_ids(rng, length()) for _ in range(num_articles)]
     reqs = [
         _make(f"art{a}-q{q}", articles[a] + random_ids(rng, question_len), output_len, rng)
         for q in range(questions_per_article)
@@ -232,6 +248,40 @@ def articles_questions(
     return reqs
 
 
+def arxiv_qa_stream(
+    rng: random.Random,
+    num_requests: int = 60,
+    min_mean: int = 8_000,
+    max_mean: int = 110_000,
+    spread: float = 0.25,
+    min_output: int = 50,
+    max_output: int = 100,
+    dynamic: int = 1,
+) -> list[Request]:
+    """Long-document QA whose average length moves over time (Jenga paper Fig. 16c/d).
+
+    Request i's length is uniform in ``mean_i x [1 - spread, 1 + spread]``, capped at
+    ``max_mean``. ``dynamic=1``: ``mean_i`` rises linearly from ``min_mean`` to
+    ``max_mean`` over the first half of the trace and falls back over the second, so
+    the average length sweeps its range uniformly in time; ``dynamic=0`` (the static
+    trace): every ``mean_i`` is the midpoint. Give arrivals a rate (``--rate``) so the
+    mix drifts while requests run.
+    """
+    _positive("num_requests", num_requests)
+    if not 0 < min_mean <= max_mean or not 0.0 <= spread < 1.0:
+        raise WorkloadError(f"bad means {min_mean}-{max_mean} or spread {spread}")
+    if not 0 < min_output <= max_output:
+        raise WorkloadError(f"bad output range {min_output}-{max_output}")
+    reqs = []
+    for i in range(num_requests):
+        phase = 1.0 - abs(2.0 * i / max(1, num_requests - 1) - 1.0) if dynamic else 0.5
+        mean = min_mean + phase * (max_mean - min_mean)
+        lo, hi = int(mean * (1 - spread)), min(max_mean, int(mean * (1 + spread)))
+        n = rng.randint(max(1, min(lo, hi)), hi)
+        reqs.append(_make(f"doc-{i}", random_ids(rng, n), rng.randint(min_output, max_output), rng))
+    return reqs
+
+
 def multi_turn_chat(
     rng: random.Random,
     num_clients: int = 16,
@@ -239,11 +289,15 @@ def multi_turn_chat(
     shared_prefix_len: int = 500,
     request_len: int = 128,
     output_len: int = 128,
+    closed_loop: int = 0,
+    think_s: float = 1.0,
 ) -> list[Request]:
     """Multi-turn chat (SGLang's generator; Jenga's with a 500-token shared system prompt).
 
     Turn k of a client quotes its whole history: shared prefix + (request, answer) of
     every previous turn + the new request. Turns of all clients are interleaved by round.
+    ``closed_loop=1``: a client sends turn k ``think_s`` seconds after turn k-1 finished
+    (a person reading the answer); 0: every turn is an independent arrival.
     """
     for name, v in (
         ("num_clients", num_clients),
@@ -259,6 +313,8 @@ def multi_turn_chat(
         for c in range(num_clients):
             prompt = history[c] + random_ids(rng, request_len)
             req = _make(f"client{c}-turn{rnd}", prompt, output_len, rng)
+            if closed_loop and rnd:
+                req = replace(req, after=f"client{c}-turn{rnd - 1}", think_s=think_s)
             history[c] = prompt + req.output
             reqs.append(req)
     return reqs
@@ -351,6 +407,7 @@ Generator = Callable[..., list[Request]]
 GENERATORS: dict[str, Generator] = {
     "mmlu-pro": mmlu_pro,
     "arxiv-qa": arxiv_qa,
+    "arxiv-qa-stream": arxiv_qa_stream,
     "mmmu-pro": mmmu_pro,
     "sharegpt": sharegpt,
     "articles-questions": articles_questions,
@@ -364,13 +421,18 @@ GENERATORS: dict[str, Generator] = {
 def stamp_arrivals(
     requests: list[Request], rng: random.Random, rate: float | None
 ) -> list[Request]:
-    """All at time 0 (``rate=None``) or Poisson arrivals at ``rate`` requests per second."""
+    """All at time 0 (``rate=None``) or Poisson arrivals at ``rate`` requests per second.
+
+    Closed-loop follow-ups (``after`` set) get time 0: the engine releases them."""
     if rate is None:
         return [replace(r, arrival_s=0.0) for r in requests]
     _positive("rate", rate)
     t = 0.0
     out = []
     for r in requests:
+        if r.after:
+            out.append(replace(r, arrival_s=0.0))
+            continue
         out.append(replace(r, arrival_s=t))
         t += rng.expovariate(rate)
     return out

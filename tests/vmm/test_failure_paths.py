@@ -198,3 +198,48 @@ def test_remap_whose_source_unmap_fails_once_is_undone():
     assert (src.slot_to_handle(), dst.slot_to_handle(), pool.broken) == ({0: 0, 1: 1}, {}, "")
     pool.check_invariants(expensive=True)
     pool.close()
+
+
+# ---- issue 15: process-wide VMA ledger, failed rollback, close always succeeds ------------
+
+
+def test_two_pools_share_one_process_vma_budget() -> None:
+    """Each pool used to budget half of vm.max_map_count for itself, so two pools could
+    exhaust the kernel limit; now every host backend draws on one process-wide ledger."""
+    old = vmm.host.process_vma_budget()
+    pools = [vmm.ChunkPool(vmm.HostBackend(G, capacity=1 << 28), 32 * G) for _ in range(2)]
+    try:
+        ranges = [p.reserve(16 * G, name=f"p{i}") for i, p in enumerate(pools)]
+        vmm.host.set_process_vma_budget(vmm.host.process_vmas() + 8)
+        ranges[0].map([0, 2, 4, 6])  # isolated slots: +2 VMAs each, the shared budget is full
+        before = pools[1].stats()
+        with pytest.raises(vmm.VmaBudgetExceeded) as info:
+            ranges[1].map([0, 2])
+        message = str(info.value)
+        assert "process-wide budget" in message and "needs 3 more VMAs" in message, message
+        assert pools[1].stats() == before
+        ranges[0].unmap([0, 2, 4, 6])
+        ranges[1].map([0, 2])  # room again once the other pool gave its VMAs back
+    finally:
+        vmm.host.set_process_vma_budget(old)
+        for p in pools:
+            p.close()
+            assert p.close_errors == []
+
+
+def test_failed_rollback_marks_the_pool_broken_and_close_still_succeeds() -> None:
+    """A batch failing with ENOMEM whose own rollback fails too used to say "ROLLBACK
+    FAILED" yet leave the pool usable (and later calls failing with raw ENOMEM)."""
+    backend = vmm.HostBackend(G, capacity=1 << 28)
+    pool = vmm.ChunkPool(backend, 16 * G, reserve_ahead=4)
+    rng = pool.reserve(8 * G, name="r")
+    backend.inject_fault(2, errno.ENOMEM, count=2)  # 2nd run fails, so does undoing the 1st
+    with pytest.raises(vmm.BackendError) as info:
+        rng.map([0, 2])
+    assert "rollback failed" in str(info.value)
+    assert "rollback failed" in pool.broken
+    with pytest.raises(vmm.BackendError, match="broken"):
+        rng.map([4])
+    pool.close()
+    assert pool.closed and rng.closed
+    assert backend.closed

@@ -11,6 +11,7 @@ import typing_extensions
 
 __all__: list[str] = [
     "HostArgError",
+    "HostBrokenError",
     "HostError",
     "HostOsError",
     "HostRangeError",
@@ -18,6 +19,9 @@ __all__: list[str] = [
     "HostVmaError",
     "HostVmm",
     "ViewFactory",
+    "process_vma_budget",
+    "process_vmas",
+    "set_process_vma_budget",
 ]
 
 class HostError(Exception):
@@ -48,6 +52,11 @@ class HostRangeError(HostError):
 class HostVmaError(HostError):
     """
     VMA budget exceeded
+    """
+
+class HostBrokenError(HostOsError):
+    """
+    a syscall failed and so did its rollback
     """
 
 class ViewFactory:
@@ -96,9 +105,10 @@ class HostVmm:
         self,
         k: typing.SupportsInt | typing.SupportsIndex,
         errno_value: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex = 1,
     ) -> None:
         """
-        Make the k-th counted syscall from now fail with errno_value (k <= 0: off).
+        Make the k-th counted syscall from now and the count-1 after it fail with errno_value (k <= 0: off).
         """
     def map(
         self,
@@ -146,3 +156,18 @@ class HostVmm:
     def vma_budget(self) -> int: ...
     @property
     def vmas(self) -> int: ...
+
+def process_vma_budget() -> int:
+    """
+    shared VMA budget (<= 0: unlimited)
+    """
+
+def process_vmas() -> int:
+    """
+    VMAs held by every HostVmm of the process
+    """
+
+def set_process_vma_budget(budget: typing.SupportsInt | typing.SupportsIndex) -> None:
+    """
+    set the VMA budget shared by every HostVmm of the process (<= 0: unlimited)
+    """

@@ -25,8 +25,9 @@ Invariant: sum of held chunks <= budget; every held chunk is created in the owne
 Limitations
 -----------
 Host backend here (CUDA: an owner over `CudaBackend` with exportable chunks would use the
-same loop; not run, no GPU). Reclaim takes what tenants can give (their lease and free
-chunks); pages a tenant's KV cache holds for its prefix cache are not evicted on request.
+same loop; not run, no GPU). Reclaim takes what tenants can give: their lease and free
+chunks, and what a tenant's `reclaim_handler` frees (the mini engine evicts prefix-cache
+pages there; a tenant without one keeps them).
 """
 
 from __future__ import annotations

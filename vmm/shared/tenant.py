@@ -22,7 +22,9 @@ Limitations
 -----------
 Host backend only for now. Chunks the `ChunkPool` keeps free and pages the KV cache keeps
 for its prefix cache are returned only when the engine moves them to the lease
-(`ChunkPool.set_budget` shrink, e.g. `KVCache.release_free_chunks` after a step).
+(`ChunkPool.set_budget` shrink, e.g. `KVCache.release_free_chunks` after a step), or when
+a reclaim asks for more than the lease holds and `reclaim_handler` frees them (the mini
+engine evicts prefix-cache pages there, unless a step is running).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vmm.backend import Backend, SharedChunks, ViewFactory
@@ -102,6 +104,9 @@ class Tenant:
         self._owner_id: dict[int, int] = {}  # local handle -> owner's id
         self._replies: queue.Queue[tuple[dict[str, Any], list[int]]] = queue.Queue()
         self._closed = False
+        # called by the reader thread with the chunks a reclaim asks for beyond what the
+        # lease can give; it may free more into the lease (the engine evicts cached pages)
+        self.reclaim_handler: Callable[[int], None] | None = None
         self.counters = {"wants": 0, "grants": 0, "denials": 0, "chunks.in": 0,
                          "chunks.out": 0, "reclaims": 0}  # fmt: skip
         self._reader = threading.Thread(target=self._read_loop, name=f"tenant-{name}", daemon=True)
@@ -212,9 +217,10 @@ class Tenant:
             op = msg["op"]
             if op == "reclaim":
                 self.counters["reclaims"] += 1
+                asked = int(msg["n"]) - self._run_reclaim_handler(int(msg["n"]))
                 with self._lease_lock:
                     self._lease.sort()
-                    n = max(0, min(int(msg["n"]), len(self._lease) - self._pinned))
+                    n = max(0, min(asked, len(self._lease) - self._pinned))
                     back = self._lease[len(self._lease) - n :]
                     del self._lease[len(self._lease) - n :]
                     self._give_quietly(back, msg.get("id"))
@@ -222,6 +228,20 @@ class Tenant:
                 self.min_bytes, self.max_bytes = int(msg["min"]), int(msg["max"])
             else:
                 self._replies.put((msg, fds))
+
+    def _run_reclaim_handler(self, asked: int) -> int:
+        """Let `reclaim_handler` free what the lease lacks of `asked` chunks; returns the
+        chunks it already gave back meanwhile (a lease over `keep_chunks` overflows)."""
+        with self._lease_lock:
+            short = asked - (len(self._lease) - self._pinned)
+        if self.reclaim_handler is None or short <= 0:
+            return 0
+        before = self.counters["chunks.out"]
+        try:
+            self.reclaim_handler(short)
+        except Exception as exc:  # the reader must keep answering the owner
+            _log.warning("tenant %s: reclaim handler failed: %s", self.name, exc)
+        return self.counters["chunks.out"] - before
 
     def _give_quietly(self, handles: list[int], reclaim: Any) -> None:
         try:

@@ -20,6 +20,7 @@ struct HostExceptionTypes {
   PyObject* arg;
   PyObject* range;
   PyObject* vma;
+  PyObject* broken;
 };
 HostExceptionTypes g_types{};
 
@@ -44,6 +45,8 @@ void register_errors(py::module_& m) {
   g_types.arg = new_type(m, "HostArgError", g_types.base, "bad address, size or handle");
   g_types.range = new_type(m, "HostRangeError", g_types.base, "view outside its reservation");
   g_types.vma = new_type(m, "HostVmaError", g_types.base, "VMA budget exceeded");
+  g_types.broken =
+      new_type(m, "HostBrokenError", g_types.os, "a syscall failed and so did its rollback");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -55,6 +58,8 @@ void register_errors(py::module_& m) {
       raise(g_types.arg, e);
     } catch (const HostStateError& e) {
       raise(g_types.state, e);
+    } catch (const HostBrokenError& e) {
+      raise(g_types.broken, e);
     } catch (const HostOsError& e) {
       raise(g_types.os, e);
     }
@@ -94,7 +99,10 @@ void register_vmm(py::module_& m) {
       .def("slot_table", &HostVmm::slot_table, py::arg("va"), py::arg("size"), Release())
       .def("close", &HostVmm::close, Release())
       .def("inject_fault", &HostVmm::inject_fault, py::arg("k"), py::arg("errno_value"),
-           "Make the k-th counted syscall from now fail with errno_value (k <= 0: off).", Release())
+           py::arg("count") = 1,
+           "Make the k-th counted syscall from now and the count-1 after it fail with "
+           "errno_value (k <= 0: off).",
+           Release())
       // Getters lock the backend's mutex: they wait out a mapping worker without the GIL
       // (pybind11 converts results to Python objects after re-taking it).
       .def_property_readonly("syscalls", py::cpp_function(&HostVmm::syscalls, Release()))
@@ -111,6 +119,10 @@ void register_vmm(py::module_& m) {
 void register_host(py::module_ m) {
   register_errors(m);
   register_vmm(m);
+  m.def("process_vmas", &process_vmas, "VMAs held by every HostVmm of the process");
+  m.def("process_vma_budget", &process_vma_budget, "shared VMA budget (<= 0: unlimited)");
+  m.def("set_process_vma_budget", &set_process_vma_budget, py::arg("budget"),
+        "set the VMA budget shared by every HostVmm of the process (<= 0: unlimited)");
 }
 
 }  // namespace jvmm

@@ -91,7 +91,7 @@ int64_t HostVmm::retarget(const std::vector<Target>& ts, const std::vector<SlotS
     b.first->vmas += c;
     delta += c;
   }
-  vmas_total_ += delta;
+  add_vmas(delta);
   return delta;
 }
 
@@ -138,13 +138,11 @@ void HostVmm::apply_batch(const std::vector<Target>& ts, const std::vector<SlotS
     old_st[i] = ts[i].res->state[ts[i].slot];
     old_h[i] = ts[i].res->handle[ts[i].slot];
   }
-  const int64_t before = vmas_total_;
   const int64_t delta = retarget(ts, st, h);
-  if (delta > 0 && vmas_total_ > vma_budget_) {
-    retarget(ts, old_st, old_h);
+  if (delta > 0 && !vma_refusal(0).empty()) {
+    retarget(ts, old_st, old_h);  // the refusal names the totals before the batch
     throw HostVmaError(std::string(op) + " of " + std::to_string(ts.size()) + " slots needs " +
-                           std::to_string(delta) + " more VMAs, " + std::to_string(before) +
-                           " of budget " + std::to_string(vma_budget_) + " in use",
+                           std::to_string(delta) + " more VMAs, " + vma_refusal(delta),
                        op, static_cast<int>(delta));
   }
   size_t failed_end = 0;
@@ -156,7 +154,11 @@ void HostVmm::apply_batch(const std::vector<Target>& ts, const std::vector<SlotS
   retarget(ts, old_st, old_h);
   std::string msg = std::string(op) + " of " + std::to_string(ts.size()) + " slots failed: mmap " +
                     std::strerror(err) + " (errno " + std::to_string(err) + ")";
-  if (undo_failed != 0) msg += "; ROLLBACK FAILED, slots may be inaccessible";
+  if (undo_failed != 0) {
+    msg += "; its rollback failed too (" + std::string(std::strerror(errno)) +
+           "): the slots of this batch may be inaccessible";
+    throw HostBrokenError(msg, op, err);
+  }
   throw HostOsError(msg, op, err);
 }
 

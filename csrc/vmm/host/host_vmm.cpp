@@ -28,7 +28,32 @@ std::string os_message(const char* op, int err, const std::string& what) {
          "): " + what;
 }
 
+std::atomic<int64_t> g_process_vmas{0};
+std::atomic<int64_t> g_process_vma_budget{0};
+
 }  // namespace
+
+int64_t process_vmas() { return g_process_vmas.load(); }
+int64_t process_vma_budget() { return g_process_vma_budget.load(); }
+void set_process_vma_budget(int64_t budget) { g_process_vma_budget.store(budget); }
+
+void HostVmm::add_vmas(int64_t delta) {
+  vmas_total_ += delta;
+  g_process_vmas.fetch_add(delta);
+}
+
+std::string HostVmm::vma_refusal(int64_t extra) const {
+  if (vmas_total_ + extra > vma_budget_) {
+    return std::to_string(vmas_total_) + " of budget " + std::to_string(vma_budget_) + " in use";
+  }
+  const int64_t budget = g_process_vma_budget.load();
+  const int64_t used = g_process_vmas.load();
+  if (budget > 0 && used + extra > budget) {
+    return std::to_string(used) + " of the process-wide budget " + std::to_string(budget) +
+           " in use by every host pool";
+  }
+  return "";
+}
 
 Reservation::~Reservation() {
   if (va != 0) munmap(reinterpret_cast<void*>(va), size);
@@ -137,14 +162,16 @@ bool HostVmm::fault_now() {
   ++syscalls_;
   if (fail_in_ > 0 && --fail_in_ == 0) {
     errno = fail_errno_;
+    if (--fail_left_ > 0) fail_in_ = 1;  // the next syscall fails too
     return true;
   }
   return false;
 }
 
-void HostVmm::inject_fault(int64_t k, int err) {
+void HostVmm::inject_fault(int64_t k, int err, int64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   fail_in_ = k;
+  fail_left_ = count;
   fail_errno_ = err;
 }
 
@@ -308,11 +335,8 @@ uint64_t HostVmm::reserve(size_t size, bool zero) {
                            std::to_string(gran_),
                        "reserve", 0);
   }
-  if (vmas_total_ + 1 > vma_budget_) {
-    throw HostVmaError("reserve needs 1 VMA, " + std::to_string(vmas_total_) + " of budget " +
-                           std::to_string(vma_budget_) + " in use",
-                       "reserve", 1);
-  }
+  const std::string refusal = vma_refusal(1);
+  if (!refusal.empty()) throw HostVmaError("reserve needs 1 VMA, " + refusal, "reserve", 1);
   const size_t align = std::max(gran_, kTwoMiB);
   if (fault_now()) {
     throw HostOsError(os_message("mmap", errno, "reserving " + std::to_string(size) + " bytes"),
@@ -343,7 +367,7 @@ uint64_t HostVmm::reserve(size_t size, bool zero) {
     }
   }
   res_.emplace(va, std::move(res));
-  vmas_total_ += 1;
+  add_vmas(1);
   return va;
 }
 
@@ -363,7 +387,7 @@ void HostVmm::free_reservation(uint64_t va, size_t size) {
                          "free_reservation", 0);
   }
   it->second->owned = false;
-  vmas_total_ -= it->second->vmas;
+  add_vmas(-it->second->vmas);
   res_.erase(it);  // munmap now, or when the last DLPack view lets go
 }
 
@@ -398,7 +422,7 @@ void HostVmm::close() {
     mmap(reinterpret_cast<void*>(r.va), r.size, PROT_NONE, kAnonFlags | MAP_FIXED, -1, 0);
   }
   res_.clear();
-  vmas_total_ = 0;
+  add_vmas(-vmas_total_);
   ::close(fd_);
   fd_ = -1;
   num_chunks_ = 0;

@@ -19,16 +19,22 @@
 //             reservation never gets a hole another mmap could land in.
 //   VMAs      every reservation keeps a slot table (state + handle); the number of VMAs it
 //             costs is the number of maximal runs of mergeable slots, kept incrementally.
-//             A batch that would push the total above `vma_budget` is refused before any
-//             syscall (at vm.max_map_count even munmap fails with ENOMEM).
+//             A batch that would push the total above `vma_budget`, or the process-wide
+//             total of every HostVmm above `process_vma_budget()`, is refused before any
+//             syscall (at vm.max_map_count even munmap fails with ENOMEM). The process-wide
+//             ledger is one atomic counter shared by all instances (several pools, one
+//             kernel limit).
 //   atomic    each public call is all-or-nothing: a failing syscall mid-batch undoes the
 //             runs already done, restores the tables, then throws.
 //   sharing   `fd()` exports the memfd (another process receives it over a Unix socket);
 //             a backend built over a received fd (`import_fd` >= 0) never creates or punches
 //             chunks: `import_handles` adopts indices the exporter created, and `release`
 //             only forgets them (the exporter's release returns the memory to the OS).
-//   faults    `inject_fault(k, err)` makes the k-th counted syscall from now fail with
-//             errno `err` (one shot), so callers can prove their rollback at every k.
+//   faults    `inject_fault(k, err, n)` makes the k-th counted syscall from now and the
+//             n-1 after it fail with errno `err`, so callers can prove their rollback at
+//             every k (n = 1) and their handling of a failed rollback (n > 1).
+//   broken    a failed rollback throws HostBrokenError: the slot tables no longer match
+//             the kernel's mappings, and the caller must stop trusting them.
 //
 // Limitations
 //   Linux only. A reservation freed while DLPack views still hold it is munmap'ed when the
@@ -36,6 +42,7 @@
 //   undo syscalls succeed (true under one-shot injection; a real failure there is reported).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -75,6 +82,15 @@ struct HostRangeError : HostError {  // a view or slot lies outside its reservat
 struct HostVmaError : HostError {  // the batch would exceed the VMA budget; code = needed
   using HostError::HostError;
 };
+struct HostBrokenError : HostOsError {  // a syscall failed and so did its rollback
+  using HostOsError::HostOsError;
+};
+
+// Process-wide VMA ledger: VMAs held by every HostVmm of the process, and their shared
+// budget (<= 0: unlimited). Atomic: instances lock only their own mutex.
+int64_t process_vmas();
+int64_t process_vma_budget();
+void set_process_vma_budget(int64_t budget);
 
 enum class SlotState : uint8_t { kNone = 0, kZero = 1, kMapped = 2 };
 
@@ -120,7 +136,7 @@ class HostVmm {
   std::vector<int64_t> slot_table(uint64_t va, size_t size);
   void close();
 
-  void inject_fault(int64_t k, int err);
+  void inject_fault(int64_t k, int err, int64_t count = 1);
   // Getters of shared state take the mutex (a worker thread may be mapping).
   uint64_t syscalls() const;
   int64_t vmas() const;
@@ -167,7 +183,12 @@ class HostVmm {
   int64_t vmas_total_ = 0;
   uint64_t syscalls_ = 0;
   int64_t fail_in_ = 0;
+  int64_t fail_left_ = 0;
   int fail_errno_ = 0;
+  // Adds `delta` to this instance's and the process's VMA totals.
+  void add_vmas(int64_t delta);
+  // Whether `extra` more VMAs fit this instance's and the process's budgets; else a message.
+  std::string vma_refusal(int64_t extra) const;
 };
 
 }  // namespace jvmm

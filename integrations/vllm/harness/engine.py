@@ -51,7 +51,8 @@ class HostWorker:
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
 
-    def set_kv_cache_layout(self, layout_name: str) -> None:
+    def set_kv_cache_layout(self, layout_name: str, interleave_size: int | None = None) -> None:
+        """0.32 passes the layout's name; 0.33 also the context-parallel interleave size."""
         self.layout_name = layout_name
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:

@@ -25,8 +25,11 @@ WORKER = ROOT / "tests" / "integrations" / "engine" / "shared_engine_worker.py"
 
 
 class Engine:
-    def __init__(self, pool: str, name: str, layers: int, min_bytes: int) -> None:
+    def __init__(
+        self, pool: str, name: str, layers: int, min_bytes: int, cache: bool = False
+    ) -> None:
         args = [sys.executable, str(WORKER), pool, name, str(layers), str(min_bytes)]
+        args += ["1"] if cache else []
         self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.ready = self._read()
@@ -38,6 +41,11 @@ class Engine:
 
     def burst(self, k: int, seed: int) -> dict:
         self.proc.stdin.write(json.dumps({"burst": k, "seed": seed}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._read()
+
+    def stats(self) -> dict:
+        self.proc.stdin.write(json.dumps({"stats": 1}) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self._read()
 
@@ -54,6 +62,10 @@ class Engine:
 
 def held() -> dict[str, int]:
     return {t["name"]: t["held"] for t in pool_state(NAME)["tenants"]}
+
+
+def cached() -> dict[str, int]:
+    return {t["name"]: t["cached"] for t in pool_state(NAME)["tenants"]}
 
 
 NAME = pool_name()
@@ -78,6 +90,33 @@ def test_two_engines_memory_follows_the_load_and_a_killed_one_returns_its_chunks
             a.proc.wait(10.0)
             wait_until(lambda: list(held()) == ["three"], 10.0, "the killed engine's chunks")
             assert pool_state(NAME)["lent"] == held()["three"]
+        finally:
+            a.close()
+            b.close()
+
+
+def test_an_idle_engine_gives_back_its_prefix_cache_pages_when_the_other_needs_them():
+    """Prefix cache on: after its burst the first engine's memory is cached pages (and its
+    lease); the owner's reclaim for the second engine makes it evict them (jenga first)."""
+    with owner_process(NAME, BUDGET, CHUNK):
+        a = Engine(NAME, "two", 2, 0, cache=True)
+        b = Engine(NAME, "three", 3, 0, cache=True)
+        try:
+            first = a.burst(6, seed=1)
+            assert first["match"], first
+            wait_until(lambda: cached().get("two", 0) > HALF // 2, 10.0, "a's cached report")
+            cached_before, held_before = cached()["two"], held()["two"]
+            assert held_before > HALF, held_before  # cached pages + lease
+            second = b.burst(6, seed=2)  # a idle: its cached pages move to b
+            assert second["match"], second
+            assert second["peak"] * CHUNK > BUDGET - HALF // 2, second
+            stats = a.stats()
+            assert stats["evicted"] > 0, stats
+            assert stats["held"] * CHUNK < held_before
+            assert held()["two"] == stats["held"] * CHUNK
+            assert cached()["two"] < cached_before
+            state = pool_state(NAME)
+            assert state["lent"] <= BUDGET
         finally:
             a.close()
             b.close()

@@ -28,7 +28,9 @@ import vmm
 
 def test_version_check_names_the_supported_version() -> None:
     assert check_vllm_version() in ("0.32.0", "0.33.0")
-    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0, 0\.33\.0; found 0\.31\.2"):
+    with pytest.raises(
+        UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.0, 0\.33\.0; found 0\.31\.2"
+    ):
         check_vllm_version("0.31.2")
 
 

@@ -12,7 +12,7 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.harness import cases, replay
-from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.manager import NULL_BLOCK, JengaKVCacheManager
 
 BLOCK = 16
 PROMPT = 160  # 10 blocks
@@ -126,3 +126,29 @@ def test_encoder_tokens_without_a_cross_attention_group_are_refused(model_dir: P
     with pytest.raises(JengaVllmError, match=r"r0.*: 30 encoder tokens, but .*no cross-attention"):
         manager.allocate_slots(request, 40, num_encoder_tokens=30)
     assert manager.usage == 0.0
+
+
+def test_async_window_releases_wait_for_the_in_flight_step(model_dir: Path) -> None:
+    """vLLM's AsyncScheduler schedules step 2 before step 1's output is processed: the
+    sliding blocks that leave the window with step 1's tokens stay held by the request
+    (step 1 still reads them) until its output is processed, then are released."""
+    scheduler = _scheduler(model_dir, "gemma2", 64, async_scheduling=True)
+    manager = scheduler.kv_cache_manager
+    (request,) = replay.make_requests([[5] * 200], [8], BLOCK)
+    scheduler.add_request(request)
+    by_id = {request.request_id: request}
+    step1 = scheduler.schedule()  # the 200-token prompt, in flight
+    assert step1.num_scheduled_tokens == {"r0": 200}
+    step2 = scheduler.schedule()  # decode of position 200, before step 1's output
+    assert step2.num_scheduled_tokens == {"r0": 1}
+    sliding = manager.allocator.block_table("r0", 0)
+    # window 64 at position 200 leaves blocks 0..7 behind, but step 1 still reads them
+    assert NULL_BLOCK not in sliding
+    assert [manager.allocator._core.block_info(0, b)[0] for b in sliding[:8]] == [1] * 8
+    scheduler.update_from_output(step1, replay.fake_model_output(step1, by_id, 1))
+    step3 = scheduler.schedule()  # step 1 processed: its 200 tokens are safe to release
+    assert step3.num_scheduled_tokens == {"r0": 1}
+    after = manager.allocator.block_table("r0", 0)
+    assert after[:8] == [NULL_BLOCK] * 8 and after[8:] == sliding[8 : len(after)]
+    assert [manager.allocator._core.block_info(0, b)[0] for b in sliding[:8]] == [2] * 8
+    manager.check_invariants(expensive=True)

@@ -67,6 +67,45 @@ def test_articles_questions_shuffled_keeps_every_question_once():
     assert ids != [f"art{a}-q{q}" for q in range(4) for a in range(3)]
 
 
+def test_articles_with_varying_lengths_stay_in_range_and_share_per_article():
+    reqs = make_trace(
+        "articles-questions",
+        num_articles=5,
+        questions_per_article=3,
+        min_article_len=200,
+        max_article_len=400,
+        question_len=10,
+        shuffle=0,
+    ).requests
+    lengths = [r.prompt_len - 10 for r in reqs[:5]]
+    assert all(200 <= n <= 400 for n in lengths) and len(set(lengths)) > 1
+    for a in range(5):  # every question of an article quotes the same article
+        assert reqs[a].prompt[: lengths[a]] == reqs[a + 5].prompt[: lengths[a]]
+    with pytest.raises(WorkloadError, match="bad article length range 400-200"):
+        make_trace("articles-questions", min_article_len=400, max_article_len=200)
+
+
+def test_dynamic_stream_rises_then_falls_static_does_not():
+    dynamic = [r.prompt_len for r in make_trace("arxiv-qa-stream", num_requests=61).requests]
+    static = [
+        r.prompt_len for r in make_trace("arxiv-qa-stream", num_requests=61, dynamic=0).requests
+    ]
+    thirds = [statistics.fmean(dynamic[i : i + 20]) for i in (0, 20, 41)]
+    assert thirds[0] < 45_000 < thirds[1] and thirds[2] < 45_000  # short, long, short
+    assert max(dynamic) <= 110_000 and min(dynamic) >= 6_000
+    assert all(44_250 <= n <= 73_750 for n in static)  # midpoint 59,000 x [0.75, 1.25]
+
+
+def test_closed_loop_turns_follow_their_predecessor():
+    reqs = make_trace(
+        "multi-turn", num_clients=2, num_rounds=3, closed_loop=1, think_s=0.5, rate=1.0
+    ).requests
+    by_id = {r.req_id: r for r in reqs}
+    assert by_id["client1-turn2"].after == "client1-turn1"
+    assert by_id["client1-turn2"].think_s == 0.5 and by_id["client1-turn2"].arrival_s == 0.0
+    assert by_id["client0-turn0"].after == "" and by_id["client1-turn0"].arrival_s > 0.0
+
+
 def test_multi_turn_quotes_history():
     reqs = make_trace(
         "multi-turn",

@@ -12,9 +12,9 @@ Approach
     Patching happens in ``pytest_configure``, before the test modules are imported, so
     their ``from ... import KVCacheManager`` binds the jenga constructor. The scheduler
     module is imported first so that it keeps vLLM's class for the construction that
-    `install_jenga_manager` replaces. Every test's outcome (passed / failed / skipped)
-    the failure's exception lines, and whether it built a manager go to ``--conformance-out`` as JSON for
-    ``run_conformance.py`` to compare.
+    `install_jenga_manager` replaces. Every test's outcome (passed / failed / skipped),
+    the failure's exception lines and whether it built a manager go to
+    ``--conformance-out`` as JSON for ``run_conformance.py`` to compare.
 
 Limitations
     Loaded by module name (``-p jenga_conformance_plugin`` with this folder on
@@ -39,7 +39,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _swap_in_jenga() -> None:
     import vllm.v1.core.kv_cache_manager as kvm
     import vllm.v1.core.sched.scheduler as sched  # binds vLLM's class before the patch
-
     from integrations.vllm.drop_in import jenga_kv_cache_manager
     from integrations.vllm.scheduler import (
         check_supported_config,
@@ -94,10 +93,15 @@ class _Recorder:
 
 
 def _error_text(report: Any) -> str:
-    """The exception lines of a failure (pytest's ``E`` lines), at most 4000 characters."""
+    """The exception lines of a failure (pytest's ``E`` lines, at most 4000 characters),
+    then ``crash: PATH:LINE`` where it was raised when pytest knows it."""
     text = str(report.longreprtext)
     lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
-    return "\n".join(lines)[-4000:] or text[-4000:]
+    out = "\n".join(lines)[-4000:] or text[-4000:]
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    if crash is not None:
+        out += f"\ncrash: {crash.path}:{crash.lineno}"
+    return out
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,59 @@
+"""`jenga_kv_cache_manager`: vLLM's `KVCacheManager` call, our manager, clear refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+from integrations.vllm.drop_in import jenga_kv_cache_manager
+from integrations.vllm.harness import cases, replay
+from integrations.vllm.layout import UnsupportedFeature
+from integrations.vllm.manager import JengaKVCacheManager
+
+
+def _kv_config(model_dir: Path) -> Any:
+    setup = replay.SchedulerSetup(max_model_len=512, max_num_batched_tokens=512)
+    config = replay.make_vllm_config(model_dir, setup)
+    return replay.kv_cache_config_for(config, cases.layer_specs("llama"), 16 << 20)
+
+
+def test_vllm_keyword_arguments_build_a_working_jenga_manager(model_dir: Path) -> None:
+    kv_config = _kv_config(model_dir)
+    manager = jenga_kv_cache_manager(
+        kv_config,
+        max_model_len=512,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        enable_caching=True,
+        log_stats=True,
+        watermark=0.0,
+    )
+    assert isinstance(manager, JengaKVCacheManager)
+    (first,) = replay.make_requests([list(range(100, 164))], [4], 16, prefix="a")
+    assert manager.get_computed_blocks(first)[1] == 0
+    blocks = manager.allocate_slots(first, 64)
+    assert blocks is not None and len(blocks.get_block_ids()[0]) == 4
+    manager.free(first)
+    (second,) = replay.make_requests([[*range(100, 164), 7]], [4], 16, prefix="b")
+    assert manager.get_computed_blocks(second)[1] == 64  # the freed prompt stays cached
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"use_eagle": True}, r"EAGLE speculative decoding \(use_eagle=True\)"),
+        ({"dcp_world_size": 2}, r"decode context parallelism \(dcp_world_size=2\)"),
+        ({"pcp_world_size": 4}, r"prefill context parallelism \(pcp_world_size=4\)"),
+    ],
+)
+def test_refused_features_are_named_at_construction(
+    model_dir: Path, kwargs: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(UnsupportedFeature, match=named):
+        jenga_kv_cache_manager(_kv_config(model_dir), 512, **kwargs)
