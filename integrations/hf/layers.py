@@ -113,12 +113,11 @@ class AttentionPart:
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
-class VmmLayer(AttentionPart, DynamicLayer):
-    """Full attention: every position stays and is returned."""
+class FullAttentionPart(AttentionPart):
+    """`update` of a layer whose attention keeps every position (plain or beside a state);
+    the base's own `lazy_initialization` sets up K/V, whatever a state part overrides."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
-        super().__init__()
-        self.store, self.layer_idx = store, layer_idx
+    is_initialized: bool
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -131,12 +130,14 @@ class VmmLayer(AttentionPart, DynamicLayer):
         return self.seen
 
 
-class VmmSlidingLayer(AttentionPart, DynamicSlidingWindowLayer):
-    """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
+class SlidingAttentionPart(AttentionPart):
+    """`update` of a sliding-window attention (plain or beside a state): the last
+    ``w - 1`` cached positions plus the new ones; transformers' mask reads
+    ``cumulative_length``."""
 
-    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
-        super().__init__(sliding_window=sliding_window)
-        self.store, self.layer_idx = store, layer_idx
+    is_initialized: bool
+    sliding_window: int
+    cumulative_length: int
 
     def _window_start(self, past: int) -> int:
         return max(0, past - (self.sliding_window - 1))
@@ -149,6 +150,22 @@ class VmmSlidingLayer(AttentionPart, DynamicSlidingWindowLayer):
         out = self._attend(key_states, value_states)
         self.cumulative_length = self.seen
         return out
+
+
+class VmmLayer(FullAttentionPart, DynamicLayer):
+    """Full attention: every position stays and is returned."""
+
+    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+        super().__init__()
+        self.store, self.layer_idx = store, layer_idx
+
+
+class VmmSlidingLayer(SlidingAttentionPart, DynamicSlidingWindowLayer):
+    """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
+
+    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+        super().__init__(sliding_window=sliding_window)
+        self.store, self.layer_idx = store, layer_idx
 
 
 class VmmChunkedLayer(VmmSlidingLayer):
@@ -261,7 +278,7 @@ class VmmMambaLayer(StatePart, LinearAttentionLayer):
         self._init_states(LinearAttentionLayer, *args, **kwargs)
 
 
-class VmmHybridLayer(StatePart, AttentionPart, LinearAttentionAndFullAttentionLayer):
+class VmmHybridLayer(StatePart, FullAttentionPart, LinearAttentionAndFullAttentionLayer):
     """Attention and a state in one layer (Falcon-H1, Zamba2): two groups, one layer id."""
 
     def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
@@ -272,19 +289,9 @@ class VmmHybridLayer(StatePart, AttentionPart, LinearAttentionAndFullAttentionLa
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         self._init_states(LinearAttentionAndFullAttentionLayer, *args, **kwargs)
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            DynamicLayer.lazy_initialization(self, key_states, value_states)
-        return self._attend(key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
 
 class VmmHybridSlidingLayer(
-    StatePart, AttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
+    StatePart, SlidingAttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
 ):
     """A sliding-window attention part beside a state (``hybrid_sliding``)."""
 
@@ -293,20 +300,8 @@ class VmmHybridSlidingLayer(
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
 
-    def _window_start(self, past: int) -> int:
-        return max(0, past - (self.sliding_window - 1))
-
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         self._init_states(LinearAttentionAndSlidingWindowAttentionLayer, *args, **kwargs)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            DynamicSlidingWindowLayer.lazy_initialization(self, key_states, value_states)
-        out = self._attend(key_states, value_states)
-        self.cumulative_length = self.seen
-        return out
 
 
 class VmmCrossLayer(DynamicLayer):
