@@ -5,14 +5,13 @@ the shared undo log; segfaults in 2 of 4 runs). Each call is now one critical se
 from __future__ import annotations
 
 import random
-import sys
-import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from jenga import _core
+from tests.threads import fast_switching, run_threads
 
 THREADS = 4
 STEPS = 1000
@@ -21,47 +20,36 @@ TOTAL = 256
 
 @pytest.fixture(autouse=True)
 def _fast_switching() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(old)
+    with fast_switching():
+        yield
 
 
 def test_threads_allocating_and_releasing_on_one_core_keep_its_invariants() -> None:
     core = _core.Core([16, 8], [1, 1], TOTAL)
-    errors: list[BaseException] = []
     clock = iter(range(1, 10**9))
 
     def work(owner: int) -> None:
         rnd = random.Random(owner)
         held: list[list[int]] = [[], []]
-        try:
-            for _ in range(STEPS):
-                if rnd.random() < 0.55:
-                    counts = [rnd.randint(0, 96), rnd.randint(0, 48)]
-                    got = core.allocate(owner, counts, next(clock))
-                    if got is not None:
-                        for g, blocks in enumerate(got):
-                            held[g].extend(blocks)
-                            hashes = [rnd.getrandbits(63) for _ in blocks]  # cached on release
-                            core.commit(g, blocks, hashes, [1] * len(blocks))
-                else:
-                    for g in (0, 1):
-                        if held[g]:
-                            core.release(g, np.array(held[g], dtype=np.int32), next(clock))
-                            held[g] = []
-                core.drain_plan()
-                core.counters()
-            for g in (0, 1):
-                core.release(g, np.array(held[g], dtype=np.int32), next(clock))
-        except BaseException as exc:
-            errors.append(exc)
+        for _ in range(STEPS):
+            if rnd.random() < 0.55:
+                counts = [rnd.randint(0, 96), rnd.randint(0, 48)]
+                got = core.allocate(owner, counts, next(clock))
+                if got is not None:
+                    for g, blocks in enumerate(got):
+                        held[g].extend(blocks)
+                        hashes = [rnd.getrandbits(63) for _ in blocks]  # cached on release
+                        core.commit(g, blocks, hashes, [1] * len(blocks))
+            else:
+                for g in (0, 1):
+                    if held[g]:
+                        core.release(g, np.array(held[g], dtype=np.int32), next(clock))
+                        held[g] = []
+            core.drain_plan()
+            core.counters()
+        for g in (0, 1):
+            core.release(g, np.array(held[g], dtype=np.int32), next(clock))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(work, THREADS)
     core.check_invariants(True)
     assert core.free_units == TOTAL - sum(n for n, *_ in (core.group_counts(g) for g in (0, 1)))

@@ -7,13 +7,13 @@ other thread took the same room. A tiny switch interval makes such interleavings
 from __future__ import annotations
 
 import random
-import sys
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 
 import vmm
+from tests.threads import fast_switching, run_threads
 from tests.vmm.vmm_helpers import HOST_GRANULARITY
 
 THREADS = 4
@@ -23,27 +23,12 @@ BUDGET = 12
 
 @pytest.fixture(autouse=True)
 def _fast_switching() -> Iterator[None]:
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(old)
+    with fast_switching():
+        yield
 
 
 def _run_threads(work: Callable[[int], None], n: int = THREADS) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(i: int) -> None:
-        try:
-            work(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_threads(work, n)
 
 
 def _pool(budget: int = BUDGET) -> vmm.ChunkPool:
