@@ -56,7 +56,10 @@ AT_LEAST_0_33 = tuple(int(p) for p in VLLM_VERSION.split("+")[0].split(".")[:2])
 (`get_kv_cache_configs`); the scheduler calls ``get_computed_blocks(request,
 max_cache_hit_length)`` (the manager takes the bound on both); the output update that
 caches blocks under async scheduling moved from ``AsyncScheduler`` into ``Scheduler``
-(``_update_request_with_output``; `scheduler_owns_output_update`)."""
+(``_update_request_with_output``; `scheduler_owns_output_update`); the scheduler-side
+auxiliary-output (routed experts) connector reads the manager's ``block_pool``
+(`aux_outputs_read_the_block_pool`); `KVCacheManager` takes ``num_hash_lookahead_tokens``
+(EAGLE lookahead block hashes, refused by `integrations.vllm.drop_in`)."""
 
 __all__ = [
     "AT_LEAST_0_33",
@@ -187,6 +190,17 @@ def scheduler_owns_output_update() -> bool:
     that wraps it must wrap ``Scheduler``'s on 0.33 and ``AsyncScheduler``'s on 0.32.
     """
     return AT_LEAST_0_33
+
+
+def aux_outputs_read_the_block_pool(vllm_config: Any) -> bool:
+    """Whether the scheduler's auxiliary-output connector needs vLLM's own block pool.
+
+    0.32: ``AuxOutputSchedulerConnector()`` keeps its own state. 0.33: it is built with
+    the KV-cache manager and keys the routed-experts rows it caches by that manager's
+    ``block_pool`` (``--enable-return-routed-experts``), which ours does not have.
+    """
+    aux = getattr(vllm_config, "aux_output_config", None)
+    return AT_LEAST_0_33 and aux is not None and bool(aux.enabled)
 
 
 # -- engine (harness, tests) -------------------------------------------------------------
