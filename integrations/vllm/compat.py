@@ -107,13 +107,6 @@ def v2_attn_utils_module() -> ModuleType:
     return attn_utils
 
 
-def use_v2_model_runner(vllm_config: Any) -> bool:
-    """Whether vLLM builds its V2 model runner for this config (vLLM's own rule)."""
-    from vllm.v1.worker.gpu_worker import use_v2_model_runner as rule
-
-    return bool(rule(vllm_config))
-
-
 # -- configuration and requests (harness, tests) ------------------------------------------
 def config_classes() -> dict[str, Any]:
     """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
