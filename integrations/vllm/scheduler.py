@@ -1,7 +1,7 @@
 """Scheduler subclasses that swap vLLM's KV-cache manager for `JengaKVCacheManager`.
 
 Rationale
-    vLLM 0.32 builds its `KVCacheManager` inside ``Scheduler.__init__`` with no hook, and
+    vLLM 0.32 and 0.33 build their `KVCacheManager` inside ``Scheduler.__init__`` with no hook, and
     we may not edit vLLM's files. ``SchedulerConfig.scheduler_cls`` accepts any
     `Scheduler` subclass, so the subclass lets vLLM build everything, then replaces
     ``self.kv_cache_manager`` and resets the few derived flags that read the old one.
