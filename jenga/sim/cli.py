@@ -145,12 +145,14 @@ def _run_sweep(args: argparse.Namespace, console: Console, scenario: Scenario) -
     metric, baseline = "hit_rate", scenario.headline[1]  # sweeps ask about the prefix cache
     result = sweep.run_sweep(scenario, key, values, _seed_list(args, scenario))
     if args.json != "-":
-        console.print(sweep.sweep_table(scenario, key, result, metric))
+        for shown in sweep.SWEEP_METRICS:
+            console.print(sweep.sweep_table(scenario, key, result, shown))
     if args.json:
         doc = {"scenario": scenario.name, "sweep": sweep.sweep_json(key, result, metric, baseline)}
         report.write_json(doc, args.json)
     if args.plot_dir:
-        console.print(f"wrote {sweep.plot_sweep(scenario, key, result, args.plot_dir, metric)}")
+        for shown in sweep.SWEEP_METRICS:
+            console.print(f"wrote {sweep.plot_sweep(scenario, key, result, args.plot_dir, shown)}")
     return 0
 
 
