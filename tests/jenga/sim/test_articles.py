@@ -17,7 +17,8 @@ def test_fig17_trace_has_the_papers_arxiv_qa_lengths_and_arrives_as_one_batch():
     assert scenario.engine == PAPER_ENGINE and scenario.rate is None
     trace = build_trace(replace(scenario, workload_params={**params, "num_articles": 40}))
     assert {r.arrival_s for r in trace.requests} == {0.0}  # Fig. 17b is a throughput
-    articles = {r.req_id.split("-")[0]: r.prompt_len - params["question_len"] for r in trace.requests}
+    question = params["question_len"]
+    articles = {r.req_id.split("-")[0]: r.prompt_len - question for r in trace.requests}
     assert len(articles) == 40 and len(trace.requests) == 40 * params["questions_per_article"]
     assert all(74_816 <= n <= 110_000 for n in articles.values())
     assert abs(fmean(articles.values()) - 92_408) < 4_000
