@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=args.json == "-")
     if not console.is_terminal:
-        console.width = 160  # logs and pipes: keep the table on one line per row
+        console.width = 240  # logs and pipes: keep every cell of a wide sweep on one line
     if args.list:
         _print_lists(console)
         return 0

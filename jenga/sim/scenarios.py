@@ -190,7 +190,7 @@ SCENARIOS: dict[str, Scenario] = {
             "h100-80gb",
             "mmmu-pro",
             {"num_requests": 200, "output_len": 128},
-            note="Jenga paper Fig. 16: Llama 3.2 Vision, MMMU-pro",
+            note="Llama 3.2 Vision on MMMU-pro: the paper's §3.2 / Fig. 3 waste at serving scale",
         ),
         Scenario(
             "articles-gemma",
