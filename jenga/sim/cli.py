@@ -6,7 +6,8 @@ Nano 9B v2, serving closed-loop multi-turn chats on an H100) under today's vLLM
 compares on the scenario's headline metric. ``--scenario arxiv-ministral`` is the Jenga
 paper's Fig. 15 setup; the other flags override parts of a scenario. ``--seeds 0-9``
 reports every metric as mean and range over trace seeds; ``--sweep KEY=LIST`` sweeps a
-knob (``articles=1,2,4,8``: the paper's Fig. 17).
+knob and reports hit rate and throughput at each value (``--scenario articles-ministral
+--sweep articles=1,2,3,4,5,6,8``: the paper's Fig. 17a and 17b).
 """
 
 from __future__ import annotations
