@@ -15,8 +15,9 @@ Approach
        the newest running request is preempted (its KV freed, its prompt + output so
        far requeued at the front of the waiting queue, recomputed later, often from the
        prefix cache) until the allocation fits;
-    3. waiting requests are admitted (prefix-cache hit from `add_request`) while the
-       token budget, the running limit and memory allow;
+    3. waiting requests are admitted (prefix-cache hit from `add_request`, with the
+       request's image spans, so a block's hash covers its images) while the token
+       budget, the running limit and memory allow;
     4. the model's own forward (`ModelForward`, one call per request) computes every
        scheduled chunk (`PackedForward` with ``attention='flash'``); a request
        whose chunk reaches the end of its sequence samples its next token greedily;
@@ -29,8 +30,8 @@ Approach
            └────────── preempt (free) ────────┘
 
 Limitations
-    Greedy sampling only; recompute (not swap) preemption; one text decoder (any family
-    `ModelForward` serves; Mamba v1 and image models are refused at construction).
+    Greedy sampling only; recompute (not swap) preemption; one model (any family
+    `ModelForward` serves; images for LLaVA-OneVision and Mllama, see `images`).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
     (lengths are known; EOS is not used), so memory is committed one token early.
 """

@@ -27,12 +27,25 @@ Approach
     a new block, `prepare` copies the previous state block into it first; a continuing
     request's layers point at its live block (`resume`).
 
+    Mamba (v1) (Jamba): transformers' `JambaMambaMixer` continues the conv state in a
+    multi-token forward but its selective scan always starts from a zero SSM state
+    (`mamba_selective_scan` allocates ``ssm_state = zeros``: "Initial hidden state is not
+    supported by the kernel path"); only its one-token path (`mamba_selective_state_update`)
+    reads the cached state. So a segment from position 0 runs in one forward, and a
+    segment that continues a state (later prompt chunks, prefix hits, recomputation after
+    preemption) runs one forward per token, exactly as `generate`'s decode steps do.
+
+    Images (`images.py`): a request's prepared inputs give each segment its model inputs
+    (spliced ``inputs_embeds`` for LLaVA-OneVision; token ids, ``cross_attention_mask``
+    rows and, at position 0, ``cross_attention_states`` for Mllama). Cross-attention layers
+    are `VmmCrossLayer`s over the request's cross-attention blocks: the first segment
+    writes the image K/V, later ones (and prefix hits) read it.
+
 Limitations
     One forward per request (no packed varlen kernel on CPU); the gather copies the
-    visible K/V, as transformers' own cache does. Text decoders only. Mamba (v1) models
-    (Jamba) are refused: transformers' mixer cannot start a multi-token forward from a
-    state. Positions are passed explicitly (Bamba derives them from layer 0, a Mamba
-    layer, and would restart at 0).
+    visible K/V, as transformers' own cache does. A Jamba segment that continues a state
+    costs one forward per token. Positions are passed explicitly (Bamba derives them from
+    layer 0, a Mamba layer, and would restart at 0).
 """
 
 from __future__ import annotations
