@@ -101,8 +101,7 @@ class SplicedImages:
     def __init__(
         self, model: Any, request_id: object, prompt: Sequence[int], inputs: Mapping[str, Any]
     ) -> None:
-        _batch_of_one(request_id, inputs)
-        base = model.model
+        base = model.model  # its placeholder mask checks image tokens against features
         device = next(model.parameters()).device
         ids = torch.tensor([list(prompt)], device=device)
         self.embed = base.get_input_embeddings()

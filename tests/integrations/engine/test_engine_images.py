@@ -2,11 +2,12 @@
 
 LLaVA-OneVision (image features spliced into the prompt) and Mllama (cross attention over
 image tokens) with tiny random vision towers, each fed by its own processor (real images,
-word-level tokenizers built in code). Four requests join one step apart: r0 and r2 share
+word-level tokenizers built in code). Five requests join one step apart: r0 and r2 share
 text and image (r2 hits r0's prefix, image included), r1 has r0's text with another image
 (it may share only the text before the image: LLaVA's blocks before the ``<image>`` run;
-none on Mllama, whose cross attention changes every position), r3 is text only. Chunked
-prefill (budget 12 tokens) splits image spans; a second run in half the chunks preempts.
+none on Mllama, whose cross attention changes every position), r3 is text only, r4 has
+two images. Chunked prefill (budget 12 tokens) splits image spans; a second run in half
+the chunks preempts.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def llava_case():
     model = llava.tiny_llava(torch.float32)
     proc, image = llava.processor(), pictures((28, 28))
 
-    def inputs(text: str, picture) -> dict:
-        return dict(proc(images=[picture] if picture else None, text=[text], return_tensors="pt"))
+    def inputs(text: str, shown: list) -> dict:
+        return dict(proc(images=shown or None, text=[text], return_tensors="pt"))
 
     return model, inputs, image, "<image>"
 
@@ -69,8 +70,8 @@ def mllama_case():
                 getattr(layer, name).data.fill_(0.5)
     proc, image = mllama_processor(), pictures((28, 56))  # 1x2 tiles
 
-    def inputs(text: str, picture) -> dict:
-        return dict(proc(images=[[picture]] if picture else None, text=[text], return_tensors="pt"))
+    def inputs(text: str, shown: list) -> dict:
+        return dict(proc(images=[shown] if shown else None, text=[text], return_tensors="pt"))
 
     return model, inputs, image, "<|image|>"
 
@@ -80,11 +81,13 @@ CASES = {"llava_onevision": llava_case, "mllama": mllama_case}
 
 def workload(case) -> list[tuple[str, list[int], dict | None, int]]:
     """(request, prompt ids, image inputs or None, arrival step)."""
-    _, inputs, image, token = case
+    _, inputs, (a, b), token = case
+    texts = [TEXT.format(image=token if i < 3 else "w70") + tail for i, tail in enumerate(TAILS)]
+    texts.append(f"w5 w9 {token} w12 w7 w33 {token} w21 w40")
+    shown = [[a], [b], [a], [], [b, a]]  # r2 repeats r0's image, r3 none, r4 two
     out = []
-    chosen = [image[0], image[1], image[0], None]  # r2 repeats r0's image, r3 has none
-    for i, (picture, tail) in enumerate(zip(chosen, TAILS, strict=True)):
-        got = inputs(TEXT.format(image=token if picture else "w70") + tail, picture)
+    for i, (text, pictures) in enumerate(zip(texts, shown, strict=True)):
+        got = inputs(text, pictures)
         ids = got.pop("input_ids")[0].tolist()
         got.pop("attention_mask")
         out.append((f"r{i}", ids, got or None, i))
@@ -144,4 +147,35 @@ def test_images_on_a_text_model_are_refused_at_add_request():
     engine = MiniEngine(tiny_model("llama"), EngineConfig(chunk_bytes=CHUNK))
     with pytest.raises(ValueError, match=r"request 'r0' has images; .* not 'llama'"):
         engine.add_request("r0", [5, 6, 7], 2, images={"pixel_values": torch.zeros(1, 3, 4, 4)})
+    engine.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_image_spans_key_the_image_runs_or_position_zero(name: str):
+    case = CASES[name]()
+    requests = workload(case)
+    engine = MiniEngine(case[0], EngineConfig(chunk_bytes=CHUNK, block_size=4))
+    for rid, prompt, images, _ in requests:
+        engine.add_request(rid, prompt, 2, images=images)
+    spans = {r.request_id: r.images.spans for r in engine.pending if r.images is not None}
+    placed = {rid: [(s.start, s.length, s.in_text) for s in got] for rid, got in spans.items()}
+    if name == "llava_onevision":  # 10 feature tokens per image, in the text
+        assert placed == {"r0": [(6, 10, True)], "r1": [(6, 10, True)], "r2": [(6, 10, True)],
+                          "r4": [(2, 10, True), (15, 10, True)]}  # fmt: skip
+    else:  # 2 tiles x (4 patches + 1) cross tokens per image, keyed from position 0
+        assert placed == {"r0": [(0, 10, False)], "r1": [(0, 10, False)],
+                          "r2": [(0, 10, False)], "r4": [(0, 20, False)]}  # fmt: skip
+    hashes = {rid: [s.content_hash for s in got] for rid, got in spans.items()}
+    assert hashes["r0"] == hashes["r2"] != hashes["r1"]
+    assert len({*hashes["r0"], *hashes["r1"], *hashes["r4"]}) == len(hashes["r4"]) + 2
+    engine.close()
+
+
+def test_mllama_cross_attention_mask_must_be_the_processors():
+    case = mllama_case()
+    _, prompt, images, _ = workload(case)[0]
+    images["cross_attention_mask"][0, 0] = 1  # a row before <|image|> sees the image
+    engine = MiniEngine(case[0], EngineConfig(chunk_bytes=CHUNK))
+    with pytest.raises(ValueError, match=r"request 'r0': cross_attention_mask is not Mllama"):
+        engine.add_request("r0", prompt, 2, images=images)
     engine.close()
