@@ -33,8 +33,10 @@ Approach
     cross blocks are allocated with the first segment. Rows of ``cross_attention_mask``
     past the prompt repeat its last row, as `generate` extends it.
 
-    `content_hash` hashes every image input (names, dtypes, shapes, bytes) with BLAKE2b;
-    Mllama's ``cross_attention_mask`` is among them, as it changes the K/V too.
+    `content_hash` hashes the image inputs (names, dtypes, shapes, bytes) with BLAKE2b.
+    Mllama's ``cross_attention_mask`` changes the K/V too but is left out: it must be the
+    one `MllamaProcessor` builds from the prompt's tokens and the images' tiles (checked),
+    so the tokens and the hashed images determine it.
 
 Limitations
     Two image paths (LLaVA-OneVision, Mllama); other vision models are refused by the
