@@ -612,10 +612,15 @@ class JengaKVCacheManager:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary states offered to a KV connector: none (connectors are refused;
+        vLLM's scheduler drains this every step and hands it to a connector only)."""
         return {}
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        return []
+        """vLLM calls this for KV-producer connectors only, which are refused."""
+        raise UnsupportedFeature(
+            "KV connectors are not supported by the jenga manager (partial-tail offloads)"
+        )
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         raise UnsupportedFeature("block zeroing after failed KV loads needs a KV connector")
