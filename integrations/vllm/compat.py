@@ -84,10 +84,10 @@ __all__ = [
     "Request",
     "Scheduler",
     "SlidingWindowSpec",
+    "create_kv_cache_views",
     "generate_block_hash_extra_keys",
     "maybe_convert_block_hash",
     "to_event_extra_keys",
-    "create_kv_cache_views",
 ]
 
 

@@ -314,9 +314,7 @@ class JengaKVCacheManager:
 
         All-or-nothing for the new slots: on None, a request admitted by this call is
         released again, and a running request keeps what it had except the blocks it no
-        longer reads (out of its window, old Mamba states), which are released as vLLM's
-        manager releases them before its own check. ``reserved_blocks`` (vLLM's block
-        slots, ``pages="vllm"`` only) must stay free after this step's allocation.
+        longer reads (out of its window, old Mamba states), released as vLLM does.
         """
         if num_external_computed_tokens or delay_cache_blocks:
             raise UnsupportedFeature("external (connector) KV tokens are not supported")
@@ -344,9 +342,8 @@ class JengaKVCacheManager:
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
         # as vLLM: release on the processed basis (an in-flight step reads below it)
         processed = max(0, computed - request.num_in_flight_tokens)
-        new_blocks = None
-        if need > 0 and self._reserves_room(rid, target, reserved_blocks):
-            new_blocks = self._allocate(request, need, processed)
+        room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
+        new_blocks = self._allocate(request, need, processed) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -361,7 +358,8 @@ class JengaKVCacheManager:
         return self._blocks_of(new_blocks)
 
     def _reserves_room(self, rid: str, target: int, reserved_blocks: int) -> bool:
-        """Whether ``target`` tokens fit with ``reserved_blocks`` vLLM slots left free."""
+        """Whether ``target`` tokens fit with ``reserved_blocks`` vLLM block slots left
+        free for other in-flight requests (vLLM's async KV-load gate; "vllm" pages only)."""
         if not reserved_blocks:
             return True
         if self._slots is None:

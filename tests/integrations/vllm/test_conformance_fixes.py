@@ -18,21 +18,19 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 import torch
+from integrations.vllm.drop_in import jenga_kv_cache_manager
+from integrations.vllm.layout import JengaVllmError, JengaVllmOptions, UnsupportedFeature
 from jenga.errors import InvalidInput
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 from integrations.vllm import compat
-from integrations.vllm.drop_in import jenga_kv_cache_manager
-from integrations.vllm.layout import JengaVllmError, JengaVllmOptions, UnsupportedFeature
 
 BLOCK = 16
 
 
 def _full(block_size: int = BLOCK, dtype: torch.dtype = torch.float32) -> Any:
-    return compat.FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype
-    )
+    return compat.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype)
 
 
 def _window(window: int, block_size: int = BLOCK) -> Any:
@@ -113,7 +111,7 @@ def test_the_hit_comes_with_its_blocks_as_vllm_returns_them() -> None:
 
 @pytest.mark.parametrize("mode", ["none", "align"])
 def test_mamba_hits_follow_the_cache_mode_as_vllm(mode: str) -> None:
-    """"none" (vLLM's tests build it with caching on): every block is a cached state;
+    """ "none" (vLLM's tests build it with caching on): every block is a cached state;
     "align": a state exists only where a step ended."""
     config = _config(_full(), _mamba(mode))
     common = [i for i in range(3) for _ in range(BLOCK)]
@@ -133,9 +131,9 @@ def test_a_mamba_spec_without_state_shapes_takes_vllms_slot() -> None:
     prompt = [i for i in range(4) for _ in range(BLOCK)]
     hits = []
     for manager in _managers(config):
-        first = _request("0", prompt + [9])
+        first = _request("0", [*prompt, 9])
         assert manager.allocate_slots(first, first.num_tokens) is not None
-        hits.append(manager.get_computed_blocks(_request("1", prompt + [8]))[1])
+        hits.append(manager.get_computed_blocks(_request("1", [*prompt, 8]))[1])
     assert hits[0] == hits[1]
     with pytest.raises(JengaVllmError, match=r"shapes \(1, 1\) are not a tuple of state"):
         jenga_kv_cache_manager(config, 8192, jenga_options=JengaVllmOptions(pages="vmm"))
