@@ -27,7 +27,12 @@ Approach
       window, old Mamba states).
     - The memory budget is vLLM's: the single backing allocation of the config's
       `KVCacheTensor` s (or ``num_blocks`` × the largest per-block footprint when the
-      config lists no tensors, as vLLM's own scheduler tests build it).
+      config lists no tensors, as vLLM's own scheduler tests build it). On vLLM's shared
+      slots only slots are counted, as vLLM's manager counts them: a Mamba spec whose
+      ``shapes`` do not size a state (vLLM's tests build ``MambaSpec(shapes=(1, 1))``)
+      takes the slot, and a page larger than the slot is left to vLLM's worker.
+    - Mamba groups follow vLLM's cache mode: "align" writes a state only where a step
+      ends (``mamba_step_end_only``); "none" keeps one per block, as vLLM's manager.
 
 Limitations
     Supported vLLM specs: `FullAttentionSpec` (plain), `SlidingWindowSpec`,
