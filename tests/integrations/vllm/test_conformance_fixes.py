@@ -113,6 +113,8 @@ def test_the_hit_comes_with_its_blocks_as_vllm_returns_them() -> None:
 def test_mamba_hits_follow_the_cache_mode_as_vllm(mode: str) -> None:
     """ "none" (vLLM's tests build it with caching on): every block is a cached state;
     "align": a state exists only where a step ended."""
+    if mode == "none" and compat.AT_LEAST_0_33:
+        pytest.skip("vLLM 0.33's manager refuses Mamba prefix caching outside 'align' mode")
     config = _config(_full(), _mamba(mode))
     common = [i for i in range(3) for _ in range(BLOCK)]
     seen = []
