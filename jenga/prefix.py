@@ -35,6 +35,7 @@ Limitations
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +89,13 @@ def _int_bytes(value: int) -> bytes:
     """``value`` as a 4-byte length and its signed little-endian bytes."""
     size = value.bit_length() // 8 + 1
     return size.to_bytes(4, "little") + value.to_bytes(size, "little", signed=True)
+
+
+def content_hash(values: Sequence[int] | np.ndarray) -> int:
+    """A 128-bit `ImageSpan.content_hash` for content given as integers (BLAKE2b-128 of
+    their int64 bytes, unkeyed: the same in every process)."""
+    data = np.asarray(values, dtype=np.int64).astype("<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
 
 def no_identities() -> np.ndarray:
