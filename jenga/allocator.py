@@ -70,7 +70,8 @@ Limitations
     One allocator serves one model (groups of a draft and a target model are just more
     groups). Block identities are 128 bits of keyed BLAKE2b (or SHA-256; `BlockIdentity`);
     the core's index keys them by 64 bits and compares the whole identity on every hit, so
-    a short-key collision is refused (``prefix.identity_mismatches``), never served. Times are a logical clock advanced by each mutating call.
+    a short-key collision is refused (``prefix.identity_mismatches``), never served. Times
+    are a logical clock advanced by each mutating call.
 """
 
 from __future__ import annotations

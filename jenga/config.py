@@ -10,8 +10,9 @@ Rationale
 Approach
     `GroupConfig`: one group as the allocator sees it (its kind's policy parameters and
     its page shape). `AllocatorConfig`: the groups, the pool's units, the rules, the
-    length limit and the block identity (`jenga.prefix.BlockIdentity`); `AllocatorConfig.from_page_table` builds one from a `jenga.pages` page
-    table. What each rule does is in the design note of `jenga.allocator`.
+    length limit and the block identity (`jenga.prefix.BlockIdentity`);
+    `AllocatorConfig.from_page_table` builds one from a `jenga.pages` page table. What
+    each rule does is in the design note of `jenga.allocator`.
 
 Limitations
     Validation that needs the whole configuration (a window beyond ``max_model_len``, a

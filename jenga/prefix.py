@@ -116,7 +116,9 @@ def _image_extra(images: Sequence[object], lo: int, hi: int) -> bytes:
         a, b = max(lo, start), min(hi, end)
         if a < b:
             key = _int_bytes(image.content_hash)  # type: ignore[attr-defined]
-            parts.append(b"I" + key + _int_bytes(a - start) + _int_bytes(a - lo) + _int_bytes(b - a))
+            parts.append(
+                b"I" + key + _int_bytes(a - start) + _int_bytes(a - lo) + _int_bytes(b - a)
+            )
     return b"".join(parts)
 
 

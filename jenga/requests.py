@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jenga import _core
 from jenga.errors import InvalidSize
 from jenga.plan import MappingPlan
 from jenga.policies import Policy
-from jenga import _core
 from jenga.prefix import HashChain, IntBuffer, image_block_hashes, no_identities
 
 NULL_BLOCK = -1

@@ -123,9 +123,12 @@ Identities identities(const U64Array& a, const char* what) {
   }
   if (a.ndim() != 2 || a.shape(1) != 2) {
     std::string shape;
-    for (py::ssize_t d = 0; d < a.ndim(); ++d) shape += (d ? ", " : "") + std::to_string(a.shape(d));
-    throw py::value_error(std::string(what) + " must have shape (n, 2) (two uint64 words per "
-                          "identity) or (n,), got (" + shape + ")");
+    for (py::ssize_t d = 0; d < a.ndim(); ++d)
+      shape += (d ? ", " : "") + std::to_string(a.shape(d));
+    throw py::value_error(std::string(what) +
+                          " must have shape (n, 2) (two uint64 words per "
+                          "identity) or (n,), got (" +
+                          shape + ")");
   }
   out.data = reinterpret_cast<const Identity*>(a.data());
   out.size = static_cast<size_t>(a.shape(0));
@@ -236,12 +239,13 @@ void register_identity(py::module_ m) {
              return jenga::BlockHasher(algorithm_named(algorithm), key);
            }),
            py::arg("algorithm"), py::arg("key"))
-      .def("digest",
-           [](const jenga::BlockHasher& h, const py::bytes& data) {
-             const std::string s = data;
-             return to_words(h.digest(bytes_of(s), s.size()));
-           },
-           py::arg("data"), "Identity (2 uint64 words) of the message 0x00 | data")
+      .def(
+          "digest",
+          [](const jenga::BlockHasher& h, const py::bytes& data) {
+            const std::string s = data;
+            return to_words(h.digest(bytes_of(s), s.size()));
+          },
+          py::arg("data"), "Identity (2 uint64 words) of the message 0x00 | data")
       .def("block", &hasher_block, py::arg("parent"), py::arg("tokens"),
            py::arg("extra") = py::bytes(),
            "Identity of one block: parent identity, its tokens, extra bytes (image keys)")

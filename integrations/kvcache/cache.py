@@ -29,10 +29,10 @@ Limitations
     and raises `KVCacheBroken` on further use. The cache object itself is single-threaded
     (one scheduler thread calls it; the overlap worker maps through the pool, whose calls
     are thread-safe); a call that changes it, entered while another thread is inside one,
-    raises `vmm.ConcurrentUse` before touching anything (`_one_thread`). Arguments (token counts, token ids) are checked strictly
-    (`vmm.checks`). Reserved but unmapped slots are zero-backed by default: a stray read
-    gives zeros, a stray write through a raw `layer_view`/`block_view` still faults;
-    `block` is the checked per-block view.
+    raises `vmm.ConcurrentUse` before touching anything (`_one_thread`). Arguments (token
+    counts, token ids) are checked strictly (`vmm.checks`). Reserved but unmapped slots are
+    zero-backed by default: a stray read gives zeros, a stray write through a raw
+    `layer_view`/`block_view` still faults; `block` is the checked per-block view.
 """
 
 from __future__ import annotations
