@@ -67,12 +67,13 @@ def test_core_short_key_bits_hook_and_shapes():
         J.Core([4], [1], 1, short_key_bits=65)
 
 
-def _allocator(bits: int) -> JengaAllocator:
+def _allocator(bits: int, algorithm: str = "blake2b") -> JengaAllocator:
     groups = (
         GroupConfig("full", Kind.FULL, 2, 4, 1),
         GroupConfig("swa", Kind.SLIDING_WINDOW, 2, 4, 1, window=4),
     )
-    return JengaAllocator(AllocatorConfig(groups, 64, identity=BlockIdentity(short_key_bits=bits)))
+    identity = BlockIdentity(algorithm=algorithm, short_key_bits=bits)
+    return JengaAllocator(AllocatorConfig(groups, 64, identity=identity))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -109,8 +110,9 @@ def test_allocator_never_serves_a_short_key_collision(bits: int):
     assert stats["prefix.identity_mismatches"] > 0
 
 
-def test_allocator_with_full_short_keys_hits_as_before():
-    alloc = _allocator(64)
+@pytest.mark.parametrize("algorithm", ["blake2b", "sha256"])
+def test_allocator_with_full_short_keys_hits_as_before(algorithm: str):
+    alloc = _allocator(64, algorithm)
     prompt = list(range(9))
     alloc.add_request("a", prompt)
     assert alloc.allocate("a", 9) is not None
