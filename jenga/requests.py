@@ -151,6 +151,24 @@ class LiveRequest:
         return out
 
 
+@dataclass
+class PrefixMatch:
+    """What `JengaAllocator.prefix_match` found for a prompt, kept for `add_request`.
+
+    ``hit``: the cached prefix a request with this prompt would claim; ``tables``: per
+    group the block table it would start with; ``junction``: the longest prefix any one
+    group serves. ``request`` holds the prompt's state built for the lookup (token ids,
+    hash chains); `add_request` adopts it (and sets it to None) when ``epoch`` is still
+    the allocator's, i.e. no call that can evict ran since the lookup.
+    """
+
+    hit: int
+    junction: int
+    tables: list[list[int]]
+    epoch: int
+    request: LiveRequest | None
+
+
 def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:
     """The spans as a tuple; `InvalidSize` unless non-empty, sorted, disjoint, in the prompt."""
     spans = tuple(images)

@@ -16,8 +16,8 @@ Approach
     ============================  ==============================================
     vLLM call                     jenga
     ============================  ==============================================
-    get_computed_blocks           match_prefix_junction + digest check (a probe claim)
-    allocate_slots (new request)  add_request (claims the hit) + allocate
+    get_computed_blocks           prefix_match + digest check (kept for the admission)
+    allocate_slots (new request)  add_request (adopts that match) + allocate
     allocate_slots (running)      allocate for the tokens past what it holds
     cache_blocks                  append_tokens + cache (hash complete blocks)
     free                          free (hashed blocks stay cached, evictable)
@@ -59,18 +59,20 @@ Limitations
     No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
     slot allocation, no watermark. `get_computed_blocks`
     reports the hit length with empty block lists: the blocks are claimed by
-    `allocate_slots`, which re-derives them (nothing changes in between). The
+    `allocate_slots`, which adopts that lookup (or looks up again when a call that may
+    evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
     whole pages of evictable blocks), not vLLM's block count.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
-from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator
-from jenga.plan import MappingPlan, UnmapPage
+from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
+from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage
 from jenga.specs import Kind
 
 from integrations.vllm.compat import (
@@ -119,17 +121,25 @@ class JengaKVCacheManager:
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
         self._plans: list[MappingPlan] = []
-        self._slots = self._new_slots()
         # encoder-decoder: the encoder input is not in the decoder prompt (cross groups)
         self._encoder_side = any(g.kind is Kind.CROSS_ATTENTION for g in layout.groups)
+        # text groups commit blocks only at multiples of their block sizes: between two
+        # multiples of their gcd `_cache` has nothing to commit (0: images commit at
+        # their end, call every time); `_next_cache[r]`: the next computed length to try
+        sizes = [g.block_size for g in layout.groups]
+        self._cache_step = 0 if self._encoder_side else math.gcd(*sizes)
+        self._next_cache: dict[Hashable, int] = {}
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.kv_tensors == "vmm"
+        self._slots = self._new_slots()
         self._events: list[KVCacheEvent] = []
         self.kv_cache_config = kv_cache_config
         self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
         self.enable_kv_cache_events = enable_kv_cache_events
         self._num_hit_blocks: dict[Hashable, list[int]] = {}  # per group, at admission
+        # the last lookup (request id, match), adopted by that request's admission
+        self._last_match: tuple[Hashable, PrefixMatch] | None = None
         self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
 
@@ -231,38 +241,18 @@ class JengaKVCacheManager:
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        hit, junction = self.allocator.match_prefix_junction(
+        match = self.allocator.prefix_match(
             request.all_token_ids, images=self._images(request), salt=request_salt(request)
         )
-        if hit and not self._verified(request):
+        self._last_match = (request.request_id, match)  # `_admit` adopts it
+        hit, junction = match.hit, match.junction
+        if hit and not self.identity.verify(request, match.tables):
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is not None and hit > max_cache_hit_length:
             # a shorter hit valid in every group is not derived here: compute it all
             return self.empty_kv_cache_blocks, 0, 0
         report = self.layout.options.junctions and junction > hit
         return self.empty_kv_cache_blocks, hit, junction if report else 0
-
-    _PROBE = ("jenga-vmm", "identity-probe")
-
-    def _verified(self, request: Request) -> bool:
-        """Claim the hit under a probe id, check each hit block's vLLM digest, release.
-
-        The probe changes only the hit blocks' LRU time (as the allocation that follows
-        would); its release leaves them cached.
-        """
-        self.allocator.add_request(
-            self._PROBE,
-            request.all_token_ids,
-            images=self._images(request),
-            salt=request_salt(request),
-        )
-        try:
-            tables = [
-                self.allocator.block_table(self._PROBE, g) for g in range(self.num_kv_cache_groups)
-            ]
-        finally:
-            self._queue_plan(self.allocator.free(self._PROBE))
-        return self.identity.verify(request, tables)
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -359,10 +349,22 @@ class JengaKVCacheManager:
         return [list(blocks) for blocks in got.new_blocks]
 
     def _new_slots(self) -> SharedSlots | None:
-        """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None."""
+        """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None. When no
+        worker consumes plans, the allocator hands its raw ops straight to the slots."""
         if self.layout.options.page_geometry != "vllm":
             return None
-        return SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
+        slots = SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
+        if not self._queue_plans:
+            self.allocator.plan_sink = self._apply_plan_keys
+        return slots
+
+    def _apply_plan_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
+        """The allocator's ops, no plan built: slots move, unmapped pages lose identity."""
+        for kind, group, page, _ in keys:
+            if kind == OP_UNMAP:
+                self.identity.forget_page(group, page)
+        assert self._slots is not None
+        self._slots.apply_keys(keys)
 
     def _queue_plan(self, plan: MappingPlan) -> None:
         """Hand a plan to the worker queue and, on shared tensors, move slots now."""
@@ -380,12 +382,14 @@ class JengaKVCacheManager:
         rid = request.request_id
         tokens = request.all_token_ids
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
+        last, self._last_match = self._last_match, None
         hit = self.allocator.add_request(
             rid,
             tokens,
             images=self._images(request),
             salt=request_salt(request),
             use_cache=use_cache,
+            match=last[1] if last is not None and last[0] == rid else None,
         )
         if hit != num_new_computed_tokens:
             self.allocator.free(rid)
@@ -425,6 +429,7 @@ class JengaKVCacheManager:
         self._queue_plan(self.allocator.free(rid))
         del self._tokens_known[rid]
         self._recorded.pop(rid, None)
+        self._next_cache.pop(rid, None)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the hashes of the request's blocks complete within the computed tokens."""
@@ -433,6 +438,8 @@ class JengaKVCacheManager:
 
     def _cache(self, request: Request, num_computed_tokens: int) -> None:
         rid = request.request_id
+        if num_computed_tokens < self._next_cache.get(rid, 0):
+            return  # no block of any group completes before then: tokens are handed later
         known = self._tokens_known[rid]
         tokens = request.all_token_ids
         # only computed tokens: a sampled token not yet computed may still be replaced
@@ -445,6 +452,8 @@ class JengaKVCacheManager:
         computed = max(0, min(num_computed_tokens, limit))
         if self.allocator.cache(rid, computed):
             self._record(request, computed)
+        if self._cache_step:
+            self._next_cache[rid] = (computed // self._cache_step + 1) * self._cache_step
 
     def _record(self, request: Request, computed: int) -> None:
         """Hand the registry the blocks this request just entered in the index (complete
@@ -491,6 +500,7 @@ class JengaKVCacheManager:
         if self._tokens_known:
             return False
         self.allocator = self.layout.new_allocator()
+        self._last_match = None
         self._slots = self._new_slots()
         self.identity.clear()
         if self._queue_plans:
@@ -544,6 +554,8 @@ class JengaKVCacheManager:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def _blocks_of(self, tables: Any) -> KVCacheBlocks:
+        if not any(tables):
+            return self.empty_kv_cache_blocks
         out: list[list[KVCacheBlock]] = []
         for g, ids in enumerate(tables):
             interned = self._block_objects[g]
