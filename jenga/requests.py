@@ -121,7 +121,9 @@ class LiveRequest:
         ``quiet_until``: the largest length L (within the horizon) at which no group's
         `first_live_block` passes what it already released; ``held_until``: the largest
         length its tables already cover (`num_blocks` within the table). Both functions
-        are nondecreasing in the length, so a galloping search finds the limits.
+        are nondecreasing in the length: a policy's closed form gives each limit
+        (`Policy.last_length_held`, `Policy.last_length_first_live`), else a galloping
+        search finds it.
         """
         cur = self.num_tokens
         quiet = held = cur + QUIET_HORIZON
@@ -129,10 +131,18 @@ class LiveRequest:
         for g, policy in enumerate(policies):
             n, first = len(self.tables[g]), self.first_live[g]
             if first < n:
-                released = functools.partial(_first_live_within, policy, images, first)
-                quiet = min(quiet, _last_true(released, cur, quiet))
-            covered = functools.partial(_blocks_within, policy, images, n)
-            held = min(held, _last_true(covered, cur, held))
+                limit = policy.last_length_first_live(first)
+                if limit is None:
+                    released = functools.partial(_first_live_within, policy, images, first)
+                    quiet = min(quiet, _last_true(released, cur, quiet))
+                else:
+                    quiet = min(quiet, limit if limit >= cur else cur - 1)
+            limit = policy.last_length_held(n)
+            if limit is None:
+                covered = functools.partial(_blocks_within, policy, images, n)
+                held = min(held, _last_true(covered, cur, held))
+            else:
+                held = min(held, limit if limit >= cur else cur - 1)
         self.quiet_until, self.held_until = quiet, held
 
     def chain(self, tokens_per_block: int) -> HashChain:
