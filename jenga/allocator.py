@@ -341,6 +341,27 @@ class JengaAllocator:
         when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
         (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
         """
+        got = self._grow(request_id, num_new_tokens, release_upto)
+        if got is None:
+            return None
+        blocks, released, plan, new = got
+        return Allocation(blocks, released, plan, new)
+
+    def grow(
+        self, request_id: Hashable, num_new_tokens: int, *, release_upto: int | None = None
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """`allocate` for an engine that set `plan_sink`: per group the new block ids only
+        (the plan went to the sink, no `Allocation` is built), None for "no room".
+        Raises as `allocate` does, and `AllocatorError` when no `plan_sink` is set."""
+        if self.plan_sink is None:
+            raise AllocatorError("grow() hands plans to plan_sink; set one or use allocate()")
+        got = self._grow(request_id, num_new_tokens, release_upto)
+        return None if got is None else got[0]
+
+    def _grow(
+        self, request_id: Hashable, num_new_tokens: int, release_upto: int | None
+    ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], MappingPlan, int] | None:
+        """`allocate`'s work: (new blocks, released blocks, plan, new length) or None."""
         req = self._request(request_id)
         num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
         if num_new_tokens <= 0:
@@ -352,13 +373,13 @@ class JengaAllocator:
         upto = _release_length(request_id, old, release_upto)
         if old <= req.quiet_until and new <= req.held_until:
             req.num_tokens = new  # every slot is held and nothing leaves any window
-            return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
+            return self._no_blocks, self._no_blocks, _EMPTY_PLAN, new
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
-            return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
+            return self._no_blocks, self._no_blocks, _EMPTY_PLAN, new
         self._epoch += 1
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
@@ -376,7 +397,7 @@ class JengaAllocator:
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
-        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
+        return tuple(tuple(b.tolist()) for b in got), released, plan, new
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None

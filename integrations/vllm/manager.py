@@ -26,14 +26,17 @@ Approach
 
     Like vLLM, blocks are committed to the prefix cache when they are allocated for
     tokens about to be computed, so a request admitted later in the same step can hit
-    them. Every call that changes physical needs yields a `jenga.plan.MappingPlan`;
-    with ``kv_tensors="vmm"`` they queue in order for the worker's VMM tensors
-    (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to each
-    `SchedulerOutput`), otherwise nothing consumes them and they are not kept.
+    them. Every call that changes physical needs hands the manager the core's raw plan
+    ops as it happens (``JengaAllocator.plan_sink``); only with ``kv_tensors="vmm"`` is
+    a `jenga.plan.MappingPlan` built from them and queued in order for the worker's VMM
+    tensors (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to each
+    `SchedulerOutput`). Allocation goes through ``JengaAllocator.grow`` (new block ids
+    only, no `Allocation` object), and a request's tokens reach the allocator only when
+    one of its blocks can complete.
 
     Block ids: with vLLM's own KV tensors (``pages="vllm"``, the default) every group
     overlays one buffer, so each mapped allocator page gets a vLLM block slot of its own
-    (`integrations.vllm.slots.SharedSlots`, driven by the same plans); with VMM tensors
+    (`integrations.vllm.slots.SharedSlots`, driven by the same plan ops); with VMM tensors
     (``pages="vmm"``) the allocator's ids are used as they are.
 
     Blocks that leave a sliding window / local chunk (and old Mamba states) are released
@@ -72,7 +75,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
-from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage
+from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage, plan_from_keys
 from jenga.specs import Kind
 
 from integrations.vllm.compat import (
@@ -113,7 +116,7 @@ class JengaKVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(layout.groups)
-        self.allocator: JengaAllocator = layout.new_allocator()
+        self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._tokens_known: dict[Hashable, int] = {}
         self._block_objects: list[dict[int, KVCacheBlock]] = [{} for _ in layout.groups]
@@ -331,7 +334,9 @@ class JengaKVCacheManager:
             return self.empty_kv_cache_blocks
         return self._blocks_of(new_blocks)
 
-    def _allocate(self, request: Request, need: int, processed: int) -> list[list[int]] | None:
+    def _allocate(
+        self, request: Request, need: int, processed: int
+    ) -> tuple[tuple[int, ...], ...] | None:
         """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
         the blocks out of the window as of ``processed`` tokens.
 
@@ -339,32 +344,36 @@ class JengaKVCacheManager:
         Mamba groups with ``mamba_step_end_only`` (vLLM writes a state only where a chunk
         ends), so a long chunk holds the state it starts from and the one it ends at.
         """
-        got = self.allocator.allocate(request.request_id, need, release_upto=processed)
+        got = self.allocator.grow(request.request_id, need, release_upto=processed)
         if got is None:
             return None
-        for g, blocks in enumerate(got.new_blocks):
+        for g, blocks in enumerate(got):
             if blocks and self.identity.digest[g]:
                 self.identity.forget(g, blocks)  # a recorded block handed out again
-        self._queue_plan(got.plan)
-        return [list(blocks) for blocks in got.new_blocks]
+        return got
 
     def _new_slots(self) -> SharedSlots | None:
-        """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None. When no
-        worker consumes plans, the allocator hands its raw ops straight to the slots."""
+        """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None."""
         if self.layout.options.page_geometry != "vllm":
             return None
-        slots = SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
-        if not self._queue_plans:
-            self.allocator.plan_sink = self._apply_plan_keys
-        return slots
+        return SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
+
+    def _new_allocator(self) -> JengaAllocator:
+        """The layout's allocator, its plan ops handed straight to `_apply_plan_keys`."""
+        allocator = self.layout.new_allocator()
+        allocator.plan_sink = self._apply_plan_keys
+        return allocator
 
     def _apply_plan_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
-        """The allocator's ops, no plan built: slots move, unmapped pages lose identity."""
+        """The allocator's ops as they happen: unmapped pages lose their identity, slots
+        move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued."""
         for kind, group, page, _ in keys:
             if kind == OP_UNMAP:
                 self.identity.forget_page(group, page)
-        assert self._slots is not None
-        self._slots.apply_keys(keys)
+        if self._slots is not None:
+            self._slots.apply_keys(keys)
+        if self._queue_plans:
+            self._plans.append(plan_from_keys(keys))
 
     def _queue_plan(self, plan: MappingPlan) -> None:
         """Hand a plan to the worker queue and, on shared tensors, move slots now."""
@@ -499,7 +508,7 @@ class JengaKVCacheManager:
         """Drop every cached block; refused (False) while any request holds blocks."""
         if self._tokens_known:
             return False
-        self.allocator = self.layout.new_allocator()
+        self.allocator = self._new_allocator()
         self._last_match = None
         self._slots = self._new_slots()
         self.identity.clear()
