@@ -235,7 +235,12 @@ class FullAttentionPolicy(Policy):
     ) -> np.ndarray:
         if self.token_fraction != (1, 1):
             return np.zeros(num_tokens // step, dtype=bool)
-        return super().valid_prefix_mask(is_hit, step, num_tokens, images)
+        # the leading run of hits, as in `possible_prefix` (fewer array passes than the
+        # general form: this runs on every prefix lookup)
+        misses = np.flatnonzero(~np.asarray(is_hit, dtype=bool))
+        run = int(misses[0]) if len(misses) else len(is_hit)
+        p = step * np.arange(1, num_tokens // step + 1, dtype=np.int64)
+        return p <= run * self.tokens_per_block
 
 
 @dataclass(frozen=True)

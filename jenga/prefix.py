@@ -25,6 +25,7 @@ Limitations
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,8 +41,10 @@ def _wrap_int64(value: int) -> int:
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
+@functools.lru_cache(maxsize=1024)
 def root_hash(salt: int, tokens_per_block: int) -> int:
-    """The chain's starting value for one salt and block size."""
+    """The chain's starting value for one salt and block size (memoized: one per request
+    otherwise)."""
     return int(_core.hash_ints([_wrap_int64(salt), tokens_per_block], 0))
 
 

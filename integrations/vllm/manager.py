@@ -71,9 +71,10 @@ Limitations
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
 from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage, plan_from_keys
 from jenga.specs import Kind
@@ -245,7 +246,9 @@ class JengaKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         match = self.allocator.prefix_match(
-            request.all_token_ids, images=self._images(request), salt=request_salt(request)
+            _token_array(request.all_token_ids),
+            images=self._images(request),
+            salt=request_salt(request),
         )
         self._last_match = (request.request_id, match)  # `_admit` adopts it
         hit, junction = match.hit, match.junction
@@ -619,3 +622,9 @@ class JengaKVCacheManager:
             assert self._slots.num_mapped == self.allocator.usage().used_units
         for rid in self._tokens_known:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
+
+
+def _token_array(tokens: Sequence[int]) -> np.ndarray:
+    """vLLM's token ids (Python ints) as one int64 array, converted in one pass (the
+    allocator then checks the array, not each item)."""
+    return np.fromiter(tokens, dtype=np.int64, count=len(tokens))
