@@ -74,6 +74,7 @@ from integrations.vllm.harness import cases, replay
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.specs import Kind
 from vllm.v1.core.block_pool import BlockPool
+from vmm.bench.stats import percentile
 
 from jenga import _core
 
@@ -425,9 +426,8 @@ def pool_bench(per_op: int, reps: int, ops: int, pool: int = 1 << 16) -> PoolRow
 
 # -- rounds and the table -----------------------------------------------------------------
 def p90(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return values[0]
-    return statistics.quantiles(values, n=10, method="inclusive")[8]
+    """The 90th percentile (`vmm.bench.stats.percentile`: linear between order statistics)."""
+    return percentile(sorted(values), 90.0)
 
 
 @dataclass(frozen=True)
@@ -488,6 +488,28 @@ def format_rows(rows: Sequence[Any]) -> str:
     return "\n".join(lines)
 
 
+def report(
+    args: argparse.Namespace, rows: list[Row], mems: list[Memory], pools: list[PoolRow]
+) -> None:
+    """The three tables on stdout; all of it as JSON with ``--json``."""
+    print("\nscheduler-side CPU (thread time; ratio = median over rounds of manager / vllm)")
+    print(format_rows(rows))
+    if mems:
+        print("\nPython memory (tracemalloc): per live request, per cached block")
+        print(format_rows(mems))
+    if pools:
+        print("\nallocate + free, ns per block (public API vs vLLM BlockPool)")
+        print(format_rows(pools))
+    if args.json is not None:
+        payload = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "rows": [asdict(r) for r in rows],
+            "memory": [asdict(m) for m in mems],
+            "pool": [asdict(p) for p in pools],
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -532,22 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pool_ops
         else []
     )
-    print("\nscheduler-side CPU (thread time; ratio = median over rounds of manager / vllm)")
-    print(format_rows(rows))
-    if mems:
-        print("\nPython memory (tracemalloc): per live request, per cached block")
-        print(format_rows(mems))
-    if pools:
-        print("\nallocate + free, ns per block (public API vs vLLM BlockPool)")
-        print(format_rows(pools))
-    if args.json is not None:
-        payload = {
-            "args": {k: str(v) for k, v in vars(args).items()},
-            "rows": [asdict(r) for r in rows],
-            "memory": [asdict(m) for m in mems],
-            "pool": [asdict(p) for p in pools],
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
+    report(args, rows, mems, pools)
     return 0
 
 

@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vmm.bench.stats import percentile
+
 from integrations.vllm.harness import cases, replay
 
 
@@ -184,7 +186,7 @@ def _over_reps(got: list[Row], vllm: list[Row] | None) -> Row:
     """The first round's row with the CPU columns taken over every round."""
     cpu = [r.sched_cpu_ms for r in got]
     ratios = [r.sched_cpu_ms / v.sched_cpu_ms for r, v in zip(got, vllm or (), strict=False)]
-    p90 = statistics.quantiles(cpu, n=10, method="inclusive")[8] if len(cpu) > 1 else cpu[0]
+    p90 = percentile(sorted(cpu), 90.0)
     return replace(
         got[0],
         sched_cpu_ms=round(statistics.median(cpu), 4),
