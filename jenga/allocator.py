@@ -586,11 +586,13 @@ class JengaAllocator:
         *,
         images: Sequence[ImageSpan] = (),
         salt: int = 0,
+        request_id: Hashable = "(prefix match)",
     ) -> PrefixMatch:
         """`match_prefix_junction` plus the hit's block tables, reusable by `add_request`
         (``match=``) so an engine that looks up and then admits hashes and matches once.
-        No state changes. Raises `InvalidSize` as `add_request` does."""
-        req = self._new_live("(prefix match)", prompt, images, salt)
+        No state changes. Raises `InvalidInput` / `InvalidSize` as `add_request` does
+        (``request_id`` names the request in their messages)."""
+        req = self._new_live(request_id, prompt, images, salt)
         hit, tables, junction = self._match(req)
         return PrefixMatch(hit, junction, tables, self._epoch, req)
 

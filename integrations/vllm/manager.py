@@ -249,6 +249,7 @@ class JengaKVCacheManager:
             _token_array(request.all_token_ids),
             images=self._images(request),
             salt=request_salt(request),
+            request_id=request.request_id,
         )
         self._last_match = (request.request_id, match)  # `_admit` adopts it
         hit, junction = match.hit, match.junction
