@@ -79,7 +79,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -106,7 +106,14 @@ from jenga.errors import InvalidInput as InvalidInput
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer
-from jenga.requests import NULL_BLOCK, Allocation, ImageSpan, LiveRequest, checked_images
+from jenga.requests import (
+    NULL_BLOCK,
+    Allocation,
+    ImageSpan,
+    LiveRequest,
+    PrefixMatch,
+    checked_images,
+)
 
 _EMPTY_PLAN = MappingPlan()
 _FREED_IDS_KEPT = 1 << 16
@@ -186,8 +193,13 @@ class JengaAllocator:
         self._freed: OrderedDict[Hashable, None] = OrderedDict()
         self._next_internal = 0
         self._clock = 0
+        self._epoch = 0  # advanced by every call that may evict (stale `PrefixMatch`)
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
         self._no_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in config.groups)
+        self.plan_sink: Callable[[list[tuple[int, int, int, int]]], None] | None = None
+        """When set, every call hands it the core's plan ops as ``(kind, group, page,
+        reused_units)`` tuples (`jenga.plan.plan_from_keys`) and returns an empty plan: an
+        engine that only replays ops into its own tables builds no plan objects."""
         self._text_only = not any(p.reads_images for p in self.policies)
 
     @property
@@ -229,33 +241,37 @@ class JengaAllocator:
         images: Sequence[ImageSpan] = (),
         salt: int = 0,
         use_cache: bool = True,
+        match: PrefixMatch | None = None,
     ) -> int:
         """Register a request and claim its longest cached prefix; returns its length.
 
         The hit is the longest length valid in every group's `possible_prefix`, capped at
         ``len(prompt) - 1`` so one token is always computed. The hit's blocks are shared
         (refcounted), not copied; no new memory is needed, so this never fails for room.
-        Raises `DuplicateRequest`, `InvalidSize` (empty prompt, > max_model_len, bad image).
+        ``match``: `prefix_match` of this same prompt, images and salt; while no call
+        that can evict ran since (its ``epoch``), its hit and hashed prompt are adopted
+        instead of looking the prefix up again. Raises `DuplicateRequest`, `InvalidSize`
+        (empty prompt, > max_model_len, bad image).
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already live")
-        prompt = checked_token_ids(prompt, f"request {request_id!r}: prompt", self._length_cap())
-        salt = as_count(salt, f"request {request_id!r}: salt")
-        if len(prompt) == 0:
-            raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
-        self._check_length(request_id, "prompt", len(prompt))
-        spans = checked_images(images, len(prompt))
-        req = LiveRequest(self._next_internal, TokenBuffer(prompt), spans, salt, self._hasher)
+        req = self._adopt(match, len(prompt), salt)
+        if req is not None:
+            assert match is not None
+            hit, hit_blocks = (match.hit, match.tables) if use_cache else (0, [])
+        else:
+            req = self._new_live(request_id, prompt, images, salt)
+            hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
+        req.internal_id = self._next_internal
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
         req.num_committed = [0] * self.num_groups
-        hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
         now = self._tick()
         for g, blocks in enumerate(hit_blocks):
             policy = self.policies[g]
             self._core.acquire(g, [b for b in blocks if b != NULL_BLOCK], now)
             req.tables[g] = IntBuffer(blocks, np.int32)
-            req.first_live[g] = min(policy.first_live_block(hit, spans), len(blocks))
+            req.first_live[g] = min(policy.first_live_block(hit, req.images), len(blocks))
             req.num_committed[g] = len(blocks)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
@@ -263,8 +279,37 @@ class JengaAllocator:
         self._freed.pop(request_id, None)
         self._stats["prefix.queries"] += 1
         self._stats["prefix.hit_tokens"] += hit
-        self._stats["prefix.query_tokens"] += len(prompt)
+        self._stats["prefix.query_tokens"] += len(req.tokens)
         return hit
+
+    def _new_live(
+        self,
+        request_id: Hashable,
+        prompt: Sequence[int] | np.ndarray,
+        images: Sequence[ImageSpan],
+        salt: int,
+    ) -> LiveRequest:
+        """A checked, unregistered `LiveRequest` for this prompt (no blocks yet)."""
+        prompt = checked_token_ids(prompt, f"request {request_id!r}: prompt", self._length_cap())
+        salt = as_count(salt, f"request {request_id!r}: salt")
+        if len(prompt) == 0:
+            raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
+        self._check_length(request_id, "prompt", len(prompt))
+        spans = checked_images(images, len(prompt))
+        return LiveRequest(-1, TokenBuffer(prompt), spans, salt, self._hasher)
+
+    def _adopt(self, match: PrefixMatch | None, length: int, salt: int) -> LiveRequest | None:
+        """The prompt state of ``match`` when it is still current (taken: used once)."""
+        if match is None or match.request is None or match.epoch != self._epoch:
+            return None
+        req = match.request
+        if len(req.tokens) != length or req.salt != salt:
+            raise InvalidInput(
+                f"the prefix match is of a {len(req.tokens)}-token prompt with salt "
+                f"{req.salt}, the request has {length} tokens and salt {salt}"
+            )
+        match.request = None
+        return req
 
     def _group_needs(
         self, req: LiveRequest, old: int, new: int, upto: int
@@ -300,6 +345,27 @@ class JengaAllocator:
         when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
         (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
         """
+        got = self._grow(request_id, num_new_tokens, release_upto)
+        if got is None:
+            return None
+        blocks, released, plan, new = got
+        return Allocation(blocks, released, plan, new)
+
+    def grow(
+        self, request_id: Hashable, num_new_tokens: int, *, release_upto: int | None = None
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """`allocate` for an engine that set `plan_sink`: per group the new block ids only
+        (the plan went to the sink, no `Allocation` is built), None for "no room".
+        Raises as `allocate` does, and `AllocatorError` when no `plan_sink` is set."""
+        if self.plan_sink is None:
+            raise AllocatorError("grow() hands plans to plan_sink; set one or use allocate()")
+        got = self._grow(request_id, num_new_tokens, release_upto)
+        return None if got is None else got[0]
+
+    def _grow(
+        self, request_id: Hashable, num_new_tokens: int, release_upto: int | None
+    ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], MappingPlan, int] | None:
+        """`allocate`'s work: (new blocks, released blocks, plan, new length) or None."""
         req = self._request(request_id)
         num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
         if num_new_tokens <= 0:
@@ -311,13 +377,14 @@ class JengaAllocator:
         upto = _release_length(request_id, old, release_upto)
         if old <= req.quiet_until and new <= req.held_until:
             req.num_tokens = new  # every slot is held and nothing leaves any window
-            return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
+            return self._no_blocks, self._no_blocks, _EMPTY_PLAN, new
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
-            return Allocation(self._no_blocks, self._no_blocks, _EMPTY_PLAN, new)
+            return self._no_blocks, self._no_blocks, _EMPTY_PLAN, new
+        self._epoch += 1
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
         if got is None:
@@ -334,7 +401,7 @@ class JengaAllocator:
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
-        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
+        return tuple(tuple(b.tolist()) for b in got), released, plan, new
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None
@@ -353,6 +420,7 @@ class JengaAllocator:
         releases = [release for release, _ in skipped]
         if not any(len(r) for r in releases):
             return _EMPTY_PLAN
+        self._epoch += 1
         got = self._core.allocate_arrays(
             req.internal_id, [0] * self.num_groups, self._tick(), releases
         )
@@ -443,6 +511,7 @@ class JengaAllocator:
         """
         req = self._request(request_id)
         now = self._tick()
+        self._epoch += 1
         for g in range(self.num_groups):
             live = req.tables[g].view(req.first_live[g])
             if self.policies[g].holds_state:
@@ -467,12 +536,18 @@ class JengaAllocator:
         """
         if num_units < 0:
             raise InvalidSize(f"num_units must be >= 0, got {num_units}")
+        self._epoch += 1
         self._core.evict_cached_pages(num_units)
         return self._drain_plan()
 
     def _drain_plan(self) -> MappingPlan:
         keys = self._core.drain_plan()  # one call; empty when no op is pending
-        return plan_from_keys(keys) if keys else _EMPTY_PLAN
+        if not keys:
+            return _EMPTY_PLAN
+        if self.plan_sink is not None:
+            self.plan_sink(keys)
+            return _EMPTY_PLAN
+        return plan_from_keys(keys)
 
     # -- prefix matching --------------------------------------------------------------
     def match_prefix(
@@ -510,6 +585,22 @@ class JengaAllocator:
         req = LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
         hit, _, junction = self._match(req)
         return hit, junction
+
+    def prefix_match(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        *,
+        images: Sequence[ImageSpan] = (),
+        salt: int = 0,
+        request_id: Hashable = "(prefix match)",
+    ) -> PrefixMatch:
+        """`match_prefix_junction` plus the hit's block tables, reusable by `add_request`
+        (``match=``) so an engine that looks up and then admits hashes and matches once.
+        No state changes. Raises `InvalidInput` / `InvalidSize` as `add_request` does
+        (``request_id`` names the request in their messages)."""
+        req = self._new_live(request_id, prompt, images, salt)
+        hit, tables, junction = self._match(req)
+        return PrefixMatch(hit, junction, tables, self._epoch, req)
 
     def _match(self, req: LiveRequest) -> tuple[int, list[list[int]], int]:
         """The hit length, per group the block table a request with that hit starts with,

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -115,6 +116,23 @@ class Policy:
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         """Lowest block index still read by the token at position ``length``."""
         return self.attended_start(length) // self.tokens_per_block
+
+    def last_length_held(self, num_blocks: int) -> int | None:
+        """The largest length whose `num_blocks` is <= ``num_blocks`` (None: no closed
+        form, e.g. image policies; `LiveRequest.update_quiet_span` then searches)."""
+        if type(self).num_blocks is not Policy.num_blocks:
+            return None
+        return num_blocks * self.tokens_per_block
+
+    def last_length_first_live(self, first: int) -> int | None:
+        """The largest length whose `first_live_block` is <= ``first`` (`sys.maxsize`: every
+        length; None: no closed form)."""
+        cls = type(self)
+        if cls.first_live_block is not Policy.first_live_block:
+            return None
+        if cls.attended_start is not Policy.attended_start:
+            return None
+        return sys.maxsize  # full attention reads from token 0: block 0 stays live
 
     def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
         """New block indices of one step ``old -> new`` that are stale before it ends.
@@ -197,6 +215,11 @@ class FullAttentionPolicy(Policy):
     def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
         return _ceil_div(self.kept_tokens(length), self.tokens_per_block)
 
+    def last_length_held(self, num_blocks: int) -> int | None:
+        if self.token_fraction != (1, 1):
+            return None
+        return num_blocks * self.tokens_per_block
+
     def possible_prefix(
         self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
     ) -> set[int]:
@@ -212,7 +235,12 @@ class FullAttentionPolicy(Policy):
     ) -> np.ndarray:
         if self.token_fraction != (1, 1):
             return np.zeros(num_tokens // step, dtype=bool)
-        return super().valid_prefix_mask(is_hit, step, num_tokens, images)
+        # the leading run of hits, as in `possible_prefix` (fewer array passes than the
+        # general form: this runs on every prefix lookup)
+        misses = np.flatnonzero(~np.asarray(is_hit, dtype=bool))
+        run = int(misses[0]) if len(misses) else len(is_hit)
+        p = step * np.arange(1, num_tokens // step + 1, dtype=np.int64)
+        return p <= run * self.tokens_per_block
 
 
 @dataclass(frozen=True)
@@ -231,6 +259,10 @@ class SlidingWindowPolicy(Policy):
     def attended_start(self, position: int) -> int:
         """The last ``window`` tokens, the current one included."""
         return max(0, position - self.window + 1)
+
+    def last_length_first_live(self, first: int) -> int | None:
+        # max(0, L - w + 1) // t <= first  <=>  L - w + 1 <= (first + 1) * t - 1
+        return (first + 1) * self.tokens_per_block + self.window - 2
 
     def hit_bounds(
         self, p: np.ndarray, images: Sequence[Image] = ()
@@ -255,6 +287,11 @@ class ChunkedLocalPolicy(Policy):
     def attended_start(self, position: int) -> int:
         """The start of the position's own chunk."""
         return (position // self.chunk) * self.chunk
+
+    def last_length_first_live(self, first: int) -> int | None:
+        # (L // c) * c // t <= first  <=>  (L // c) * c <= (first + 1) * t - 1
+        c = self.chunk
+        return ((first + 1) * self.tokens_per_block - 1) // c * c + c - 1
 
     def hit_bounds(
         self, p: np.ndarray, images: Sequence[Image] = ()
@@ -289,6 +326,9 @@ class MambaPolicy(Policy):
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         return max(0, _ceil_div(length, self.tokens_per_block) - 1)
+
+    def last_length_first_live(self, first: int) -> int | None:
+        return (first + 1) * self.tokens_per_block  # ceil(L / t) - 1 <= first
 
     def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
         if not self.step_end_only:

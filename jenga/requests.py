@@ -123,7 +123,9 @@ class LiveRequest:
         ``quiet_until``: the largest length L (within the horizon) at which no group's
         `first_live_block` passes what it already released; ``held_until``: the largest
         length its tables already cover (`num_blocks` within the table). Both functions
-        are nondecreasing in the length, so a galloping search finds the limits.
+        are nondecreasing in the length: a policy's closed form gives each limit
+        (`Policy.last_length_held`, `Policy.last_length_first_live`), else a galloping
+        search finds it.
         """
         cur = self.num_tokens
         quiet = held = cur + QUIET_HORIZON
@@ -131,10 +133,18 @@ class LiveRequest:
         for g, policy in enumerate(policies):
             n, first = len(self.tables[g]), self.first_live[g]
             if first < n:
-                released = functools.partial(_first_live_within, policy, images, first)
-                quiet = min(quiet, _last_true(released, cur, quiet))
-            covered = functools.partial(_blocks_within, policy, images, n)
-            held = min(held, _last_true(covered, cur, held))
+                limit = policy.last_length_first_live(first)
+                if limit is None:
+                    released = functools.partial(_first_live_within, policy, images, first)
+                    quiet = min(quiet, _last_true(released, cur, quiet))
+                else:
+                    quiet = min(quiet, limit if limit >= cur else cur - 1)
+            limit = policy.last_length_held(n)
+            if limit is None:
+                covered = functools.partial(_blocks_within, policy, images, n)
+                held = min(held, _last_true(covered, cur, held))
+            else:
+                held = min(held, limit if limit >= cur else cur - 1)
         self.quiet_until, self.held_until = quiet, held
 
     def chain(self, tokens_per_block: int) -> HashChain:
@@ -153,6 +163,24 @@ class LiveRequest:
             for im in self.images
         ]
         return np.concatenate(parts) if parts else no_identities()
+
+
+@dataclass
+class PrefixMatch:
+    """What `JengaAllocator.prefix_match` found for a prompt, kept for `add_request`.
+
+    ``hit``: the cached prefix a request with this prompt would claim; ``tables``: per
+    group the block table it would start with; ``junction``: the longest prefix any one
+    group serves. ``request`` holds the prompt's state built for the lookup (token ids,
+    hash chains); `add_request` adopts it (and sets it to None) when ``epoch`` is still
+    the allocator's, i.e. no call that can evict ran since the lookup.
+    """
+
+    hit: int
+    junction: int
+    tables: list[list[int]]
+    epoch: int
+    request: LiveRequest | None
 
 
 def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:

@@ -16,8 +16,8 @@ Approach
     ============================  ==============================================
     vLLM call                     jenga
     ============================  ==============================================
-    get_computed_blocks           match_prefix_junction + digest check (a probe claim)
-    allocate_slots (new request)  add_request (claims the hit) + allocate
+    get_computed_blocks           prefix_match + digest check (kept for the admission)
+    allocate_slots (new request)  add_request (adopts that match) + allocate
     allocate_slots (running)      allocate for the tokens past what it holds
     cache_blocks                  append_tokens + cache (hash complete blocks)
     free                          free (hashed blocks stay cached, evictable)
@@ -26,14 +26,17 @@ Approach
 
     Like vLLM, blocks are committed to the prefix cache when they are allocated for
     tokens about to be computed, so a request admitted later in the same step can hit
-    them. Every call that changes physical needs yields a `jenga.plan.MappingPlan`;
-    with ``kv_tensors="vmm"`` they queue in order for the worker's VMM tensors
-    (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to each
-    `SchedulerOutput`), otherwise nothing consumes them and they are not kept.
+    them. Every call that changes physical needs hands the manager the core's raw plan
+    ops as it happens (``JengaAllocator.plan_sink``); only with ``kv_tensors="vmm"`` is
+    a `jenga.plan.MappingPlan` built from them and queued in order for the worker's VMM
+    tensors (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to each
+    `SchedulerOutput`). Allocation goes through ``JengaAllocator.grow`` (new block ids
+    only, no `Allocation` object), and a request's tokens reach the allocator only when
+    one of its blocks can complete.
 
     Block ids: with vLLM's own KV tensors (``pages="vllm"``, the default) every group
     overlays one buffer, so each mapped allocator page gets a vLLM block slot of its own
-    (`integrations.vllm.slots.SharedSlots`, driven by the same plans); with VMM tensors
+    (`integrations.vllm.slots.SharedSlots`, driven by the same plan ops); with VMM tensors
     (``pages="vmm"``) the allocator's ids are used as they are.
 
     Blocks that leave a sliding window / local chunk (and old Mamba states) are released
@@ -58,19 +61,21 @@ Approach
 Limitations
     No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
     slot allocation, no watermark. `get_computed_blocks` returns the hit's blocks as
-    vLLM does, but `allocate_slots` claims the hit by re-deriving it (nothing changes in
-    between) rather than from the blocks it is handed. The
+    vLLM does (the tables of one prefix lookup); `allocate_slots` adopts that lookup (or
+    looks up again when a call that may evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
     whole pages of evictable blocks), not vLLM's block count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import math
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator
-from jenga.plan import MappingPlan, UnmapPage
+import numpy as np
+from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
+from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage, plan_from_keys
 from jenga.specs import Kind
 
 from integrations.vllm.compat import (
@@ -116,7 +121,7 @@ class JengaKVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(layout.groups)
-        self.allocator: JengaAllocator = layout.new_allocator()
+        self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._tokens_known: dict[Hashable, int] = {}
         self._block_objects: list[dict[int, KVCacheBlock]] = [{} for _ in layout.groups]
@@ -124,17 +129,25 @@ class JengaKVCacheManager:
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
         self._plans: list[MappingPlan] = []
-        self._slots = self._new_slots()
         # encoder-decoder: the encoder input is not in the decoder prompt (cross groups)
         self._encoder_side = any(g.kind is Kind.CROSS_ATTENTION for g in layout.groups)
+        # text groups commit blocks only at multiples of their block sizes: between two
+        # multiples of their gcd `_cache` has nothing to commit (0: images commit at
+        # their end, call every time); `_next_cache[r]`: the next computed length to try
+        sizes = [g.block_size for g in layout.groups]
+        self._cache_step = 0 if self._encoder_side else math.gcd(*sizes)
+        self._next_cache: dict[Hashable, int] = {}
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.kv_tensors == "vmm"
+        self._slots = self._new_slots()
         self._events: list[KVCacheEvent] = []
         self.kv_cache_config = kv_cache_config
         self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
         self.enable_kv_cache_events = enable_kv_cache_events
         self._num_hit_blocks: dict[Hashable, list[int]] = {}  # per group, at admission
+        # the last lookup (request id, match), adopted by that request's admission
+        self._last_match: tuple[Hashable, PrefixMatch] | None = None
         self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
 
@@ -241,43 +254,22 @@ class JengaKVCacheManager:
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
-        hit, junction = self.allocator.match_prefix_junction(
-            core_token_ids(request, request.all_token_ids),
+        match = self.allocator.prefix_match(
+            _token_array(core_token_ids(request, request.all_token_ids)),
             images=self._images(request),
             salt=request_salt(request),
+            request_id=request.request_id,
         )
+        self._last_match = (request.request_id, match)  # `_admit` adopts it
+        hit, junction = match.hit, match.junction
+        if hit and not self.identity.verify(request, match.tables):
+            return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is not None and hit > max_cache_hit_length:
             # a shorter hit valid in every group is not derived here: compute it all
             return self.empty_kv_cache_blocks, 0, 0
-        blocks = self._verified_hit(request) if hit else self.empty_kv_cache_blocks
-        if blocks is None:
-            return self.empty_kv_cache_blocks, 0, 0
+        blocks = self._blocks_of(match.tables) if hit else self.empty_kv_cache_blocks
         report = self.layout.options.junctions and junction > hit
         return blocks, hit, junction if report else 0
-
-    _PROBE = ("jenga-vmm", "identity-probe")
-
-    def _verified_hit(self, request: Request) -> KVCacheBlocks | None:
-        """The hit's blocks when each carries the request's own vLLM digest, else None.
-
-        Claims the hit under a probe id, reads and checks its block tables, releases it.
-        The probe changes only the hit blocks' LRU time (as the allocation that follows
-        would); its release leaves them cached.
-        """
-        self.allocator.add_request(
-            self._PROBE,
-            core_token_ids(request, request.all_token_ids),
-            images=self._images(request),
-            salt=request_salt(request),
-        )
-        try:
-            tables = [
-                self.allocator.block_table(self._PROBE, g) for g in range(self.num_kv_cache_groups)
-            ]
-            blocks = self._blocks_of(tables) if self.identity.verify(request, tables) else None
-        finally:
-            self._queue_plan(self.allocator.free(self._PROBE))
-        return blocks
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -369,7 +361,9 @@ class JengaKVCacheManager:
             )
         return self._fits(rid, target, reserved_blocks)
 
-    def _allocate(self, request: Request, need: int, processed: int) -> list[list[int]] | None:
+    def _allocate(
+        self, request: Request, need: int, processed: int
+    ) -> tuple[tuple[int, ...], ...] | None:
         """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
         the blocks out of the window as of ``processed`` tokens.
 
@@ -377,20 +371,36 @@ class JengaKVCacheManager:
         Mamba groups with ``mamba_step_end_only`` (vLLM writes a state only where a chunk
         ends), so a long chunk holds the state it starts from and the one it ends at.
         """
-        got = self.allocator.allocate(request.request_id, need, release_upto=processed)
+        got = self.allocator.grow(request.request_id, need, release_upto=processed)
         if got is None:
             return None
-        for g, blocks in enumerate(got.new_blocks):
+        for g, blocks in enumerate(got):
             if blocks and self.identity.digest[g]:
                 self.identity.forget(g, blocks)  # a recorded block handed out again
-        self._queue_plan(got.plan)
-        return [list(blocks) for blocks in got.new_blocks]
+        return got
 
     def _new_slots(self) -> SharedSlots | None:
         """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None."""
         if self.layout.options.page_geometry != "vllm":
             return None
         return SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
+
+    def _new_allocator(self) -> JengaAllocator:
+        """The layout's allocator, its plan ops handed straight to `_apply_plan_keys`."""
+        allocator = self.layout.new_allocator()
+        allocator.plan_sink = self._apply_plan_keys
+        return allocator
+
+    def _apply_plan_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
+        """The allocator's ops as they happen: unmapped pages lose their identity, slots
+        move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued."""
+        for kind, group, page, _ in keys:
+            if kind == OP_UNMAP:
+                self.identity.forget_page(group, page)
+        if self._slots is not None:
+            self._slots.apply_keys(keys)
+        if self._queue_plans:
+            self._plans.append(plan_from_keys(keys))
 
     def _queue_plan(self, plan: MappingPlan) -> None:
         """Hand a plan to the worker queue and, on shared tensors, move slots now."""
@@ -408,12 +418,14 @@ class JengaKVCacheManager:
         rid = request.request_id
         tokens = core_token_ids(request, request.all_token_ids)
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
+        last, self._last_match = self._last_match, None
         hit = self.allocator.add_request(
             rid,
             tokens,
             images=self._images(request),
             salt=request_salt(request),
             use_cache=use_cache,
+            match=last[1] if last is not None and last[0] == rid else None,
         )
         if hit != num_new_computed_tokens:
             self.allocator.free(rid)
@@ -453,6 +465,7 @@ class JengaKVCacheManager:
         self._queue_plan(self.allocator.free(rid))
         del self._tokens_known[rid]
         self._recorded.pop(rid, None)
+        self._next_cache.pop(rid, None)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the hashes of the request's blocks complete within the computed tokens."""
@@ -461,6 +474,8 @@ class JengaKVCacheManager:
 
     def _cache(self, request: Request, num_computed_tokens: int) -> None:
         rid = request.request_id
+        if num_computed_tokens < self._next_cache.get(rid, 0):
+            return  # no block of any group completes before then: tokens are handed later
         known = self._tokens_known[rid]
         tokens = request.all_token_ids
         # only computed tokens: a sampled token not yet computed may still be replaced
@@ -473,6 +488,8 @@ class JengaKVCacheManager:
         computed = max(0, min(num_computed_tokens, limit))
         if self.allocator.cache(rid, computed):
             self._record(request, computed)
+        if self._cache_step:
+            self._next_cache[rid] = (computed // self._cache_step + 1) * self._cache_step
 
     def _record(self, request: Request, computed: int) -> None:
         """Hand the registry the blocks this request just entered in the index (complete
@@ -518,7 +535,8 @@ class JengaKVCacheManager:
         """Drop every cached block; refused (False) while any request holds blocks."""
         if self._tokens_known:
             return False
-        self.allocator = self.layout.new_allocator()
+        self.allocator = self._new_allocator()
+        self._last_match = None
         self._slots = self._new_slots()
         self.identity.clear()
         if self._queue_plans:
@@ -572,6 +590,8 @@ class JengaKVCacheManager:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
     def _blocks_of(self, tables: Any) -> KVCacheBlocks:
+        if not any(tables):
+            return self.empty_kv_cache_blocks
         out: list[list[KVCacheBlock]] = []
         for g, ids in enumerate(tables):
             interned = self._block_objects[g]
@@ -631,3 +651,9 @@ class JengaKVCacheManager:
             assert self._slots.num_mapped == self.allocator.usage().used_units
         for rid in self._tokens_known:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
+
+
+def _token_array(tokens: Sequence[int]) -> np.ndarray:
+    """vLLM's token ids (Python ints) as one int64 array, converted in one pass (the
+    allocator then checks the array, not each item)."""
+    return np.fromiter(tokens, dtype=np.int64, count=len(tokens))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jenga.plan import MapPage, MappingPlan
+from jenga.plan import OP_MAP, MapPage, MappingPlan, plan_from_keys
 
 
 class SlotError(RuntimeError):
@@ -82,6 +82,41 @@ class SharedSlots:
                     self.slot_of[group][page] = slot
                     self.page_of[slot] = (group, page)
             raise
+
+    def apply_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
+        """`apply` on the core's raw ops ``(kind, group, page, reused)`` (`jenga.plan.
+        plan_from_keys`), no plan objects built; on a bad op nothing has changed."""
+        free, slot_of, page_of = self.free, self.slot_of, self.page_of
+        done = 0
+        for kind, group, page, _ in keys:
+            pages = slot_of[group]
+            if kind == OP_MAP:
+                if page in pages or not free:
+                    break
+                slot = pages[page] = free.pop()
+                page_of[slot] = (group, page)
+            else:
+                slot = pages.pop(page, -1)
+                if slot < 0:
+                    break
+                free.append(slot)
+                del page_of[slot]
+            done += 1
+        else:
+            return
+        self._undo_keys(keys[:done])
+        self.apply(plan_from_keys(keys))  # raises the SlotError, changing nothing
+
+    def _undo_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
+        for kind, group, page, _ in reversed(keys):
+            if kind == OP_MAP:
+                slot = self.slot_of[group].pop(page)
+                del self.page_of[slot]
+                self.free.append(slot)
+            else:
+                slot = self.free.pop()
+                self.slot_of[group][page] = slot
+                self.page_of[slot] = (group, page)
 
     def ids(self, group: int, pages: Iterable[int]) -> list[int]:
         """vLLM block ids of these allocator page ids of one group."""

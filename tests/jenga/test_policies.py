@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -200,3 +202,36 @@ def test_make_policy_rejects_a_parameter_no_policy_has():
         make_policy(Kind.SLIDING_WINDOW, 16, windw=4096)
     # another kind's parameter is ignored: one call builds every group's policy
     assert make_policy(Kind.FULL, 16, window=4096, chunk=8) == FullAttentionPolicy(16)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        FullAttentionPolicy(16),
+        FullAttentionPolicy(16, token_fraction=(1, 2)),
+        make_policy(Kind.SLIDING_WINDOW, 16, window=64),
+        make_policy(Kind.SLIDING_WINDOW, 16, window=7),
+        make_policy(Kind.SLIDING_WINDOW, 8, window=100),
+        make_policy(Kind.CHUNKED_LOCAL, 16, chunk=48),
+        make_policy(Kind.CHUNKED_LOCAL, 16, chunk=8),
+        make_policy(Kind.MAMBA, 16),
+        make_policy(Kind.MAMBA, 16, step_end_only=True),
+    ],
+    ids=repr,
+)
+def test_length_limits_agree_with_the_block_functions(policy):
+    """The closed forms the allocate fast path uses are exactly the largest lengths whose
+    `num_blocks` / `first_live_block` stay within a bound (None: the caller searches)."""
+    for n in range(12):
+        held = policy.last_length_held(n)
+        if held is None:
+            assert policy.token_fraction != (1, 1)
+            continue
+        assert policy.num_blocks(held) <= n < policy.num_blocks(held + 1)
+    for first in range(12):
+        limit = policy.last_length_first_live(first)
+        assert limit is not None
+        if limit == sys.maxsize:
+            assert all(policy.first_live_block(length) == 0 for length in range(2000))
+            continue
+        assert policy.first_live_block(limit) <= first < policy.first_live_block(limit + 1)

@@ -165,6 +165,7 @@ class ReplayReport:
     prefix_query_tokens: int = 0
     resumed_hit_tokens: int = 0  # hits of preempted requests coming back
     scheduler_seconds: float = 0.0  # wall time in schedule() + update_from_output()
+    scheduler_cpu_ns: int = 0  # thread CPU time in schedule() + update_from_output()
     output_tokens: dict[str, int] = field(default_factory=dict)
     running_per_step: list[int] = field(default_factory=list)
 
@@ -180,7 +181,8 @@ def replay(
     """Add ``requests`` and step the scheduler with fake outputs until all finish.
 
     ``scheduler_seconds`` of the report sums the wall time of ``schedule`` and
-    ``update_from_output`` alone (the manager's cost rides in both); ``check_blocks``
+    ``update_from_output`` alone (the manager's cost rides in both), ``scheduler_cpu_ns``
+    their thread CPU time (another process's load does not count); ``check_blocks``
     runs `check_no_shared_live_blocks` after every step (outside that time).
     """
     report = ReplayReport()
@@ -190,8 +192,9 @@ def replay(
     while scheduler.get_num_unfinished_requests():
         if report.steps >= max_steps:
             raise RuntimeError(f"replay did not finish in {max_steps} steps")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time_ns()
         out = scheduler.schedule()
+        report.scheduler_cpu_ns += time.thread_time_ns() - cpu
         report.scheduler_seconds += time.perf_counter() - start
         report.steps += 1
         report.preemptions += len(out.preempted_req_ids or ())
@@ -200,8 +203,9 @@ def replay(
         if check_blocks:
             check_no_shared_live_blocks(scheduler)
         runner_output = fake_model_output(out, by_id, report.steps)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time_ns()
         engine_outputs = scheduler.update_from_output(out, runner_output)
+        report.scheduler_cpu_ns += time.thread_time_ns() - cpu
         report.scheduler_seconds += time.perf_counter() - start
         _collect_stats(report, engine_outputs)
         if after_step is not None:

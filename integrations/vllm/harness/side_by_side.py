@@ -7,7 +7,9 @@ running requests per step, preemptions, prefix-hit tokens of first admissions (v
 ``PrefixCacheStats.hits``) and of preempted requests coming back (``preempted_hits``,
 column "resumed"), and the mean wall time per step of vLLM's ``schedule`` +
 ``update_from_output`` (column "sched ms": the manager's cost rides in both; the
-harness's own checks run outside it).
+harness's own checks run outside it) and their thread CPU time per step ("cpu ms", the
+median over ``--reps`` rounds that alternate the managers' order; "cpu p90"; "cpu/vllm":
+the median over rounds of the ratio to vLLM's manager in the same round).
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
 vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
@@ -21,17 +23,21 @@ first half finishes) so the second wave finds the first wave's prefixes cached.
 Usage::
 
     python -m integrations.vllm.harness.side_by_side --memory-mb 256 --json out.json
+    python -m integrations.vllm.harness.side_by_side --memory-mb 1024 --requests 256 --reps 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from vmm.bench.stats import percentile
 
 from integrations.vllm.harness import cases, replay
 
@@ -70,6 +76,9 @@ class Row:
     resumed_hit_tokens: int
     seconds: float
     scheduler_ms_per_step: float  # schedule() + update_from_output(), mean over steps
+    sched_cpu_ms: float = 0.0  # their thread CPU per step; median over reps
+    sched_cpu_p90_ms: float = 0.0  # p90 over reps
+    cpu_vs_vllm: float = 0.0  # median over reps of sched_cpu_ms / vLLM's (0: no vLLM row)
 
 
 MANAGERS = ("vllm", "jenga", "jenga-vmm")
@@ -131,6 +140,9 @@ def summarize(
         scheduler_ms_per_step=round(
             1000 * sum(r.scheduler_seconds for r in reports) / sum(r.steps for r in reports), 3
         ),
+        sched_cpu_ms=round(
+            sum(r.scheduler_cpu_ns for r in reports) / 1e6 / sum(r.steps for r in reports), 4
+        ),
     )
 
 
@@ -142,15 +154,45 @@ def compare(
     setup: replay.SchedulerSetup,
     managers: tuple[str, ...] = MANAGERS,
     window: int = 64,
+    reps: int = 1,
 ) -> list[Row]:
+    """One row per case and manager; with ``reps`` > 1 every case runs ``reps`` rounds,
+    each round every manager once (the order rotating), and the CPU columns are the
+    median / p90 over rounds and the median of each round's ratio to vLLM's."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
     rows = []
     for case in case_names:
-        for manager in managers:
-            row = run_case(
-                model_dir, case, memory_mb, workload, manager=manager, setup=setup, window=window
-            )
-            rows.append(row)
+        runs: dict[str, list[Row]] = {m: [] for m in managers}
+        for r in range(reps):
+            k = r % len(managers)
+            for manager in (*managers[k:], *managers[:k]):
+                runs[manager].append(
+                    run_case(
+                        model_dir,
+                        case,
+                        memory_mb,
+                        workload,
+                        manager=manager,
+                        setup=setup,
+                        window=window,
+                    )
+                )
+        rows += [_over_reps(got, runs.get("vllm")) for got in runs.values()]
     return rows
+
+
+def _over_reps(got: list[Row], vllm: list[Row] | None) -> Row:
+    """The first round's row with the CPU columns taken over every round."""
+    cpu = [r.sched_cpu_ms for r in got]
+    ratios = [r.sched_cpu_ms / v.sched_cpu_ms for r, v in zip(got, vllm or (), strict=False)]
+    p90 = percentile(sorted(cpu), 90.0)
+    return replace(
+        got[0],
+        sched_cpu_ms=round(statistics.median(cpu), 4),
+        sched_cpu_p90_ms=round(p90, 4),
+        cpu_vs_vllm=round(statistics.median(ratios), 3) if ratios else 0.0,
+    )
 
 
 def format_table(rows: list[Row]) -> str:
@@ -165,6 +207,9 @@ def format_table(rows: list[Row]) -> str:
         "hit tokens",
         "resumed",
         "sched ms",
+        "cpu ms",
+        "cpu p90",
+        "cpu/vllm",
     )
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
@@ -179,6 +224,9 @@ def format_table(rows: list[Row]) -> str:
             r.prefix_hit_tokens,
             r.resumed_hit_tokens,
             r.scheduler_ms_per_step,
+            r.sched_cpu_ms,
+            r.sched_cpu_p90_ms,
+            r.cpu_vs_vllm,
         )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
@@ -194,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
     parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--reps", type=int, default=1, help="rounds per case, managers alternating (CPU: median)"
+    )
     args = parser.parse_args(argv)
     workload = Workload(
         requests=args.requests, output_tokens=args.output, question_tokens=args.question_tokens
@@ -207,7 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
-        rows = compare(model_dir, args.cases, args.memory_mb, workload, setup, window=args.window)
+        rows = compare(
+            model_dir,
+            args.cases,
+            args.memory_mb,
+            workload,
+            setup,
+            window=args.window,
+            reps=args.reps,
+        )
     print(format_table(rows))
     if args.json is not None:
         payload: dict[str, Any] = {

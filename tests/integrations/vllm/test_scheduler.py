@@ -152,3 +152,34 @@ def test_async_window_releases_wait_for_the_in_flight_step(model_dir: Path) -> N
     assert after[:8] == [NULL_BLOCK] * 8 and after[8:] == sliding[8 : len(after)]
     assert [manager.allocator._core.block_info(0, b)[0] for b in sliding[:8]] == [2] * 8
     manager.check_invariants(expensive=True)
+
+
+@pytest.mark.parametrize("case", ["llama", "jamba"])
+def test_each_admission_looks_its_prefix_up_once(model_dir: Path, case: str) -> None:
+    """Issue 14: `get_computed_blocks` hashes and matches the prompt; the admission that
+    follows adopts that lookup instead of matching again (before: two or three `_match`
+    calls per admitted request, one more under a probe id for the digest check)."""
+    scheduler = _scheduler(model_dir, case, 256)
+    manager = scheduler.kv_cache_manager
+    calls = {"match": 0, "lookup": 0}
+    allocator_match = manager.allocator._match
+    lookup = manager.get_computed_blocks
+
+    def counted_match(req: Any) -> Any:
+        calls["match"] += 1
+        return allocator_match(req)
+
+    def counted_lookup(*args: Any, **kwargs: Any) -> Any:
+        calls["lookup"] += 1
+        return lookup(*args, **kwargs)
+
+    manager.allocator._match = counted_match  # type: ignore[method-assign]
+    manager.get_computed_blocks = counted_lookup  # type: ignore[method-assign]
+    first = _first_wave(4)
+    second = [p + [7] * SUFFIX for p in first]
+    for prefix, prompts in (("a", first), ("b", second)):
+        wave = replay.make_requests(prompts, [MAX_TOKENS] * 4, BLOCK, prefix=prefix)
+        replay.replay(scheduler, wave, after_step=_check_after_step)
+    assert calls["lookup"] >= 8
+    assert calls["match"] == calls["lookup"]
+    assert manager.counters["prefix.hit_tokens"] == 4 * PROMPT

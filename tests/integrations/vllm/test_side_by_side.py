@@ -88,3 +88,20 @@ def test_lockstep_finds_no_divergence_on_full_attention_and_one_on_gemma2(
     args.case, args.window, args.question_tokens, args.memory_mb = "gemma2", 1024, 3000, 1024
     lines = first_divergence(args, model_dir)
     assert lines[0].startswith("step ") and "vllm scheduled" in lines[0]
+
+
+def test_reps_alternate_managers_and_report_thread_cpu(model_dir: Path) -> None:
+    """`--reps N`: every manager runs N times; the deterministic columns are one run's,
+    the CPU columns median / p90 over runs and the median ratio to vLLM's."""
+    rows = compare(
+        model_dir, ["llama"], 256, Workload(requests=8), SETUP, ("vllm", "jenga"), reps=3
+    )
+    by = {r.manager: r for r in rows}
+    assert len(rows) == 2
+    assert by["vllm"].cpu_vs_vllm == 1.0
+    for row in rows:
+        assert 0 < row.sched_cpu_ms <= row.sched_cpu_p90_ms
+    assert by["jenga"].cpu_vs_vllm > 0
+    assert by["jenga"].steps == by["vllm"].steps
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        compare(model_dir, ["llama"], 256, Workload(requests=8), SETUP, ("vllm",), reps=0)
