@@ -84,49 +84,88 @@ class VmmKVCache:
                 f"pool granularity {pool.granularity} B != jenga chunk_bytes "
                 f"{layout.options.chunk_bytes} B"
             )
-        if kv_cache_layout.name not in _LAYER_COMPACT:
+        per_group = layout.options.geometry == "per_group"
+        if per_group and not kv_cache_layout.is_block_compact:
+            raise UnsupportedLayout(
+                f"KV cache layout {kv_cache_layout.name} keeps heads outside blocks; the "
+                "per_group geometry needs L and B outermost (LBHNC, LBNHC, BLHNC, BLNHC)"
+            )
+        if not per_group and kv_cache_layout.name not in _LAYER_COMPACT:
             raise UnsupportedLayout(
                 f"KV cache layout {kv_cache_layout.name} is not layer-compact; "
                 f"supported: {_LAYER_COMPACT}"
             )
         for g in layout.groups:
-            if g.pages.tail_bytes:
+            if g.pages.tail_bytes and not per_group:
                 raise UnsupportedLayout(
                     f"group {g.name!r}: its large page leaves a {g.pages.tail_bytes} B tail, so "
-                    "block b is not at b * page; use jenga_vmm.epsilon=0 (exact LCM)"
+                    "block b is not at b * page; use jenga_vmm.epsilon=0 (exact LCM) or "
+                    "geometry='per_group'"
                 )
         self.layout = layout
         self.pool = pool
         self.geometries: tuple[GroupGeometry, ...] = layout.geometries()
-        self.ranges: dict[str, vmm.VirtualRange] = {}
+        self.ranges: dict[str, vmm.VirtualRange] = {}  # by layer (per_layer) / group name
+        self.group_ranges: list[list[vmm.VirtualRange]] = [[] for _ in layout.groups]
         self.kv_caches: dict[str, Any] = {}
         self.mapped_pages: list[set[int]] = [set() for _ in layout.groups]
         specs = [grp.kv_cache_spec for grp in kv_cache_config.kv_cache_groups]
         for g, spec in zip(layout.groups, specs, strict=True):
             kernel = kernel_block_sizes[g.index] if kernel_block_sizes else None
-            self._build_group(g, spec, kv_cache_layout, kernel)
+            if g.placement is not None:
+                self._build_group_range(g, spec, kv_cache_layout, kernel)
+            else:
+                self._build_layer_ranges(g, spec, kv_cache_layout, kernel)
 
-    def _build_group(self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None) -> None:
+    def _reserve(self, g: GroupLayout, name: str, size: int) -> vmm.VirtualRange:
+        zero = self.pool.backend.zero_handle is not None
+        rng = self.pool.reserve(size, zero_backed=zero, name=name)
+        self.ranges[name] = rng
+        self.group_ranges[g.index].append(rng)
+        return rng
+
+    def _build_layer_ranges(
+        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+    ) -> None:
+        """per_layer: a range per layer, block b at ``b * page`` (vLLM's per-layer tensor)."""
         import torch
 
         geometry = self.geometries[g.index]
         size = geometry.range_bytes + geometry.page_bytes  # + the null block's page
-        num_blocks = g.capacity + 1
         dense = replace(spec, page_size_padded=None)
-        zero = self.pool.backend.zero_handle is not None
         for name in g.layer_names:
-            rng = self.pool.reserve(size, zero_backed=zero, name=name)
-            raw = rng.tensor((size,), torch.int8)
+            raw = self._reserve(g, name, size).tensor((size,), torch.int8)
             placement = KVCacheTensor(
                 size=size, layers=[name], layer_stride=size, block_stride=g.page_bytes
             )
-            (view,) = create_kv_cache_views(raw, dense, num_blocks, kv_layout, placement, kernel)
-            self.ranges[name] = rng
+            (view,) = create_kv_cache_views(raw, dense, g.capacity + 1, kv_layout, placement, kernel)
             self.kv_caches[name] = view
+
+    def _build_group_range(
+        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+    ) -> None:
+        """per_group: one range; layer l of vLLM id v at ``l * B*S + v * S``
+        (`integrations.vllm.placement`), viewed by vLLM's own `create_kv_cache_views`."""
+        import torch
+
+        place = g.placement
+        assert place is not None
+        geometry = self.geometries[g.index]
+        size = geometry.range_bytes + geometry.page_bytes  # + the page of the null ids
+        raw = self._reserve(g, g.name, size).tensor((size,), torch.int8)
+        tensor = KVCacheTensor(
+            size=size,
+            layers=list(g.layer_names),
+            layer_stride=place.layer_stride,
+            block_stride=place.stride,
+        )
+        dense = replace(spec, page_size_padded=None)
+        views = create_kv_cache_views(raw, dense, g.capacity + 1, kv_layout, tensor, kernel)
+        self.kv_caches.update(zip(g.layer_names, views, strict=True))
 
     # -- mapping ---------------------------------------------------------------------
     def _group_ranges(self, g: GroupLayout) -> list[vmm.VirtualRange]:
-        return [self.ranges[name] for name in g.layer_names]
+        return self.group_ranges[g.index]
 
     def apply_plan(self, plan: MappingPlan) -> None:
         """Carry out one scheduler plan atomically; an empty plan unmaps every page."""
@@ -163,7 +202,8 @@ class VmmKVCache:
         added: list[tuple[int, int]] = []
         for g, ids in zip(self.layout.groups, block_ids, strict=True):
             geometry = self.geometries[g.index]
-            want = {b // geometry.blocks_per_page for b in ids if 0 <= b < g.capacity}
+            per_page = geometry.blocks_per_page if g.placement is None else g.placement.ids_per_page
+            want = {b // per_page for b in ids if 0 <= b < g.capacity}
             for page in sorted(want - self.mapped_pages[g.index]):
                 for rng in self._group_ranges(g):
                     batch.map(rng, list(geometry.page_slots(page)))
@@ -204,16 +244,16 @@ class VmmKVCache:
 
     def check_invariants(self) -> None:
         for g, pages in zip(self.layout.groups, self.mapped_pages, strict=True):
-            for name in g.layer_names:
-                rng = self.ranges[name]
-                slots = {s for p in pages for s in self.geometries[g.index].page_slots(p)}
+            slots = {s for p in pages for s in self.geometries[g.index].page_slots(p)}
+            for rng in self._group_ranges(g):
                 mapped = {s for s, h in rng.slot_to_handle().items() if h >= 0}
-                assert mapped == slots, f"{name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
+                assert mapped == slots, f"{g.name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
 
     def close(self) -> None:
         for rng in self.ranges.values():
             rng.close()
         self.ranges.clear()
+        self.group_ranges = [[] for _ in self.layout.groups]
 
 
 def allocate_kv_cache_on_vmm(

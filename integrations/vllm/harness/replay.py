@@ -165,6 +165,7 @@ class ReplayReport:
     prefix_query_tokens: int = 0
     resumed_hit_tokens: int = 0  # hits of preempted requests coming back
     scheduler_seconds: float = 0.0  # wall time in schedule() + update_from_output()
+    scheduler_cpu_seconds: float = 0.0  # this thread's CPU time in the same calls
     output_tokens: dict[str, int] = field(default_factory=dict)
     running_per_step: list[int] = field(default_factory=list)
 
@@ -190,9 +191,10 @@ def replay(
     while scheduler.get_num_unfinished_requests():
         if report.steps >= max_steps:
             raise RuntimeError(f"replay did not finish in {max_steps} steps")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = scheduler.schedule()
         report.scheduler_seconds += time.perf_counter() - start
+        report.scheduler_cpu_seconds += time.thread_time() - cpu
         report.steps += 1
         report.preemptions += len(out.preempted_req_ids or ())
         report.max_running = max(report.max_running, len(scheduler.running))
@@ -200,9 +202,10 @@ def replay(
         if check_blocks:
             check_no_shared_live_blocks(scheduler)
         runner_output = fake_model_output(out, by_id, report.steps)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         engine_outputs = scheduler.update_from_output(out, runner_output)
         report.scheduler_seconds += time.perf_counter() - start
+        report.scheduler_cpu_seconds += time.thread_time() - cpu
         _collect_stats(report, engine_outputs)
         if after_step is not None:
             after_step(scheduler, out)

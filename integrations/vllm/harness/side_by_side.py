@@ -10,8 +10,12 @@ column "resumed"), and the mean wall time per step of vLLM's ``schedule`` +
 harness's own checks run outside it).
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
-vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
-unpadded page in large pages of 2 MiB chunks per layer, ``pages="vmm"``).
+vLLM's shared slots, ``pages="vllm"``), ``jenga-vmm`` (ours on VMM ranges, one per
+KV-cache group: a large page of 2 MiB chunks holds whole blocks of all the group's
+layers, ``pages="vmm"``) and ``jenga-vmm-layer`` (the same with one range per layer: a
+large page is 2 MiB chunks in each layer range, ``geometry="per_layer"``).
+Column "committed": the peak bytes mapped for ours on VMM ranges, vLLM's whole KV
+buffer otherwise; "sched cpu ms" is the thread's CPU time of the same calls.
 
 Workload (``shared_prefix``): ``--requests`` prompts = a system prompt shared by all,
 then a topic prefix shared by one request in ``--topics``, then a private question;
@@ -66,14 +70,24 @@ class Row:
     max_running: int
     avg_running: float
     preemptions: int
-    prefix_hit_tokens: int
+    hit_tokens: int  # prefix-hit tokens of first admissions
     resumed_hit_tokens: int
+    committed_bytes: int  # ours on VMM: peak bytes mapped; else vLLM's whole KV buffer
     seconds: float
-    scheduler_ms_per_step: float  # schedule() + update_from_output(), mean over steps
+    sched_ms: float  # wall ms per step: schedule() + update_from_output()
+    sched_cpu_ms: float  # the same, CPU time of this thread
 
 
-MANAGERS = ("vllm", "jenga", "jenga-vmm")
-"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges."""
+MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-layer")
+"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges,
+one per KV-cache group (``pages="vmm"``, the per_group geometry) or one per layer
+(``geometry="per_layer"``)."""
+
+_JENGA_OPTIONS = {
+    "jenga": {"pages": "vllm"},
+    "jenga-vmm": {"pages": "vmm", "geometry": "per_group"},
+    "jenga-vmm-layer": {"pages": "vmm", "geometry": "per_layer"},
+}
 
 
 def run_case(
@@ -91,12 +105,12 @@ def run_case(
     start = time.perf_counter()
     jenga = manager != "vllm"
     if jenga:
-        pages = "vmm" if manager == "jenga-vmm" else "vllm"
-        setup = replace(setup, jenga_options={**setup.jenga_options, "pages": pages})
+        setup = replace(setup, jenga_options={**setup.jenga_options, **_JENGA_OPTIONS[manager]})
     config = replay.make_vllm_config(model_dir, setup)
     specs = cases.layer_specs(case, window=window)
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
+    peak = PeakCommitted(scheduler, manager)
     prompts = workload.prompts()
     half = len(prompts) // 2
     outputs = [workload.output_tokens] * len(prompts)
@@ -104,19 +118,49 @@ def run_case(
         replay.make_requests(prompts[:half], outputs[:half], setup.block_size, prefix="a"),
         replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
     ]
-    reports = [replay.replay(scheduler, wave) for wave in waves]
+    reports = [replay.replay(scheduler, wave, after_step=peak) for wave in waves]
     for report in reports:
         wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
-    return summarize(case, manager, int(kv_config.num_blocks), reports, start)
+    return summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
+
+
+class PeakCommitted:
+    """``after_step`` hook: the most physical bytes the run commits.
+
+    Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
+    after each step, at its peak. vLLM's manager and ours on vLLM's tensors: the whole
+    KV buffer vLLM allocates up front.
+    """
+
+    def __init__(self, scheduler: Any, manager: str) -> None:
+        self.kv = scheduler.kv_cache_manager
+        self.on_vmm = manager.startswith("jenga-vmm")
+        if self.on_vmm:
+            self.bytes = 0
+        else:
+            from integrations.vllm.layout import kv_cache_memory_bytes
+
+            self.bytes = kv_cache_memory_bytes(scheduler.kv_cache_config)
+
+    def __call__(self, _scheduler: Any, _out: Any) -> None:
+        if self.on_vmm:
+            used = self.kv.allocator.usage().used_units * self.kv.layout.options.chunk_bytes
+            self.bytes = max(self.bytes, used)
 
 
 def summarize(
-    case: str, manager: str, num_blocks: int, reports: list[replay.ReplayReport], start: float
+    case: str,
+    manager: str,
+    num_blocks: int,
+    reports: list[replay.ReplayReport],
+    start: float,
+    committed_bytes: int = 0,
 ) -> Row:
     """One row from the replays of a run (waves in order) that began at ``start``."""
     running = [n for r in reports for n in r.running_per_step]
+    steps = sum(r.steps for r in reports)
     return Row(
         case=case,
         manager=manager,
@@ -125,12 +169,12 @@ def summarize(
         max_running=max(r.max_running for r in reports),
         avg_running=round(sum(running) / len(running), 2),
         preemptions=sum(r.preemptions for r in reports),
-        prefix_hit_tokens=sum(r.prefix_hit_tokens for r in reports),
+        hit_tokens=sum(r.prefix_hit_tokens for r in reports),
         resumed_hit_tokens=sum(r.resumed_hit_tokens for r in reports),
+        committed_bytes=committed_bytes,
         seconds=round(time.perf_counter() - start, 2),
-        scheduler_ms_per_step=round(
-            1000 * sum(r.scheduler_seconds for r in reports) / sum(r.steps for r in reports), 3
-        ),
+        sched_ms=round(1000 * sum(r.scheduler_seconds for r in reports) / steps, 3),
+        sched_cpu_ms=round(1000 * sum(r.scheduler_cpu_seconds for r in reports) / steps, 3),
     )
 
 
@@ -164,7 +208,9 @@ def format_table(rows: list[Row]) -> str:
         "preempt",
         "hit tokens",
         "resumed",
+        "committed MiB",
         "sched ms",
+        "sched cpu ms",
     )
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
@@ -176,9 +222,11 @@ def format_table(rows: list[Row]) -> str:
             r.max_running,
             r.avg_running,
             r.preemptions,
-            r.prefix_hit_tokens,
+            r.hit_tokens,
             r.resumed_hit_tokens,
-            r.scheduler_ms_per_step,
+            round(r.committed_bytes / 2**20, 1),
+            r.sched_ms,
+            r.sched_cpu_ms,
         )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
@@ -193,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--question-tokens", type=int, default=200)
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
     parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
+    parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     workload = Workload(
@@ -207,7 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
-        rows = compare(model_dir, args.cases, args.memory_mb, workload, setup, window=args.window)
+        rows = compare(
+            model_dir,
+            args.cases,
+            args.memory_mb,
+            workload,
+            setup,
+            tuple(args.managers),
+            window=args.window,
+        )
     print(format_table(rows))
     if args.json is not None:
         payload: dict[str, Any] = {
