@@ -139,6 +139,17 @@ def get_kv_cache_configs(
     return list(build(vllm_config, layer_specs, memory_bytes))
 
 
+def mamba_state_calculators() -> tuple[Any, Any]:
+    """vLLM's ``MambaStateShapeCalculator`` and ``MambaStateDtypeCalculator`` (the state
+    shapes and dtypes its models derive from their configs)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+
+    return MambaStateShapeCalculator, MambaStateDtypeCalculator
+
+
 def structured_output_manager(vllm_config: Any) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 

@@ -8,16 +8,25 @@ Rationale
     one group's ranges is mapped into another's).
 
 Approach
-    Per layer one virtual range (`vmm.ChunkPool.reserve`, zero-backed where the backend
-    has a zero chunk) holding ``capacity + 1`` blocks of the group's *unpadded* page:
-    block ``b`` at byte ``b * page`` — the layout vLLM's views expect — and the last
-    block is the group's null block. Where a block and a large page live in the ranges
-    is `integrations.kvcache.geometry.GroupGeometry` (built by
+    Two geometries (`JengaVllmOptions.geometry`):
+
+    - "per_group" (default): one virtual range per KV-cache group; a large page of ``k``
+      chunks holds ``B`` whole blocks of every layer of the group, layer-compact inside
+      the page (`integrations.vllm.placement`), so one live block pins ``k`` chunks, not
+      ``k`` chunks per layer. vLLM's `create_kv_cache_views` builds the per-layer views
+      with ``layer_stride = B*S`` and ``block_stride = S`` over the range; the manager
+      hands vLLM spread ids (page ``q`` starts at id ``q*M``), so any epsilon tail and a
+      padded Mamba state stride keep every view uniform.
+    - "per_layer": one range per layer holding ``capacity + 1`` blocks of the group's
+      *unpadded* page, block ``b`` at byte ``b * page`` — a contiguous per-layer tensor
+      for kernels that need one — and a large page is ``k`` chunks in each layer range.
+
+    Either way the last id is the group's null block (zero-backed where the backend has
+    a zero chunk). Where a large page lives in the ranges is
+    `integrations.kvcache.geometry.GroupGeometry` (built by
     `integrations.vllm.layout.JengaLayout.geometries`), and page plans become range
     plans through `integrations.kvcache.translate` — the one translator of the project,
-    so an evicted page's chunks are remapped to the page that reuses them. The
-    per-layer tensors come from vLLM's own `create_kv_cache_views` over a flat int8 view
-    of the range, so shapes and strides are exactly vLLM's.
+    so an evicted page's chunks are remapped to the page that reuses them.
 
     Two ways to drive the mapping (`apply_scheduler_output` picks):
 
@@ -29,13 +38,14 @@ Approach
       block ids first appear and never unmapped.
 
 Limitations
-    Only groups whose large page has no tail (exact LCM, ``epsilon`` small enough or
-    page sizes dividing the chunk) and layer-compact layouts (``LBHNC``/``LBNHC``) are
-    supported (`UnsupportedLayout` otherwise). Unmapping a page while a previous step's
-    kernels may still read it relies on steps running in order on the worker (the plan
-    for step N + 1 is applied after step N was launched; on CUDA, `cuMemUnmap` of memory
-    in use by queued kernels is not synchronised by us — untested on a GPU).
-    Kernel-block splitting follows vLLM's rules for dense pages.
+    per_layer supports only groups whose large page has no tail (exact LCM, ``epsilon``
+    small enough or page sizes dividing the chunk) and layer-compact layouts
+    (``LBHNC``/``LBNHC``); per_group any layout with L and B outermost (`UnsupportedLayout`
+    otherwise). Unmapping a page while a previous step's kernels may still read it
+    relies on steps running in order on the worker (the plan for step N + 1 is applied
+    after step N was launched; on CUDA, `cuMemUnmap` of memory in use by queued kernels
+    is not synchronised by us — untested on a GPU). Kernel-block splitting follows
+    vLLM's rules for dense pages (per_group attention strides are the dense page).
 """
 
 from __future__ import annotations
@@ -60,10 +70,10 @@ class UnsupportedLayout(JengaVllmError, NotImplementedError):
 
 
 class VmmKVCache:
-    """Per-layer VMM ranges and vLLM views for one `KVCacheConfig`.
+    """VMM ranges (per group or per layer) and vLLM views for one `KVCacheConfig`.
 
     Invariant: a page is in ``mapped_pages[g]`` exactly when its chunk slots are mapped
-    in every range of group g.
+    in every range of group g (``group_ranges[g]``).
     """
 
     def __init__(
@@ -138,7 +148,9 @@ class VmmKVCache:
             placement = KVCacheTensor(
                 size=size, layers=[name], layer_stride=size, block_stride=g.page_bytes
             )
-            (view,) = create_kv_cache_views(raw, dense, g.capacity + 1, kv_layout, placement, kernel)
+            (view,) = create_kv_cache_views(
+                raw, dense, g.capacity + 1, kv_layout, placement, kernel
+            )
             self.kv_caches[name] = view
 
     def _build_group_range(
@@ -247,7 +259,9 @@ class VmmKVCache:
             slots = {s for p in pages for s in self.geometries[g.index].page_slots(p)}
             for rng in self._group_ranges(g):
                 mapped = {s for s, h in rng.slot_to_handle().items() if h >= 0}
-                assert mapped == slots, f"{g.name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
+                assert mapped == slots, (
+                    f"{g.name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
+                )
 
     def close(self) -> None:
         for rng in self.ranges.values():

@@ -99,9 +99,9 @@ class JengaVllmOptions:
     ``b`` is the same bytes in every group, so ids are vLLM's shared block slots (1 ..
     ``num_blocks - 1``, 0 = null) and a group's large page is one slot; memory moves
     between groups block by block, as in vLLM, and jenga adds request-aware allocation
-    and the prefix-subset evictor. "vmm" (required by ``kv_tensors="vmm"``): every layer
-    has its own virtual range and a group's large page is ``k`` chunks of each of its
-    ranges, with the group's unpadded page. "auto" picks by ``kv_tensors``.
+    and the prefix-subset evictor. "vmm" (required by ``kv_tensors="vmm"``): VMM ranges
+    placed per ``geometry``, each group with its unpadded page in large pages of ``k``
+    chunks. "auto" picks by ``kv_tensors``.
     ``junctions``: report the shared-prefix boundary to the scheduler
     (`JengaKVCacheManager.get_computed_blocks`) so Mamba states get cached where
     siblings' prompts diverge.
@@ -110,8 +110,9 @@ class JengaVllmOptions:
     per layer, a large page is ``k`` chunks of each; per-layer contiguous tensors).
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
     ``epsilon``: the waste (tail, padding) a large page may carry; None: 0.01 per_layer
-    (whose VMM tensor path needs 0-tail groups), 0.05 per_group (any tail works). ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned"
-    (compact plus step 5 on pinned pages before step 3) or "paper" (`jenga.allocator`);
+    (whose VMM tensor path needs 0-tail groups), 0.05 per_group (any tail works).
+    ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned" (compact plus step 5
+    on pinned pages before step 3) or "paper" (`jenga.allocator`);
     compact keeps other prompts' cached pages alive where the paper order evicts whole
     pages before using free slots in other requests' pages; pinned keeps more requests
     running under memory pressure (both measured in `docs/vllm.md`). ``kv_tensors``:
@@ -235,7 +236,7 @@ class JengaLayout:
         return JengaAllocator(self.allocator_config)
 
     def geometries(self) -> tuple[GroupGeometry, ...]:
-        """Where each group's blocks and large pages live in its per-layer VMM ranges.
+        """Where each group's large pages live in its VMM ranges (per group or per layer).
 
         The KV cache's own record (`integrations.kvcache.geometry`), so the vLLM tensors
         and `integrations.kvcache.KVCache` share one arithmetic and one plan translator.
@@ -412,7 +413,11 @@ def _group_page_table(
             )
         )
     return PageTable(
-        "vmm", options.chunk_bytes, tuple(rows), model.name, options.page_epsilon,
+        "vmm",
+        options.chunk_bytes,
+        tuple(rows),
+        model.name,
+        options.page_epsilon,
         layout="per_group",
     )
 

@@ -529,7 +529,9 @@ class JengaKVCacheManager:
         """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
         if self._slots is not None:
             return self._is_cached_page_block(group, self._slots.page(group, block_id))
-        return self._is_cached_page_block(group, self.layout.groups[group].allocator_block(block_id))
+        return self._is_cached_page_block(
+            group, self.layout.groups[group].allocator_block(block_id)
+        )
 
     def _is_cached_page_block(self, group: int, block: int) -> bool:
         """Whether allocator block ``block`` of ``group`` is in the prefix cache's index."""

@@ -71,8 +71,10 @@ class GroupPlacement:
         if self.page_bytes % self.stride or self.stride < self.layer_bytes:
             raise PlacementError(f"stride {self.stride} B does not divide the page {self}")
         if self.blocks_per_page * self.num_layers > self.ids_per_page:
-            raise PlacementError(f"{self.blocks_per_page} blocks x {self.num_layers} layers "
-                                 f"exceed the {self.ids_per_page} strides of a page")
+            raise PlacementError(
+                f"{self.blocks_per_page} blocks x {self.num_layers} layers "
+                f"exceed the {self.ids_per_page} strides of a page"
+            )
 
     @property
     def page_bytes(self) -> int:

@@ -76,6 +76,7 @@ class Row:
     seconds: float
     sched_ms: float  # wall ms per step: schedule() + update_from_output()
     sched_cpu_ms: float  # the same, CPU time of this thread
+    block_size: int = 16  # attention block (tokens) the manager ran with
 
 
 MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-layer")
@@ -106,8 +107,14 @@ def run_case(
     jenga = manager != "vllm"
     if jenga:
         setup = replace(setup, jenga_options={**setup.jenga_options, **_JENGA_OPTIONS[manager]})
+    # state hybrids at real scale: vLLM's tensors need vLLM's GPU block size (every page
+    # as large as the state); our VMM ranges keep 16-token attention blocks
+    vllm_gpu = case in cases.REAL_CASES and case in cases.STATE_CASES
+    vllm_gpu = vllm_gpu and not manager.startswith("jenga-vmm")
+    if vllm_gpu:
+        setup = replace(setup, block_size=cases.vllm_gpu_block_size(case))
     config = replay.make_vllm_config(model_dir, setup)
-    specs = cases.layer_specs(case, window=window)
+    specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
     peak = PeakCommitted(scheduler, manager)
@@ -123,7 +130,8 @@ def run_case(
         wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
-    return summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
+    row = summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
+    return replace(row, block_size=setup.block_size)
 
 
 class PeakCommitted:
@@ -201,6 +209,7 @@ def format_table(rows: list[Row]) -> str:
     head = (
         "case",
         "manager",
+        "block",
         "blocks",
         "steps",
         "max run",
@@ -217,6 +226,7 @@ def format_table(rows: list[Row]) -> str:
         cells = (
             r.case,
             r.manager,
+            r.block_size,
             r.num_blocks,
             r.steps,
             r.max_running,
@@ -234,7 +244,13 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(cases.CASES), choices=cases.CASES)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(cases.CASES),
+        choices=cases.ALL_CASES,
+        help=f"default: the small stand-ins; real-scale geometries: {', '.join(cases.REAL_CASES)}",
+    )
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+from itertools import pairwise
 
+import pytest
 from integrations.vllm.placement import GroupPlacement, PlacementError, place_group
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -49,7 +50,7 @@ def test_ids_are_linear_per_layer_and_pages_never_overlap() -> None:
             assert start + p.layer_bytes <= (page + 1) * p.page_bytes
             spans.append((start, start + p.layer_bytes))
     spans.sort()
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
 
 
 def test_unused_ids_and_impossible_geometries_are_refused() -> None:
