@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from jenga.allocator import AllocationOrder, AllocatorConfig, JengaAllocator
+from jenga.allocator import AllocationOrder, AllocationRules, AllocatorConfig, JengaAllocator
 from jenga.pages import (
     DEFAULT_CHUNK_BYTES,
     GroupPages,
@@ -111,6 +111,10 @@ class JengaVllmOptions:
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
     ``epsilon``: the waste (tail, padding) a large page may carry; None: 0.01 per_layer
     (whose VMM tensor path needs 0-tail groups), 0.05 per_group (any tail works).
+    ``reuse_window_releases``: blocks that left a sliding window / local chunk are cached
+    in a lower tier and the group reuses those stranded in pages it still pins before
+    mapping or evicting a page (`jenga.config.AllocationRules`); None: on with per_group
+    VMM pages (a page holds many blocks there), off otherwise.
     ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned" (compact plus step 5
     on pinned pages before step 3) or "paper" (`jenga.allocator`);
     compact keeps other prompts' cached pages alive where the paper order evicts whole
@@ -126,6 +130,7 @@ class JengaVllmOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     epsilon: float | None = None
     geometry: str = "per_group"
+    reuse_window_releases: bool | None = None
     order: str = "compact"
     kv_tensors: str = "torch"
     pages: str = "auto"
@@ -164,6 +169,13 @@ class JengaVllmOptions:
         if self.epsilon is not None:
             return self.epsilon
         return 0.05 if self.geometry == "per_group" else 0.01
+
+    @property
+    def window_reuse(self) -> bool:
+        """`reuse_window_releases`, or its default (per_group VMM pages) when None."""
+        if self.reuse_window_releases is not None:
+            return self.reuse_window_releases
+        return self.page_geometry == "vmm" and self.geometry == "per_group"
 
     @property
     def page_geometry(self) -> str:
@@ -336,8 +348,14 @@ def build_layout(
     else:
         table, total_units = _vmm_pages(model, memory, options)
     # vLLM writes a Mamba state only where a scheduled chunk ends ("align" mode)
+    reuse = options.window_reuse
+    rules = AllocationRules(
+        order=AllocationOrder(options.order),
+        demote_window_releases=reuse,
+        reuse_window_releases=reuse,
+    )
     config = AllocatorConfig.from_page_table(
-        model, table, total_units, AllocationOrder(options.order), mamba_step_end_only=True
+        model, table, total_units, rules, mamba_step_end_only=True
     )
     shared = options.page_geometry == "vllm"
     groups = []

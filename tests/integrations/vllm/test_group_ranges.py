@@ -13,14 +13,14 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from jenga.plan import UnmapPage
-
-import vmm
 from integrations.vllm.harness import cases, replay
 from integrations.vllm.harness.side_by_side import Workload
 from integrations.vllm.kv_tensors import UnsupportedLayout, VmmKVCache
 from integrations.vllm.layout import JengaVllmOptions, build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from jenga.plan import UnmapPage
+
+import vmm
 
 CHUNK = 2 << 20
 MAX_LEN = 1024
