@@ -104,6 +104,14 @@ def v2_attn_utils_module() -> ModuleType:
     return attn_utils
 
 
+def platform_base_class() -> type:
+    """vLLM's ``Platform`` base class (holds ``_align_hybrid_block_size``, the hybrid
+    attention + Mamba page-size unification every GPU platform inherits)."""
+    from vllm.platforms.interface import Platform
+
+    return Platform
+
+
 def use_v2_model_runner(vllm_config: Any) -> bool:
     """Whether vLLM builds its V2 model runner for this config (vLLM's own rule)."""
     from vllm.v1.worker.gpu_worker import use_v2_model_runner as rule
