@@ -12,8 +12,8 @@ Approach
       module-level ``allocate_kv_cache`` is swapped for `vmm_allocate_kv_cache`, so
       vLLM's own cross-layer sharing and ``bind_kv_cache`` run on our views; the
       `VmmKVCache` is kept on the runner.
-    - ``Platform._align_hybrid_block_size`` (engine start-up, hybrid attention + Mamba
-      models): with VMM tensors the attention block size is not raised to the Mamba
+    - ``Platform.update_block_size_for_backend`` (engine start-up): with VMM tensors a
+      hybrid attention + Mamba model's attention block size is not raised to the Mamba
       state's page and the state is not padded (`_wrap_hybrid_alignment`).
     - ``GPUModelRunner.execute_model``: before vLLM's step, the mapping plans the
       scheduler attached to the `SchedulerOutput` are applied (maps and unmaps;
@@ -85,32 +85,48 @@ def _wrap_runner(runner: Any, init_name: str, alloc_module: Any) -> None:
 def _wrap_hybrid_alignment(platform: type) -> None:
     """With VMM tensors, keep attention blocks small beside Mamba states.
 
-    vLLM's ``Platform._align_hybrid_block_size`` raises a hybrid model's attention block
-    size until one attention page is as large as a Mamba state, and pads the state to it
+    vLLM's ``update_block_size_for_backend`` (start-up) calls the platform's
+    ``_align_hybrid_block_size``, which raises a hybrid model's attention block size
+    until one attention page is as large as a Mamba state and pads the state to it
     (every group must fit vLLM's one shared slot size). Our VMM ranges give every group
-    its own unpadded page, so with ``kv_tensors="vmm"`` the block size stays what the
-    backend chose (16 tokens for FlashAttention) and the state is not padded; Mamba
-    "align" caching then checkpoints on that block size. Other runs call vLLM's code.
+    its own unpadded page, so with ``kv_tensors="vmm"`` vLLM's method runs on
+    `keep_block_size` of the platform, whose alignment step keeps the block size the
+    backend chose (16 tokens for FlashAttention) and leaves the state unpadded. Other
+    runs call vLLM's code unchanged.
     """
-    original = platform.__dict__["_align_hybrid_block_size"].__func__
+    original = platform.__dict__["update_block_size_for_backend"].__func__
     if getattr(original, _MARK, False):
         return
 
     @functools.wraps(original)
-    def align_hybrid_block_size(cls: Any, vllm_config: Any, backend_cls: Any) -> Any:
-        if not wants_vmm_tensors(vllm_config):
-            return original(cls, vllm_config, backend_cls)
-        cache = vllm_config.cache_config
-        if cache.mamba_cache_mode == "align":
-            cache.mamba_block_size = cache.block_size
-        _log.info(
-            "jenga-vmm: keeping %d-token attention blocks beside unpadded Mamba states",
-            cache.block_size,
-        )
-        return None
+    def update_block_size_for_backend(cls: Any, vllm_config: Any) -> Any:
+        if wants_vmm_tensors(vllm_config):
+            cls = keep_block_size(cls)
+        return original(cls, vllm_config)
 
-    setattr(align_hybrid_block_size, _MARK, True)
-    platform._align_hybrid_block_size = classmethod(align_hybrid_block_size)  # type: ignore[attr-defined]
+    setattr(update_block_size_for_backend, _MARK, True)
+    platform.update_block_size_for_backend = classmethod(  # type: ignore[attr-defined]
+        update_block_size_for_backend
+    )
+
+
+@functools.cache
+def keep_block_size(platform: type) -> type:
+    """``platform`` whose hybrid alignment keeps the block size and pads no state."""
+
+    class KeepBlockSize(platform):  # type: ignore[valid-type,misc]
+        @classmethod
+        def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+            cache = vllm_config.cache_config
+            if cache.mamba_cache_mode == "align":
+                cache.mamba_block_size = cache.block_size
+            _log.info(
+                "jenga-vmm: keeping %d-token attention blocks beside unpadded Mamba states",
+                cache.block_size,
+            )
+
+    KeepBlockSize.__name__ = KeepBlockSize.__qualname__ = f"JengaVmm{platform.__name__}"
+    return KeepBlockSize
 
 
 def _refuse_vmm(original: Callable[..., Any], runner: Any) -> Callable[..., Any]:

@@ -1,8 +1,8 @@
 """Hybrid attention + Mamba models: vLLM's GPU block size, and ours with VMM tensors.
 
 vLLM 0.32 raises the attention block size of a hybrid model until one attention page is
-as large as a Mamba state (``Platform._align_hybrid_block_size``, run at engine start-up
-with the attention backend). With ``kv_tensors="vmm"`` the plugin keeps the backend's
+as large as a Mamba state (``Platform._align_hybrid_block_size``, called by
+``update_block_size_for_backend`` at engine start-up with the attention backend). With ``kv_tensors="vmm"`` the plugin keeps the backend's
 block size (`integrations.vllm.plugin._wrap_hybrid_alignment`), since every group gets
 its own unpadded pages. Jamba 1.5 Mini's published config (the model class imports on a
 CPU); FlashAttention's kernel block sizes (``MultipleOf(16)``).
@@ -47,6 +47,9 @@ JAMBA_15_MINI = {  # ai21labs/AI21-Jamba-1.5-Mini config.json (the fields vLLM r
 
 
 def _aligned(folder: Path, options: dict[str, object]) -> tuple[int, object]:
+    """vLLM's ``update_block_size_for_backend`` on the Jamba config, with the plugin
+    registered. Without a built model vLLM finds no attention backend, so the test hands
+    it FlashAttention's (what a GPU run finds)."""
     from integrations.vllm.plugin import register
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
@@ -54,8 +57,11 @@ def _aligned(folder: Path, options: dict[str, object]) -> tuple[int, object]:
     register()
     setup = replay.SchedulerSetup(max_model_len=4096, jenga_options=options)
     config = replay.make_vllm_config(folder, setup)
+    config.cache_config.user_specified_block_size = True  # keep 16 (phase 1 needs a GPU)
     assert config.model_config.is_hybrid and config.cache_config.block_size == 16
-    Platform._align_hybrid_block_size(config, FlashAttentionBackend)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Platform, "_find_non_ssm_backends", lambda _config: [FlashAttentionBackend])
+        Platform.update_block_size_for_backend(config)
     return config.cache_config.block_size, config.cache_config.mamba_page_size_padded
 
 
