@@ -2,10 +2,11 @@
 
 vLLM 0.32 raises the attention block size of a hybrid model until one attention page is
 as large as a Mamba state (``Platform._align_hybrid_block_size``, called by
-``update_block_size_for_backend`` at engine start-up with the attention backend). With ``kv_tensors="vmm"`` the plugin keeps the backend's
-block size (`integrations.vllm.plugin._wrap_hybrid_alignment`), since every group gets
-its own unpadded pages. Jamba 1.5 Mini's published config (the model class imports on a
-CPU); FlashAttention's kernel block sizes (``MultipleOf(16)``).
+``update_block_size_for_backend`` at engine start-up with the attention backend). With
+``kv_tensors="vmm"`` the plugin keeps the backend's block size
+(`integrations.vllm.plugin.keep_block_size`), since every group gets its own unpadded
+pages. Jamba 1.5 Mini's published config (the model class imports on a CPU);
+FlashAttention's kernel block sizes (``MultipleOf(16)``).
 """
 
 from __future__ import annotations
