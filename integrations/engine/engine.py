@@ -15,8 +15,9 @@ Approach
        the newest running request is preempted (its KV freed, its prompt + output so
        far requeued at the front of the waiting queue, recomputed later, often from the
        prefix cache) until the allocation fits;
-    3. waiting requests are admitted (prefix-cache hit from `add_request`) while the
-       token budget, the running limit and memory allow;
+    3. waiting requests are admitted (prefix-cache hit from `add_request`, with the
+       request's image spans, so a block's hash covers its images) while the token
+       budget, the running limit and memory allow;
     4. the model's own forward (`ModelForward`, one call per request) computes every
        scheduled chunk (`PackedForward` with ``attention='flash'``); a request
        whose chunk reaches the end of its sequence samples its next token greedily;
@@ -29,8 +30,8 @@ Approach
            └────────── preempt (free) ────────┘
 
 Limitations
-    Greedy sampling only; recompute (not swap) preemption; one text decoder (any family
-    `ModelForward` serves; Mamba v1 and image models are refused at construction).
+    Greedy sampling only; recompute (not swap) preemption; one model (any family
+    `ModelForward` serves; images for LLaVA-OneVision and Mllama, see `images`).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
     (lengths are known; EOS is not used), so memory is committed one token early.
 """
@@ -38,7 +39,7 @@ Limitations
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 
 import vmm
 from integrations.engine.forward import PackedForward, Segment
+from integrations.engine.images import IMAGE_ADAPTERS, RequestImages
 from integrations.engine.model_forward import ModelForward
 from integrations.kvcache import KVCache, KVCacheConfig
 
@@ -78,7 +80,11 @@ _PACKED_TYPES = frozenset({"llama", "mistral"})
 
 
 def _engine_spec(model: Any, cfg: EngineConfig, itemsize: int) -> Any:
-    """The model's jenga spec; refuses what the engine cannot feed (image inputs)."""
+    """The decoder's groups of the model's jenga spec (an encoder's cache, LLaVA-OneVision's
+    vision embeddings, is recomputed per request, see `images`); refuses image groups of a
+    model whose images the engine cannot feed."""
+    import dataclasses
+
     from jenga.hf import HfOptions, model_spec_from_config
     from jenga.specs import Kind
 
@@ -90,17 +96,18 @@ def _engine_spec(model: Any, cfg: EngineConfig, itemsize: int) -> Any:
     )  # fmt: skip
     text = model.config.get_text_config(decoder=True)
     spec = model_spec_from_config(config_dict(model.config, text), options=options)
-    images = [
+    image_groups = [
         g.name
         for g in spec.groups
         if g.spec.model != "target" or g.spec.kind in (Kind.CROSS_ATTENTION, Kind.VISION_EMBEDDING)
     ]
-    if images:
+    if image_groups and model.config.model_type not in IMAGE_ADAPTERS:
         raise ValueError(
-            f"the mini engine serves text decoders; {model.config.model_type!r} has image "
-            f"caches {images} it cannot feed"
+            f"{model.config.model_type!r} has image caches {image_groups}; the mini engine "
+            f"feeds the images of {sorted(IMAGE_ADAPTERS)} only"
         )
-    return spec
+    groups = tuple(g for g in spec.groups if g.spec.model == "target")
+    return dataclasses.replace(spec, groups=groups)
 
 
 @dataclass
@@ -112,6 +119,8 @@ class EngineRequest:
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose K/V is in the cache
     num_preemptions: int = 0
+    images: RequestImages | None = None  # prepared image inputs, dropped when finished
+    num_hit_tokens: int = 0  # prefix-cache hit of the latest admission
 
     @property
     def sequence(self) -> list[int]:
@@ -169,13 +178,27 @@ class MiniEngine:
         prompt: Sequence[int],
         max_new_tokens: int,
         arrival_step: int = 0,
+        images: Mapping[str, Any] | None = None,
     ) -> None:
+        """Queue a request. `images`: the processor's image inputs for this one prompt
+        (``pixel_values`` and what the model takes with them, batch 1); their features are
+        computed now, once, and their content keys the request's prefix blocks."""
         if not prompt or max_new_tokens <= 0:
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(prompt)} tokens, "
                 f"max_new_tokens {max_new_tokens}; both must be > 0"
             )
-        self.pending.append(EngineRequest(request_id, list(prompt), max_new_tokens, arrival_step))
+        req = EngineRequest(request_id, list(prompt), max_new_tokens, arrival_step)
+        if images:
+            adapter = IMAGE_ADAPTERS.get(self.model.config.model_type)
+            if adapter is None or not isinstance(self.forward, ModelForward):
+                raise ValueError(
+                    f"request {request_id!r} has images; the engine feeds images to "
+                    f"{sorted(IMAGE_ADAPTERS)} with attention='sdpa', not "
+                    f"{self.model.config.model_type!r} with attention={self.config.attention!r}"
+                )
+            req.images = adapter(self.model, request_id, req.prompt, images)
+        self.pending.append(req)
 
     # ---- scheduling ------------------------------------------------------------------------
     def _arrivals(self) -> None:
@@ -223,14 +246,17 @@ class MiniEngine:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             req = self.waiting[0]
             seq = req.sequence
-            hit = self.kv.add_request(req.request_id, seq, use_cache=self.config.use_prefix_cache)
+            spans = req.images.spans if req.images is not None else ()
+            hit = self.kv.add_request(
+                req.request_id, seq, images=spans, use_cache=self.config.use_prefix_cache
+            )
             n = self._segment_tokens(hit, len(seq), budget)
             if self._allocate(req.request_id, n) is None:
                 self.kv.free(req.request_id)
                 break
             self.waiting.popleft()
             self.stats["prefix.hit_tokens"] += hit
-            req.num_computed = hit
+            req.num_computed = req.num_hit_tokens = hit
             self.running.append(req)
             segments.append(Segment(req.request_id, hit, hit + n))
             budget -= n
@@ -273,7 +299,11 @@ class MiniEngine:
         slots = self.forward.prepare(segments)
         if self.config.overlap:
             self._allocate_ahead(segments, by_id)
-        logits = self.forward(segments, tokens, slots)
+        images = {r.request_id: r.images for r in self.running if r.images is not None}
+        if images:
+            logits = self.forward(segments, tokens, slots, images)
+        else:
+            logits = self.forward(segments, tokens, slots)
         self.stats["tokens.computed"] += len(tokens)
         for seg, row in zip(segments, logits, strict=True):
             self._after_forward(by_id[seg.request_id], seg, row)
@@ -302,6 +332,7 @@ class MiniEngine:
             self.kv.cache(req.request_id, req.num_computed)
         if req.finished:
             self.kv.free(req.request_id)
+            req.images = None
             self.done[req.request_id] = req
 
     def run(self, max_steps: int = 10_000) -> dict[Hashable, list[int]]:

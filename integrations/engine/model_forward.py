@@ -27,17 +27,30 @@ Approach
     a new block, `prepare` copies the previous state block into it first; a continuing
     request's layers point at its live block (`resume`).
 
+    Mamba (v1) (Jamba): transformers' `JambaMambaMixer` continues the conv state in a
+    multi-token forward but its selective scan always starts from a zero SSM state
+    (`mamba_selective_scan` allocates ``ssm_state = zeros``: "Initial hidden state is not
+    supported by the kernel path"); only its one-token path (`mamba_selective_state_update`)
+    reads the cached state. So a segment from position 0 runs in one forward, and a
+    segment that continues a state (later prompt chunks, prefix hits, recomputation after
+    preemption) runs one forward per token, exactly as `generate`'s decode steps do.
+
+    Images (`images.py`): a request's prepared inputs give each segment its model inputs
+    (spliced ``inputs_embeds`` for LLaVA-OneVision; token ids, ``cross_attention_mask``
+    rows and, at position 0, ``cross_attention_states`` for Mllama). Cross-attention layers
+    are `VmmCrossLayer`s over the request's cross-attention blocks: the first segment
+    writes the image K/V, later ones (and prefix hits) read it.
+
 Limitations
     One forward per request (no packed varlen kernel on CPU); the gather copies the
-    visible K/V, as transformers' own cache does. Text decoders only. Mamba (v1) models
-    (Jamba) are refused: transformers' mixer cannot start a multi-token forward from a
-    state. Positions are passed explicitly (Bamba derives them from layer 0, a Mamba
-    layer, and would restart at 0).
+    visible K/V, as transformers' own cache does. A Jamba segment that continues a state
+    costs one forward per token. Positions are passed explicitly (Bamba derives them from
+    layer 0, a Mamba layer, and would restart at 0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,8 +58,9 @@ from jenga.specs import Kind
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from integrations.engine.forward import Segment
+from integrations.engine.images import SEQUENCE_INPUTS, RequestImages
 from integrations.hf.cache import LAYER_CLASSES
-from integrations.hf.layers import AttentionPart, StatePart, UnsupportedLayer
+from integrations.hf.layers import AttentionPart, StatePart, UnsupportedLayer, VmmCrossLayer
 from integrations.kvcache import KVCache
 
 
@@ -103,19 +117,22 @@ class ModelForward:
                 f"are not served (served: {sorted(LAYER_CLASSES)})"
             )
         self.state_groups = [i for i, g in enumerate(kv.model.groups) if g.spec.kind is Kind.MAMBA]
+        self.cross_layers = {
+            layer
+            for g in kv.model.groups
+            if g.spec.kind is Kind.CROSS_ATTENTION
+            for layer in g.layer_ids
+        }
         itemsize = kv.itemsize
         self.recurrent_offset = 0
+        self.stepwise_continuation = False
         if self.state_groups:
             from jenga.hf_states import STATE_ALIGN, linear_state
 
             state = linear_state(text.to_dict())
-            if state.family == "mamba":
-                layers = kv.model.groups[self.state_groups[0]].layer_ids
-                raise UnsupportedLayer(
-                    f"{model.config.model_type}: Mamba (v1) layers {layers}"
-                    " start every multi-token forward from a zero SSM state in transformers (no "
-                    "initial state), so a chunked prefill or a prefix hit cannot continue a request"
-                )
+            # transformers' Mamba (v1) mixer starts every multi-token scan from a zero SSM
+            # state; only its one-token path reads the cached state
+            self.stepwise_continuation = state.family == "mamba"
             conv = state.conv_channels * state.conv_kernel * itemsize
             self.recurrent_offset = -(-conv // STATE_ALIGN) * STATE_ALIGN
         self._state_layouts: dict[int, Any] = {}
@@ -156,11 +173,15 @@ class ModelForward:
             target.copy_(rng.tensor(size, torch.uint8, base + geo.block_offset(src)))
         self.stats["forward.state_copies"] += 1
 
-    def _cache_for(self, seg: Segment, tables: list[list[int]]) -> Cache:
+    def _cache_for(self, seg: Segment, tables: list[list[int]], cross_tokens: int) -> Cache:
         store = RequestStore(self.kv, seg, tables)
         store.recurrent_offset = self.recurrent_offset
+        store.image_tokens = cross_tokens
         layers = []
         for i, (kind, kwargs) in enumerate(zip(self.layer_types, self.layer_kwargs, strict=True)):
+            if i in self.cross_layers:
+                layers.append(self._cross_layer(store, i, seg))
+                continue
             layer = LAYER_CLASSES[kind](store, i, **kwargs)
             if isinstance(layer, AttentionPart):
                 layer.seen = seg.start
@@ -171,26 +192,56 @@ class ModelForward:
             layers.append(layer)
         return Cache(layers=layers)
 
+    def _cross_layer(self, store: RequestStore, layer: int, seg: Segment) -> VmmCrossLayer:
+        """A cross-attention layer; past position 0 it holds the request's image K/V (written
+        by its first segment, or a prefix hit's)."""
+        cross = VmmCrossLayer(store, layer)
+        if seg.start > 0 and store.image_tokens:
+            cross.length = store.image_tokens
+            cross.is_initialized = True
+            cross.dtype, cross.device = self.kv.dtype, self.device
+        return cross
+
     @torch.no_grad()
     def __call__(
         self,
         segments: Sequence[Segment],
         token_ids: Sequence[int],
         tables: dict[Hashable, list[list[int]]] | None = None,
+        images: Mapping[Hashable, RequestImages] | None = None,
     ) -> torch.Tensor:
-        """Logits ``[len(segments), vocab]`` at each segment's last position."""
+        """Logits ``[len(segments), vocab]`` at each segment's last position; `images`: the
+        image inputs of requests that have them."""
         tables = self.prepare(segments) if tables is None else tables
+        images = images or {}
         out, offset = [], 0
         for seg in segments:
             ids = torch.tensor([token_ids[offset : offset + seg.num_tokens]], device=self.device)
             offset += seg.num_tokens
-            cache = self._cache_for(seg, tables[seg.request_id])
-            positions = torch.arange(seg.start, seg.stop, device=self.device)[None]
-            logits = self.model(
-                input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True
-            ).logits  # positions given: some models derive them from layer 0 (Bamba: 0)
-            out.append(logits[0, -1])
+            request_images = images.get(seg.request_id)
+            inputs = (
+                {"input_ids": ids} if request_images is None else request_images.inputs(seg, ids)
+            )
+            # positions given: some models derive them from layer 0 (Bamba: a Mamba layer, 0)
+            inputs["position_ids"] = torch.arange(seg.start, seg.stop, device=self.device)[None]
+            cross_tokens = 0 if request_images is None else request_images.cross_tokens
+            cache = self._cache_for(seg, tables[seg.request_id], cross_tokens)
+            out.append(self._run(seg, inputs, cache))
             for i, layer in enumerate(cache.layers):
                 if isinstance(layer, StatePart) and i not in self._state_layouts:
                     self._state_layouts[i] = layer.state_layout()
         return torch.stack(out)
+
+    def _run(self, seg: Segment, inputs: dict[str, torch.Tensor], cache: Cache) -> torch.Tensor:
+        """Logits at the segment's last position: one forward, or one per token where a
+        Mamba (v1) state continues (the mixer's one-token path reads the cached state; its
+        multi-token scan would restart from zeros)."""
+        steps = [inputs]
+        if self.stepwise_continuation and seg.start > 0 and seg.num_tokens > 1:
+            steps = [
+                {k: v[:, i : i + 1] if k in SEQUENCE_INPUTS else v for k, v in inputs.items()}
+                for i in range(seg.num_tokens)
+            ]
+        for step in steps:
+            logits = self.model(**step, past_key_values=cache, use_cache=True).logits
+        return logits[0, -1]

@@ -336,7 +336,8 @@ class VmmCrossLayer(DynamicLayer):
         kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
         keys, values = [], []
         for row in range(self.store.num_rows):
-            k, v = read_kv(kv, self.layer_idx, token_slots(kv, row, group, 0, self.length))
+            rid, table = self.store.request(row), self.store.table(row, group)
+            k, v = read_kv(kv, self.layer_idx, token_slots(kv, rid, group, 0, self.length, table))
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         return torch.stack(keys), torch.stack(values)
@@ -355,7 +356,8 @@ class VmmCrossLayer(DynamicLayer):
         self.store.ensure(rows, max(self.store.length, 1), key_states.dtype)
         kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
         for row in range(rows):
-            slots = token_slots(kv, row, group, 0, n)
+            rid, table = self.store.request(row), self.store.table(row, group)
+            slots = token_slots(kv, rid, group, 0, n, table)
             write_kv(kv, self.layer_idx, slots, key_states[row].transpose(0, 1),
                      value_states[row].transpose(0, 1))  # fmt: skip
         self.length = n

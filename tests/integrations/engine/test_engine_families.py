@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("transformers")
 
 from integrations.engine import EngineConfig, MiniEngine
-from integrations.hf import UnsupportedLayer
 from tests.integrations.hf.families import FAMILIES, tiny_model
 
 CHUNK = 4096
@@ -56,15 +55,7 @@ def run(model, requests, budget_chunks: int) -> MiniEngine:
     return engine
 
 
-REFUSED = {"jamba": "zero SSM state"}  # transformers' Mamba (v1) mixer has no initial state
-
-
-def test_mamba_v1_is_refused_at_construction():
-    with pytest.raises(UnsupportedLayer, match=r"Mamba \(v1\) layers \(0, 2\) start every"):
-        MiniEngine(tiny_model("jamba"), EngineConfig(chunk_bytes=CHUNK))
-
-
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in REFUSED])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_engine_tokens_equal_generate_with_hits_and_preemption(name: str):
     model = tiny_model(name)
     model.generation_config.eos_token_id = None
