@@ -228,6 +228,8 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
     case kEvictBlock:
     case kEvictPinned:
     case kEvictDemoted: {
+      // reuse only under pressure: below 1/4 of the pool free (plenty: keep caching)
+      if (step == kEvictDemoted && free_units_ * kReusePressure >= total_units_) return false;
       const bool pinned_only = frugal_ || step == kEvictPinned || step == kEvictDemoted;
       const int32_t block = pinned_only ? frugal_lru_top(G) : lru_top(G);
       if (block < 0) return false;
