@@ -78,7 +78,7 @@ class Rules:
     @property
     def reuse_window_releases(self) -> bool:
         """
-        with demote_window_releases: right after step 4, a group reuses its own demoted (window-released) cached blocks before mapping or evicting a page (counted as 5)
+        with demote_window_releases, while under 1/4 of the pool is free: right after step 4, a group reuses its own demoted (window-released) cached blocks on pages it pins before mapping or evicting a page (counted as 5)
         """
 
 class Core:

@@ -51,8 +51,9 @@ class AllocationRules:
     default, it lost hit rate in the measured runs ("Window-release demotion" in
     docs/jenga.md). ``reuse_window_releases`` (with demotion): under pressure (less than
     a quarter of the pool free), right after step 4 a group reuses its own demoted blocks
-    on pages it still pins before mapping or evicting a page (on for vLLM's per-group VMM pages; docs/vllm.md). Which groups release early
-    follows from their policies (`Policy.releases_early`), so it is not a rule here.
+    on pages it still pins before mapping or evicting a page (on for vLLM's per-group
+    VMM pages; docs/vllm.md). Which groups release early follows from their policies
+    (`Policy.releases_early`), so it is not a rule here.
     """
 
     order: AllocationOrder = AllocationOrder.PAPER
