@@ -33,7 +33,13 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
 )
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -79,6 +85,9 @@ __all__ = [
     "Scheduler",
     "SlidingWindowSpec",
     "create_kv_cache_views",
+    "generate_block_hash_extra_keys",
+    "maybe_convert_block_hash",
+    "to_event_extra_keys",
 ]
 
 

@@ -10,17 +10,22 @@ Rationale
 Approach
     `jenga_kv_cache_manager` accepts vLLM's keyword arguments of every supported version,
     refuses EAGLE block dropping and decode/prefill context parallelism with
-    `UnsupportedFeature` naming them, and builds `JengaKVCacheManager` on `build_layout`
-    of the config with default `JengaVllmOptions` (or the ones given).
+    `UnsupportedFeature` naming them, validates the config's
+    ``prefix_cache_retention_interval`` as vLLM does (`ValueError`) and refuses a positive
+    one as the scheduler does, and builds `JengaKVCacheManager` on `build_layout` of the
+    config with default `JengaVllmOptions` (or the ones given).
 
 Limitations
-    Arguments that only tune vLLM's own manager (``scheduler_block_size``,
-    ``max_in_flight_tokens``, ``num_prefill_lookahead``, ``metrics_collector``,
+    A retention interval of ``None`` (dense) or 0 (vLLM's default) gives the same manager:
+    jenga caches sliding-window and Mamba entries densely and evicts by prefix-subset LRU,
+    so it keeps hits vLLM's sparse retention (0) drops. Arguments that only tune vLLM's
+    own manager (``max_in_flight_tokens``, ``num_prefill_lookahead``, ``metrics_collector``,
     ``watermark``, ...) are accepted and not used.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
@@ -42,6 +47,40 @@ def check_manager_args(use_eagle: bool, dcp_world_size: int, pcp_world_size: int
         )
 
 
+RETAINING_SPECS = ("SlidingWindowSpec", "MambaSpec")
+"""vLLM's spec classes whose cache entries a retention interval thins out."""
+
+
+def check_retention_interval(kv_cache_config: Any, scheduler_block_size: int) -> None:
+    """vLLM's checks of ``prefix_cache_retention_interval`` (`ValueError`), then ours.
+
+    As vLLM's coordinator: ``None`` (dense) and 0 always pass; a value on a model with no
+    sliding-window or Mamba group, a negative value or one not a multiple of the
+    scheduler block size is a `ValueError`. A valid positive interval is refused with
+    `UnsupportedFeature`, as `integrations.vllm.scheduler.check_supported_config` does.
+    """
+    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if interval is None or interval == 0:
+        return
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]
+    if not any(kind in RETAINING_SPECS for kind in kinds):
+        raise ValueError(
+            f"prefix_cache_retention_interval={interval}, but this model has no "
+            f"sliding-window or Mamba KV-cache group ({kinds}), which is all it applies "
+            "to; set it to 0"
+        )
+    if interval < 0 or interval % scheduler_block_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval={interval} must be non-negative and a "
+            f"multiple of scheduler_block_size ({scheduler_block_size})"
+        )
+    raise UnsupportedFeature(
+        f"the jenga KV-cache manager does not support prefix_cache_retention_interval="
+        f"{interval} (it keeps the sliding-window and Mamba entries its prefix-subset "
+        "evictor chooses; only None and the default 0 are served)"
+    )
+
+
 def jenga_kv_cache_manager(
     kv_cache_config: Any,
     max_model_len: int,
@@ -53,11 +92,20 @@ def jenga_kv_cache_manager(
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
     hash_block_size: int | None = None,
+    scheduler_block_size: int | None = None,
     jenga_options: JengaVllmOptions | None = None,
     **_vllm_only: Any,
 ) -> JengaKVCacheManager:
-    """`JengaKVCacheManager` from the arguments vLLM's `KVCacheManager` takes."""
+    """`JengaKVCacheManager` from the arguments vLLM's `KVCacheManager` takes.
+
+    ``scheduler_block_size`` defaults to the lcm of the groups' block sizes (vLLM's value
+    without context parallelism); it only checks the retention interval here.
+    """
     check_manager_args(use_eagle, dcp_world_size, pcp_world_size)
+    if scheduler_block_size is None:
+        sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+        scheduler_block_size = math.lcm(*sizes) if sizes else 1
+    check_retention_interval(kv_cache_config, scheduler_block_size)
     layout = build_layout(kv_cache_config, max_model_len, jenga_options)
     return JengaKVCacheManager(
         layout,

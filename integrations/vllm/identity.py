@@ -22,7 +22,8 @@ Approach
       (a short-key collision, or identity the short key does not carry) and the request
       gets no hit at all — it computes its prefix, never reads the wrong KV.
     - The registry is also the source of vLLM's KV events: a commit is a
-      ``BlockStored``; a recorded block whose id is handed out again (evicted) or whose
+      ``BlockStored`` shaped as vLLM's (one per group and commit, with LoRA, extra keys
+      and session id); a recorded block whose id is handed out again (evicted) or whose
       page is unmapped is a ``BlockRemoved``.
 
 Limitations
@@ -40,7 +41,15 @@ from typing import Any
 from jenga.allocator import NULL_BLOCK
 from jenga.specs import Kind
 
-from integrations.vllm.compat import BlockRemoved, BlockStored, KVCacheEvent, Request
+from integrations.vllm.compat import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    Request,
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from integrations.vllm.layout import JengaLayout
 
 
@@ -67,6 +76,27 @@ def request_salt(request: Request) -> int:
         # keeps it apart (such a request shares nothing, as vLLM cannot key it either)
         parts.append(b"embeds:" + (bytes(hashes[0]) if hashes else str(request).encode()))
     return stable_int(b"\0".join(parts)) if parts else 0
+
+
+PLACEHOLDER_IDS = 1 << 40
+"""Core token id of vLLM placeholder id -1 (then -2 → this + 1, ...): above every vocabulary."""
+
+
+def core_token_ids(request: Request, tokens: Any) -> Any:
+    """``tokens`` of ``request`` as the jenga core takes them (ids >= 0).
+
+    vLLM's manager never reads token ids; multimodal and prompt-embeds requests may carry
+    placeholder ids (vLLM's own tests use -1 for image positions). For such requests a
+    negative id ``v`` becomes ``PLACEHOLDER_IDS - 1 - v``: keyed apart from every real id,
+    and the block's identity stays vLLM's digest (`DigestRegistry.verify`). Any other
+    request's ids go to the core unchanged, which refuses a negative id (`InvalidInput`).
+    """
+    placeholders = getattr(request, "mm_features", None) or (
+        getattr(request, "prompt_embeds", None) is not None
+    )
+    if not placeholders or len(tokens) == 0 or min(tokens) >= 0:
+        return tokens
+    return [t if t >= 0 else PLACEHOLDER_IDS - 1 - t for t in tokens]
 
 
 class DigestRegistry:
@@ -111,31 +141,60 @@ class DigestRegistry:
                     return False
         return True
 
-    def record(self, request: Request, group: int, blocks: dict[int, int]) -> None:
-        """Blocks ``{index: id}`` of ``group`` this request just committed to the index."""
+    def record(
+        self, request: Request, group: int, blocks: dict[int, int], start: int, stop: int
+    ) -> None:
+        """Blocks ``{index: id}`` of ``group`` this request just committed to the index.
+
+        ``start .. stop`` is the block index range the commit covered (``blocks`` holds
+        its live, newly indexed entries). As vLLM's ``cache_full_blocks``, one
+        ``BlockStored`` covers the range: its recorded blocks' hashes, the parent hash
+        of block ``start - 1`` and the token ids of the whole range.
+        """
         if not self.span[group]:
             return
+        hashes = []
+        indices = []
         for i, block in sorted(blocks.items()):
             digest = self.digest_of(request, group, i)
             if digest is None:
                 continue
             self.digest[group][block] = digest
-            if self.events_on:
-                self.events.append(self._stored(request, group, i, digest))
+            hashes.append(maybe_convert_block_hash(digest))
+            indices.append(i)
+        if self.events_on and stop > start:
+            self.events.append(self._stored(request, group, indices, hashes, start, stop))
 
-    def _stored(self, request: Request, group: int, index: int, digest: bytes) -> BlockStored:
+    def _stored(
+        self,
+        request: Request,
+        group: int,
+        indices: list[int],
+        hashes: list[Any],
+        start: int,
+        stop: int,
+    ) -> BlockStored:
         size = self.layout.groups[group].block_size
-        parent = self.digest_of(request, group, index - 1) if index else None
+        parent = self.digest_of(request, group, start - 1) if start else None
         lora = getattr(request, "lora_request", None)
+        extra = []
+        mm_index = 0
+        for i in indices:
+            keys, mm_index = generate_block_hash_extra_keys(
+                request, i * size, (i + 1) * size, mm_index
+            )
+            extra.append(keys)
         return BlockStored(
-            block_hashes=[digest],
-            parent_block_hash=parent,
-            token_ids=list(request.all_token_ids[index * size : (index + 1) * size]),
+            block_hashes=hashes,
+            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+            token_ids=list(request.all_token_ids[start * size : stop * size]),
             block_size=size,
             lora_id=lora.adapter_id if lora is not None else None,
             medium="GPU",
             lora_name=lora.name if lora is not None else None,
+            extra_keys=to_event_extra_keys(extra),
             group_idx=group,
+            session_id=getattr(request, "session_id", None),
         )
 
     def forget(self, group: int, blocks: Any) -> None:
@@ -145,7 +204,11 @@ class DigestRegistry:
             digest = known.pop(int(block), None)
             if digest is not None and self.events_on:
                 self.events.append(
-                    BlockRemoved(block_hashes=[digest], medium="GPU", group_idx=group)
+                    BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(digest)],
+                        medium="GPU",
+                        group_idx=group,
+                    )
                 )
 
     def forget_page(self, group: int, page: int) -> None:

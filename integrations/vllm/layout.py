@@ -30,7 +30,12 @@ Approach
       window, old Mamba states).
     - The memory budget is vLLM's: the single backing allocation of the config's
       `KVCacheTensor` s (or ``num_blocks`` × the largest per-block footprint when the
-      config lists no tensors, as vLLM's own scheduler tests build it).
+      config lists no tensors, as vLLM's own scheduler tests build it). On vLLM's shared
+      slots only slots are counted, as vLLM's manager counts them: a Mamba spec whose
+      ``shapes`` do not size a state (vLLM's tests build ``MambaSpec(shapes=(1, 1))``)
+      takes the slot, and a page larger than the slot is left to vLLM's worker.
+    - Mamba groups follow vLLM's cache mode: "align" writes a state only where a step
+      ends (``mamba_step_end_only``); "none" keeps one per block, as vLLM's manager.
 
 Limitations
     Supported vLLM specs: `FullAttentionSpec` (plain), `SlidingWindowSpec`,
@@ -266,31 +271,84 @@ class JengaLayout:
         )
 
 
+def declared_page_bytes(spec: Any) -> int | None:
+    """Bytes of one block of one layer as vLLM's spec declares them (padded), or None.
+
+    None for a `MambaSpec` with no ``page_size_padded`` whose ``shapes`` are not a tuple
+    of shapes (vLLM's own tests build ``MambaSpec(shapes=(1, 1))``): vLLM's manager never
+    sizes a page, so such a spec is valid to it, and only the block slot sizes it.
+    """
+    if type(spec).__name__ == "MambaSpec":
+        if spec.page_size_padded is not None:
+            return int(spec.page_size_padded)
+        if not all(isinstance(shape, tuple | list) for shape in spec.shapes):
+            return None
+    return int(spec.page_size_bytes)
+
+
 def kv_cache_memory_bytes(kv_cache_config: Any) -> int:
     """Bytes vLLM would allocate for this config (its one backing buffer)."""
     tensors = kv_cache_config.kv_cache_tensors
     if tensors:
         return max(int(t.size) for t in tensors)
-    per_block = max(
-        int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+    sized = [
+        (page, g)
         for g in kv_cache_config.kv_cache_groups
-    )
+        if (page := declared_page_bytes(g.kv_cache_spec)) is not None
+    ]
+    if not sized:
+        raise JengaVllmError(
+            "the KV-cache config lists no tensors and no group's spec gives a page size "
+            f"({[type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]})"
+        )
+    per_block = max(page * len(g.layer_names) for page, g in sized)
     return int(kv_cache_config.num_blocks) * per_block
 
 
-def layer_spec_from_vllm(spec: Any, max_model_len: int, group_index: int) -> LayerSpec:
-    """The jenga `LayerSpec` whose page equals the vLLM spec's unpadded page."""
+def _mamba_state_bytes(spec: Any, where: str, slot_bytes: int | None, num_layers: int) -> int:
+    """One layer's Mamba state: the spec's unpadded size, else its padded page, else (on
+    vLLM's shared slots, where every page is padded to the slot) the slot's share."""
+    if all(isinstance(shape, tuple | list) for shape in spec.shapes):
+        return int(spec.real_page_size_bytes)
+    if spec.page_size_padded is not None:
+        return int(spec.page_size_padded)
+    if slot_bytes is not None:
+        return slot_bytes // max(1, num_layers)
+    raise JengaVllmError(
+        f"{where}: shapes {spec.shapes!r} are not a tuple of state shapes and the spec has "
+        "no page_size_padded, so the state size is unknown; pages='vmm' needs it"
+    )
+
+
+def check_spec_kind(spec: Any, group_index: int) -> None:
+    """Raise `UnsupportedLayerKind` for a vLLM spec class this manager does not serve."""
     name = type(spec).__name__
-    where = f"KV-cache group {group_index} ({name})"
     if name not in SUPPORTED_SPECS:
         raise UnsupportedLayerKind(
-            f"{where}: jenga-vmm's vLLM manager supports {', '.join(SUPPORTED_SPECS)}; "
-            f"{name} is not supported"
+            f"KV-cache group {group_index} ({name}): jenga-vmm's vLLM manager supports "
+            f"{', '.join(SUPPORTED_SPECS)}; {name} is not supported"
         )
+
+
+def layer_spec_from_vllm(
+    spec: Any,
+    max_model_len: int,
+    group_index: int,
+    slot_bytes: int | None = None,
+    num_layers: int = 1,
+) -> LayerSpec:
+    """The jenga `LayerSpec` whose page equals the vLLM spec's unpadded page.
+
+    ``slot_bytes``: vLLM's block slot when blocks live in its shared tensors (sizes a
+    Mamba state its spec does not size, see `declared_page_bytes`).
+    """
+    name = type(spec).__name__
+    where = f"KV-cache group {group_index} ({name})"
+    check_spec_kind(spec, group_index)
     if name == "MambaSpec":
         return LayerSpec(
             Kind.MAMBA,
-            state_bytes=int(spec.real_page_size_bytes),
+            state_bytes=_mamba_state_bytes(spec, where, slot_bytes, num_layers),
             checkpoint_interval=int(spec.block_size),
             block_size=int(spec.block_size),
         )
@@ -329,15 +387,20 @@ def build_layout(
     vgroups = list(kv_cache_config.kv_cache_groups)
     if not vgroups:
         raise JengaVllmError("the KV-cache config has no groups (attention-free model)")
+    for i, g in enumerate(vgroups):
+        check_spec_kind(g.kv_cache_spec, i)
+    memory = kv_cache_memory_bytes(kv_cache_config)
+    slot = None
+    if options.page_geometry == "vllm":
+        slot = memory // max(1, int(kv_cache_config.num_blocks))
     kv_groups: list[KVGroup] = []
     next_layer = 0
     for i, g in enumerate(vgroups):
-        spec = layer_spec_from_vllm(g.kv_cache_spec, max_model_len, i)
+        spec = layer_spec_from_vllm(g.kv_cache_spec, max_model_len, i, slot, len(g.layer_names))
         ids = tuple(range(next_layer, next_layer + len(g.layer_names)))
         next_layer += len(ids)
         kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
     model = ModelSpec("vllm", tuple(kv_groups), max_model_len)
-    memory = kv_cache_memory_bytes(kv_cache_config)
     placements: tuple[GroupPlacement | None, ...] = (None,) * len(kv_groups)
     if options.page_geometry == "vllm":
         table, total_units = _vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
@@ -347,7 +410,6 @@ def build_layout(
         total_units = _check_room(table, memory, options)
     else:
         table, total_units = _vmm_pages(model, memory, options)
-    # vLLM writes a Mamba state only where a scheduled chunk ends ("align" mode)
     reuse = options.window_reuse
     rules = AllocationRules(
         order=AllocationOrder(options.order),
@@ -355,7 +417,7 @@ def build_layout(
         reuse_window_releases=reuse,
     )
     config = AllocatorConfig.from_page_table(
-        model, table, total_units, rules, mamba_step_end_only=True
+        model, table, total_units, rules, mamba_step_end_only=_mamba_step_end_only(vgroups)
     )
     shared = options.page_geometry == "vllm"
     groups = []
@@ -374,11 +436,31 @@ def build_layout(
                 pages=row,
                 capacity=capacity + 1 if shared else capacity,
                 null_block_id=0 if shared else capacity,
-                block_bytes=table.unit_bytes if shared else kg.spec.page_bytes * kg.num_layers,
+                block_bytes=(slot or 0) if shared else kg.spec.page_bytes * kg.num_layers,
                 placement=place,
             )
         )
     return JengaLayout(model, table, config, tuple(groups), memory, options)
+
+
+def _mamba_step_end_only(vgroups: list[Any]) -> bool:
+    """Whether Mamba states exist only where a step ends (vLLM's "align" cache mode).
+
+    With "none" (prefix caching off in a real engine; vLLM's own tests also build it with
+    caching on) vLLM's manager treats every Mamba block as a state written and cacheable,
+    as it treats attention blocks; jenga's Mamba policy then keeps every checkpoint.
+    """
+    modes = {
+        str(getattr(g.kv_cache_spec, "mamba_cache_mode", "none"))
+        for g in vgroups
+        if type(g.kv_cache_spec).__name__ == "MambaSpec"
+    }
+    if len(modes) > 1:
+        raise UnsupportedLayerKind(
+            f"Mamba groups with different mamba_cache_mode values {sorted(modes)} "
+            "(vLLM sets one mode per engine)"
+        )
+    return modes != {"none"}
 
 
 def _vmm_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tuple[PageTable, int]:
@@ -458,13 +540,17 @@ def _vllm_slot_pages(model: ModelSpec, memory: int, num_blocks: int) -> tuple[Pa
 
     vLLM overlays every group on one buffer, so slot ``b`` is the same bytes in every
     group and may belong to one group at a time; a group's large page is one slot (its
-    pages padded to the slot, exactly as vLLM pads them).
+    pages padded to the slot, exactly as vLLM pads them). vLLM's worker owns those bytes
+    on this geometry and vLLM's manager only counts slots, so neither do we check a page
+    against the slot: the table's unit is the slot, or a larger page where a config
+    (vLLM's tests build such) declares one; the budget is counted in slots either way.
     """
     if num_blocks < 2:
         raise JengaVllmError(f"the KV cache holds {num_blocks} block(s); at least 2 are needed")
-    slot = memory // num_blocks
+    pages = [g.spec.page_bytes * g.num_layers for g in model.groups]
+    unit = max(memory // num_blocks, *pages)
     try:
-        table = static_page_table(model, strategy="max", unit_bytes=slot)
+        table = static_page_table(model, strategy="max", unit_bytes=unit)
     except SpecError as exc:
         raise JengaVllmError(f"vLLM's block slot cannot hold a block: {exc}") from exc
     return table, num_blocks - 1

@@ -59,9 +59,9 @@ Approach
 
 Limitations
     No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
-    slot allocation, no watermark. `get_computed_blocks`
-    reports the hit length with empty block lists: the blocks are claimed by
-    `allocate_slots`, which re-derives them (nothing changes in between). The
+    slot allocation, no watermark. `get_computed_blocks` returns the hit's blocks as
+    vLLM does, but `allocate_slots` claims the hit by re-deriving it (nothing changes in
+    between) rather than from the blocks it is handed. The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
     whole pages of evictable blocks), not vLLM's block count.
 """
@@ -84,7 +84,12 @@ from integrations.vllm.compat import (
     Request,
 )
 from integrations.vllm.coordinator import CoordinatorView
-from integrations.vllm.identity import DigestRegistry, request_salt, stable_int
+from integrations.vllm.identity import (
+    DigestRegistry,
+    core_token_ids,
+    request_salt,
+    stable_int,
+)
 from integrations.vllm.layout import JengaLayout, JengaVllmError, UnsupportedFeature
 from integrations.vllm.slots import SharedSlots
 
@@ -195,8 +200,9 @@ class JengaKVCacheManager:
             total += max(0, want - held)
         return total
 
-    def _fits(self, request_id: str, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` of the request fit now (free units + evictable pages)."""
+    def _fits(self, request_id: str, num_tokens: int, reserved_units: int = 0) -> bool:
+        """Whether ``num_tokens`` of the request fit now (free units + evictable pages),
+        leaving ``reserved_units`` of them to others."""
         use = self.allocator.usage()
         need_units = 0
         avail = use.free_units
@@ -212,7 +218,7 @@ class JengaKVCacheManager:
             missing = max(0, want - held - use.free_blocks[g])
             need_units += -(-missing // per_page) * units
             avail += use.cached_blocks[g] // per_page * units
-        return need_units <= avail
+        return need_units + reserved_units <= avail
 
     def stats(self) -> dict[str, int]:
         """The allocator's dotted counters plus ``requests.*`` of this manager."""
@@ -224,37 +230,45 @@ class JengaKVCacheManager:
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int]:
-        """(empty blocks, hit tokens, shared-prefix boundary); `allocate_slots` claims the hit.
+        """(hit blocks, hit tokens, shared-prefix boundary), as vLLM's manager returns them.
 
-        The boundary (0 if none) is the longest prefix one group alone has cached when it
-        exceeds the hit — a full-attention prefix whose Mamba state was never written. For
-        Mamba models vLLM's scheduler ends the request's chunk there (block floored), so
-        the state at the junction is written and cached and the next sibling hits it all.
+        The blocks are the cached ones a request with this prompt starts with, per group
+        ``hit // block_size`` of them (null where the group does not read them: out of a
+        window, older Mamba states); `allocate_slots` claims the same hit (nothing changes
+        in between). The boundary (0 if none) is the longest prefix one group alone has
+        cached when it exceeds the hit — a full-attention prefix whose Mamba state was
+        never written. For Mamba models vLLM's scheduler ends the request's chunk there
+        (block floored), so the state at the junction is written and cached and the next
+        sibling hits it all.
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         hit, junction = self.allocator.match_prefix_junction(
-            request.all_token_ids, images=self._images(request), salt=request_salt(request)
+            core_token_ids(request, request.all_token_ids),
+            images=self._images(request),
+            salt=request_salt(request),
         )
-        if hit and not self._verified(request):
-            return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is not None and hit > max_cache_hit_length:
             # a shorter hit valid in every group is not derived here: compute it all
             return self.empty_kv_cache_blocks, 0, 0
+        blocks = self._verified_hit(request) if hit else self.empty_kv_cache_blocks
+        if blocks is None:
+            return self.empty_kv_cache_blocks, 0, 0
         report = self.layout.options.junctions and junction > hit
-        return self.empty_kv_cache_blocks, hit, junction if report else 0
+        return blocks, hit, junction if report else 0
 
     _PROBE = ("jenga-vmm", "identity-probe")
 
-    def _verified(self, request: Request) -> bool:
-        """Claim the hit under a probe id, check each hit block's vLLM digest, release.
+    def _verified_hit(self, request: Request) -> KVCacheBlocks | None:
+        """The hit's blocks when each carries the request's own vLLM digest, else None.
 
+        Claims the hit under a probe id, reads and checks its block tables, releases it.
         The probe changes only the hit blocks' LRU time (as the allocation that follows
         would); its release leaves them cached.
         """
         self.allocator.add_request(
             self._PROBE,
-            request.all_token_ids,
+            core_token_ids(request, request.all_token_ids),
             images=self._images(request),
             salt=request_salt(request),
         )
@@ -262,9 +276,10 @@ class JengaKVCacheManager:
             tables = [
                 self.allocator.block_table(self._PROBE, g) for g in range(self.num_kv_cache_groups)
             ]
+            blocks = self._blocks_of(tables) if self.identity.verify(request, tables) else None
         finally:
             self._queue_plan(self.allocator.free(self._PROBE))
-        return self.identity.verify(request, tables)
+        return blocks
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -294,14 +309,14 @@ class JengaKVCacheManager:
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
         **_ignored: Any,
     ) -> KVCacheBlocks | None:
         """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room.
 
         All-or-nothing for the new slots: on None, a request admitted by this call is
         released again, and a running request keeps what it had except the blocks it no
-        longer reads (out of its window, old Mamba states), which are released as vLLM's
-        manager releases them before its own check.
+        longer reads (out of its window, old Mamba states), released as vLLM does.
         """
         if num_external_computed_tokens or delay_cache_blocks:
             raise UnsupportedFeature("external (connector) KV tokens are not supported")
@@ -329,7 +344,8 @@ class JengaKVCacheManager:
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
         # as vLLM: release on the processed basis (an in-flight step reads below it)
         processed = max(0, computed - request.num_in_flight_tokens)
-        new_blocks = self._allocate(request, need, processed) if need > 0 else None
+        room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
+        new_blocks = self._allocate(request, need, processed) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -342,6 +358,18 @@ class JengaKVCacheManager:
         if new_blocks is None:
             return self.empty_kv_cache_blocks
         return self._blocks_of(new_blocks)
+
+    def _reserves_room(self, rid: str, target: int, reserved_blocks: int) -> bool:
+        """Whether ``target`` tokens fit with ``reserved_blocks`` vLLM block slots left
+        free for other in-flight requests (vLLM's async KV-load gate; "vllm" pages only)."""
+        if not reserved_blocks:
+            return True
+        if self._slots is None:
+            raise UnsupportedFeature(
+                f"reserved_blocks={reserved_blocks} (async KV-connector loads) on VMM pages: "
+                "a vLLM block slot has no size there"
+            )
+        return self._fits(rid, target, reserved_blocks)
 
     def _allocate(self, request: Request, need: int, processed: int) -> list[list[int]] | None:
         """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
@@ -380,7 +408,7 @@ class JengaKVCacheManager:
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
-        tokens = request.all_token_ids
+        tokens = core_token_ids(request, request.all_token_ids)
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
         hit = self.allocator.add_request(
             rid,
@@ -441,7 +469,7 @@ class JengaKVCacheManager:
         # (streaming-input sessions drop the chunk's last sampled token)
         upto = min(len(tokens), num_computed_tokens)
         if upto > known:
-            self.allocator.append_tokens(rid, tokens[known:upto])
+            self.allocator.append_tokens(rid, core_token_ids(request, tokens[known:upto]))
             self._tokens_known[rid] = upto
         limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
         computed = max(0, min(num_computed_tokens, limit))
@@ -461,8 +489,8 @@ class JengaKVCacheManager:
                 for i in range(done[g], stop)
                 if (b := table[i]) != NULL_BLOCK and self._is_cached_page_block(g, b)
             }
-            if new:
-                self.identity.record(request, g, new)
+            if stop > done[g]:
+                self.identity.record(request, g, new, done[g], stop)
             done[g] = max(done[g], stop)
 
     def free(self, request: Request) -> None:
@@ -591,10 +619,15 @@ class JengaKVCacheManager:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary states offered to a KV connector: none (connectors are refused;
+        vLLM's scheduler drains this every step and hands it to a connector only)."""
         return {}
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        return []
+        """vLLM calls this for KV-producer connectors only, which are refused."""
+        raise UnsupportedFeature(
+            "KV connectors are not supported by the jenga manager (partial-tail offloads)"
+        )
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         raise UnsupportedFeature("block zeroing after failed KV loads needs a KV connector")

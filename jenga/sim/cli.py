@@ -6,7 +6,8 @@ Nano 9B v2, serving closed-loop multi-turn chats on an H100) under today's vLLM
 compares on the scenario's headline metric. ``--scenario arxiv-ministral`` is the Jenga
 paper's Fig. 15 setup; the other flags override parts of a scenario. ``--seeds 0-9``
 reports every metric as mean and range over trace seeds; ``--sweep KEY=LIST`` sweeps a
-knob (``articles=1,2,4,8``: the paper's Fig. 17).
+knob and reports hit rate and throughput at each value (``--scenario articles-ministral
+--sweep articles=1,2,3,4,5,6,8``: the paper's Fig. 17a and 17b).
 """
 
 from __future__ import annotations
@@ -145,12 +146,14 @@ def _run_sweep(args: argparse.Namespace, console: Console, scenario: Scenario) -
     metric, baseline = "hit_rate", scenario.headline[1]  # sweeps ask about the prefix cache
     result = sweep.run_sweep(scenario, key, values, _seed_list(args, scenario))
     if args.json != "-":
-        console.print(sweep.sweep_table(scenario, key, result, metric))
+        for shown in sweep.SWEEP_METRICS:
+            console.print(sweep.sweep_table(scenario, key, result, shown))
     if args.json:
         doc = {"scenario": scenario.name, "sweep": sweep.sweep_json(key, result, metric, baseline)}
         report.write_json(doc, args.json)
     if args.plot_dir:
-        console.print(f"wrote {sweep.plot_sweep(scenario, key, result, args.plot_dir, metric)}")
+        for shown in sweep.SWEEP_METRICS:
+            console.print(f"wrote {sweep.plot_sweep(scenario, key, result, args.plot_dir, shown)}")
     return 0
 
 
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=args.json == "-")
     if not console.is_terminal:
-        console.width = 160  # logs and pipes: keep the table on one line per row
+        console.width = 240  # logs and pipes: keep every cell of a wide sweep on one line
     if args.list:
         _print_lists(console)
         return 0

@@ -9,6 +9,8 @@ Definitions (also in docs/simulator.md):
                      requests decoding in that step (the paper's Fig. 15 quantity).
     hit rate         prefix-hit tokens / prompt tokens, over first admissions only
                      (recompute after preemption is not counted as a hit).
+    requests per s   requests served / simulated seconds to finish the trace (the
+                     throughput of the paper's Fig. 17b when every request arrives at 0).
     alloc cpu        measured wall time of all allocator calls in a step.
     self share       share of the KV held for running requests that full-attention
                      groups hold (min and max over steps holding >= 10 % of the KV
@@ -44,6 +46,7 @@ class Summary:
     alloc_us_max: float
     self_share_min: float = 0.0
     self_share_max: float = 0.0
+    requests_per_s: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -92,10 +95,11 @@ def summarize(result: RunResult) -> Summary:
     cpu_us = sorted(1e6 * t for t in tl["alloc_cpu_s"])
     committed = tl["committed_bytes"]
     share_lo, share_hi = self_share_range(result)
+    end_s = tl["time_s"][-1] if tl["time_s"] else 0.0
     return Summary(
         allocator=result.allocator,
         steps=len(tl["step"]),
-        sim_time_s=tl["time_s"][-1] if tl["time_s"] else 0.0,
+        sim_time_s=end_s,
         avg_decode_batch=avg_decode_batch(result),
         max_decode_batch=int(max(tl["decode_batch"], default=0)),
         waste=waste_fraction(result),
@@ -110,4 +114,5 @@ def summarize(result: RunResult) -> Summary:
         alloc_us_max=cpu_us[-1] if cpu_us else 0.0,
         self_share_min=share_lo,
         self_share_max=share_hi,
+        requests_per_s=result.num_requests / end_s if end_s > 0 else 0.0,
     )

@@ -35,6 +35,7 @@ METRICS = (
     "preemptions",
     "self_share_min",
     "self_share_max",
+    "requests_per_s",
 )
 LOWER_IS_BETTER = frozenset({"sim_time_s", "steps", "waste", "preemptions"})
 

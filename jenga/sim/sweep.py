@@ -12,7 +12,9 @@ Approach
     (``articles`` is short for ``num_articles``). `run_sweep` returns, per value, every
     allocator's summary per seed; `sweep_table` prints one metric's mean and range per
     allocator and, for the scenario's headline baseline, the best Jenga row's ratio;
-    `plot_sweep` draws means with min-max bars, one marker style per allocator.
+    `plot_sweep` draws means with min-max bars, one marker style per allocator. A sweep
+    reports `SWEEP_METRICS`: the prefix hit rate and the throughput (requests per
+    simulated second), the two panels of the paper's Fig. 17.
 
 Limitations
     Points and seeds run one after another (two cores here); a large sweep takes a while.
@@ -34,6 +36,9 @@ from jenga.sim.scenarios import JENGA_NAMES, Scenario
 Sweep = dict[float, tuple[seeds.PerSeed, dict[str, str]]]  # value -> (per seed, not run)
 ALIASES = {"articles": "num_articles", "kv": "kv_gib"}
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+SWEEP_METRICS = ("hit_rate", "requests_per_s")  # Fig. 17a and 17b
+LABELS = {"hit_rate": "prefix hit rate (%)", "requests_per_s": "throughput (requests / hour)"}
+SCALES = {"hit_rate": 100.0, "waste": 100.0, "requests_per_s": 3600.0}  # as LABELS says
 
 
 def parse_sweep(text: str) -> tuple[str, list[float]]:
@@ -81,7 +86,7 @@ def _cell(per_seed: seeds.PerSeed, name: str, metric: str) -> str:
     if not values:
         return "does not fit"
     s = seeds.Spread.of([float(v) for v in values])
-    scale = 100.0 if metric in ("hit_rate", "waste") else 1.0
+    scale = SCALES.get(metric, 1.0)
     if s.n == 1:
         return f"{scale * s.mean:.1f}"
     return f"{scale * s.mean:.1f} ({scale * s.lo:.1f}-{scale * s.hi:.1f})"
@@ -101,7 +106,8 @@ def sweep_table(scenario: Scenario, key: str, sweep: Sweep, metric: str = "hit_r
     baseline = scenario.headline[1]
     n_seeds = len(next(iter(sweep.values()))[0])
     t = Table(
-        title=f"{scenario.name}: {metric} by {key} (mean (min-max) over {n_seeds} seed(s))",
+        title=f"{scenario.name}: {LABELS.get(metric, metric)} by {key} "
+        f"(mean (min-max) over {n_seeds} seed(s))",
         box=box.SIMPLE_HEAD,
     )
     t.add_column(key, justify="right", no_wrap=True)
@@ -111,13 +117,17 @@ def sweep_table(scenario: Scenario, key: str, sweep: Sweep, metric: str = "hit_r
     for value, (per_seed, _) in sweep.items():
         best = best_jenga_ratio(per_seed, metric, baseline)
         ratio = (
-            "n/a" if best is None else f"{best[1].mean:.2f}x ({best[1].lo:.2f}-{best[1].hi:.2f})"
+            "n/a"
+            if best is None
+            else f"{best[1].mean:.2f}x ({best[1].lo:.2f}-{best[1].hi:.2f}) {best[0]}"
         )
         t.add_row(f"{value:g}", *(_cell(per_seed, n, metric) for n in names), ratio)
     return t
 
 
 def sweep_json(key: str, sweep: Sweep, metric: str, baseline: str) -> list[dict[str, object]]:
+    """One point per value: spreads, ``ratios`` on ``metric`` against ``baseline``,
+    ``throughput_ratios`` (requests per second against the baseline), every seed."""
     points: list[dict[str, object]] = []
     for value, (per_seed, not_run) in sweep.items():
         points.append(
@@ -130,6 +140,10 @@ def sweep_json(key: str, sweep: Sweep, metric: str, baseline: str) -> list[dict[
                 },
                 "ratios": {
                     n: s.as_dict() for n, s in seeds.ratios(per_seed, metric, baseline).items()
+                },
+                "throughput_ratios": {
+                    n: s.as_dict()
+                    for n, s in seeds.ratios(per_seed, "requests_per_s", baseline).items()
                 },
                 "per_seed": {
                     seed: {n: s.as_dict() for n, s in runs.items()}
@@ -152,7 +166,7 @@ def plot_sweep(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    scale = 100.0 if metric in ("hit_rate", "waste") else 1.0
+    scale = SCALES.get(metric, 1.0)
     values = list(sweep)
     log_x = min(values) > 0 and max(values) >= 8 * min(values)
     names = _names(scenario, sweep)
@@ -172,8 +186,8 @@ def plot_sweep(
     if log_x:
         ax.set_xscale("log", base=2)
         ax.set_xticks(values, [f"{v:g}" for v in values])
-    unit = " (%)" if scale == 100.0 else ""
-    ax.set(xlabel=key, ylabel=f"{metric}{unit}", title=scenario.name)
+    label = LABELS.get(metric, metric)
+    ax.set(xlabel=key, ylabel=label, title=scenario.name)
     ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(plot_dir)

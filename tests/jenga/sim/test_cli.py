@@ -163,7 +163,13 @@ def test_sweep_over_articles(tmp_path):
     ]
     one = points[0]["per_seed"]["0"]["uniform"]
     assert one["hit_rate"] == 2000 / (2 * 2064)  # the second question hits the whole article
-    assert (tmp_path / "hit_rate_vs_num_articles.png").stat().st_size > 1000
+    # Fig. 17b: throughput = requests / time to finish, per seed, and its ratio to uniform
+    assert one["requests_per_s"] == 2 / one["sim_time_s"]
+    mine = points[1]["per_seed"]["0"]["jenga_vmm"]["requests_per_s"]
+    base = points[1]["per_seed"]["0"]["uniform"]["requests_per_s"]
+    assert points[1]["throughput_ratios"]["jenga_vmm"]["mean"] == mine / base
+    for metric in ("hit_rate", "requests_per_s"):
+        assert (tmp_path / f"{metric}_vs_num_articles.png").stat().st_size > 1000
 
 
 def test_seed_lists_parse_and_reject_nonsense():
