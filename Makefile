@@ -82,17 +82,20 @@ test-cuda-emulated: build $(EMU_LIB)
 VLLM        ?= 0.32.0
 VLLM_VENV   ?= .venv-vllm-$(VLLM)
 VLLM_STAMP  := $(VLLM_VENV)/.jenga-vmm-installed
+# Each venv builds the extensions in its own CMake tree: a shared build/{wheel_tag} would be
+# reconfigured (2-4 min here) every time CI switches between .venv and a vLLM venv.
+VLLM_BUILD  := --config-settings=build-dir=build/$(patsubst .%,%,$(notdir $(VLLM_VENV)))/{wheel_tag}
 
 $(VLLM_VENV)/bin/python:
 	nice bash tools/vllm-venv.sh $(VLLM) $(VLLM_VENV)
 
 $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" "pytest>=8"
-	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps $(VLLM_BUILD) -e .
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
-	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^$$" || true
+	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps $(VLLM_BUILD) -e . 2>&1 | grep -v "^$$" || true
 
 test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm

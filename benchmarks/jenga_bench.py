@@ -15,6 +15,9 @@ Approach
                   all by eviction, caches them under new hashes and frees them, so the
                   pool stays full and every op evicts.
       prefill     one 1M-token request: allocate, hash+cache, free (62,500 blocks).
+    Block identities are jenga's (`jenga.prefix.BlockIdentity`: keyed BLAKE2b-128 by
+    default, ``--identity sha256`` for SHA-256); the Python baselines hash with Python's
+    built-in 64-bit ``hash``.
     Per op, the time divided by its block count gives ns/block; the table reports avg,
     p50, p99 and max over ops (`vmm.bench.stats`: interpolated percentiles), and each
     row's p50 over the best jenga p50 (the median resists the scheduler stalls of a
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
+from jenga.prefix import HASH_ALGORITHMS, BlockIdentity
 from jenga.specs import Kind
 from vmm.bench.stats import Summary, time_calls
 
@@ -48,6 +52,8 @@ from jenga import _core as J
 BLOCK_TOKENS = 16
 BLOCKS_PER_PAGE = 32
 HERE = Path(__file__).resolve().parent
+# the block identity jenga's rows use (set by --identity)
+IDENTITY = BlockIdentity()
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,14 @@ def core_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
 
 def api_config(pool: int) -> AllocatorConfig:
     group = GroupConfig("full", Kind.FULL, BLOCK_TOKENS, BLOCKS_PER_PAGE, 1)
-    return AllocatorConfig((group,), pool // BLOCKS_PER_PAGE)
+    return AllocatorConfig((group,), pool // BLOCKS_PER_PAGE, identity=IDENTITY)
+
+
+def serial_ids(first: int, n: int) -> np.ndarray:
+    """n distinct identities (first.., 0): for traces that need keys, not hashing."""
+    ids = np.zeros((n, 2), dtype=np.uint64)
+    ids[:, 0] = np.arange(first, first + n, dtype=np.uint64)
+    return ids
 
 
 def api_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
@@ -118,14 +131,16 @@ def api_alloc_free(pool: int, per_op: int, ops: int) -> list[int]:
 def core_match(pool: int, per_op: int, ops: int) -> list[int]:
     core = J.Core([BLOCKS_PER_PAGE], [1], pool // BLOCKS_PER_PAGE)
     tokens = np.arange(per_op * BLOCK_TOKENS, dtype=np.int64)
-    hashes = J.hash_blocks(tokens, BLOCK_TOKENS, 0)
+    hasher = IDENTITY.hasher()
+    root = np.zeros(2, dtype=np.uint64)
+    hashes = hasher.chain(tokens, BLOCK_TOKENS, root)
     got = core.allocate(0, [per_op], 0)
     assert got is not None
     core.commit(0, got[0], hashes, list(range(per_op)))
     core.release(0, got[0], 1)
 
     def op(i: int) -> None:
-        found = core.lookup(0, J.hash_blocks(tokens, BLOCK_TOKENS, 0))
+        found = core.lookup(0, hasher.chain(tokens, BLOCK_TOKENS, root))
         assert found[-1] >= 0
 
     return time_calls(op, ops)
@@ -149,7 +164,7 @@ def core_evict(pool: int, per_op: int, ops: int) -> list[int]:
     core = J.Core([BLOCKS_PER_PAGE], [1], pool // BLOCKS_PER_PAGE)
     got = core.allocate(0, [pool], 0)
     assert got is not None
-    core.commit(0, got[0], list(range(pool)), list(range(pool)))
+    core.commit(0, got[0], serial_ids(0, pool), list(range(pool)))
     core.release(0, got[0], 1)
     core.drain_plan()
 
@@ -157,8 +172,7 @@ def core_evict(pool: int, per_op: int, ops: int) -> list[int]:
         # every op evicts: the pool stays full of cached blocks (the new ones get cached)
         new = core.allocate_arrays(i + 1, [per_op], i + 2)
         assert new is not None
-        hashes = np.arange(per_op, dtype=np.uint64) + np.uint64(pool + i * per_op)
-        core.commit_run(0, new[0], hashes, 1, 1)
+        core.commit_run(0, new[0], serial_ids(pool + i * per_op, per_op), 1, 1)
         core.release(0, new[0], i + 2)
         core.drain_plan()
 
@@ -350,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="small pools and few ops (smoke run)")
     ap.add_argument("--from-json", type=Path, default=None, help="print a saved run's table")
+    ap.add_argument(
+        "--identity", choices=HASH_ALGORITHMS, default="blake2b", help="jenga's block identity"
+    )
     args = ap.parse_args(argv)
+    global IDENTITY
+    IDENTITY = BlockIdentity(algorithm=args.identity)
     if args.from_json:
         print_table([Row(**r) for r in json.loads(args.from_json.read_text())])
         return 0

@@ -39,7 +39,7 @@ from jenga.pages import (
 )
 from jenga.plan import MapPage, MappingPlan, UnmapPage
 from jenga.policies import POLICY_BY_KIND, Policy, make_policy, policy_for
-from jenga.prefix import HashChain, image_block_hashes, root_hash
+from jenga.prefix import BlockIdentity, HashChain, image_block_hashes, root_hash
 from jenga.requests import NULL_BLOCK, Allocation, ImageSpan
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError, group_layers
 
@@ -52,6 +52,7 @@ __all__ = [
     "AllocationRules",
     "AllocatorConfig",
     "AllocatorError",
+    "BlockIdentity",
     "DoubleFree",
     "DuplicateRequest",
     "GroupConfig",

@@ -10,7 +10,7 @@ import typing
 import numpy
 import numpy.typing
 
-__all__: list[str] = ["AllocationOrder", "Core", "Rules", "hash_blocks", "hash_ints"]
+__all__: list[str] = ["AllocationOrder", "BlockHasher", "Core", "Rules", "blake2b", "sha256"]
 
 class AllocationOrder:
     """
@@ -81,6 +81,34 @@ class Rules:
         with demote_window_releases, while under 1/4 of the pool is free: right after step 4, a group reuses its own demoted (window-released) cached blocks on pages it pins before mapping or evicting a page (counted as 5)
         """
 
+class BlockHasher:
+    """
+    128-bit block identities: keyed BLAKE2b-128 or (HMAC-)SHA-256 cut to 128 bits (csrc/jenga/digest.hpp)
+    """
+    def __init__(self, algorithm: str, key: bytes) -> None: ...
+    def block(
+        self,
+        parent: typing.Annotated[numpy.typing.ArrayLike, numpy.uint64],
+        tokens: typing.Annotated[numpy.typing.ArrayLike, numpy.int64],
+        extra: bytes = b"",
+    ) -> numpy.typing.NDArray[numpy.uint64]:
+        """
+        Identity of one block: parent identity, its tokens, extra bytes (image keys)
+        """
+    def chain(
+        self,
+        tokens: typing.Annotated[numpy.typing.ArrayLike, numpy.int64],
+        tokens_per_block: typing.SupportsInt | typing.SupportsIndex,
+        parent: typing.Annotated[numpy.typing.ArrayLike, numpy.uint64],
+    ) -> numpy.typing.NDArray[numpy.uint64]:
+        """
+        Chained identities (n, 2) of the complete blocks of `tokens` after `parent`
+        """
+    def digest(self, data: bytes) -> numpy.typing.NDArray[numpy.uint64]:
+        """
+        Identity (2 uint64 words) of the message 0x00 | data
+        """
+
 class Core:
     """
     Two-level LCM allocator bookkeeping (see jenga/allocator.py)
@@ -91,7 +119,11 @@ class Core:
         units_per_page: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
         total_units: typing.SupportsInt | typing.SupportsIndex,
         rules: Rules = ...,
-    ) -> None: ...
+        short_key_bits: typing.SupportsInt | typing.SupportsIndex = 64,
+    ) -> None:
+        """
+        short_key_bits < 64 keys the hash index by fewer bits of each identity (a test hook: collisions of the short key are then common, and must never be served)
+        """
     def acquire(
         self,
         group: typing.SupportsInt | typing.SupportsIndex,
@@ -132,9 +164,12 @@ class Core:
         self,
         group: typing.SupportsInt | typing.SupportsIndex,
         blocks: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-        hashes: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        hashes: typing.Annotated[numpy.typing.ArrayLike, numpy.uint64],
         prefix_lens: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-    ) -> int: ...
+    ) -> int:
+        """
+        Enter the identities (n, 2) of USED blocks in the index
+        """
     def commit_run(
         self,
         group: typing.SupportsInt | typing.SupportsIndex,
@@ -166,7 +201,7 @@ class Core:
         hashes: typing.Annotated[numpy.typing.ArrayLike, numpy.uint64],
     ) -> numpy.typing.NDArray[numpy.int32]:
         """
-        Block id per hash (int32 array), -1 where absent
+        Block id per identity (int32 array), -1 where absent or where the short key names another identity
         """
     def page_eviction_order(self) -> list[tuple[int, int]]: ...
     def release(
@@ -189,19 +224,14 @@ class Core:
     @property
     def total_units(self) -> int: ...
 
-def hash_blocks(
-    tokens: typing.Annotated[numpy.typing.ArrayLike, numpy.int64],
-    tokens_per_block: typing.SupportsInt | typing.SupportsIndex,
-    parent: typing.SupportsInt | typing.SupportsIndex = 0,
-) -> numpy.typing.NDArray[numpy.uint64]:
+def blake2b(
+    data: bytes, key: bytes = b"", digest_size: typing.SupportsInt | typing.SupportsIndex = 64
+) -> bytes:
     """
-    Chained 64-bit hashes of the complete blocks of `tokens`; `parent` is the hash of the block before the first (continue a chain) or a root from hash_ints.
+    BLAKE2b of data (RFC 7693), keyed when key is not empty
     """
 
-def hash_ints(
-    values: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
-    seed: typing.SupportsInt | typing.SupportsIndex = 0,
-) -> int:
+def sha256(data: bytes, key: bytes = b"") -> bytes:
     """
-    64-bit hash of a short list of integers.
+    SHA-256 of data, HMAC-SHA-256 when key is not empty
     """

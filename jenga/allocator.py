@@ -74,8 +74,10 @@ Approach
 
 Limitations
     One allocator serves one model (groups of a draft and a target model are just more
-    groups). Block hashes are 64-bit; a collision would alias two prefixes (probability
-    ~n²/2⁶⁵ for n cached blocks). Times are a logical clock advanced by each mutating call.
+    groups). Block identities are 128 bits of keyed BLAKE2b (or SHA-256; `BlockIdentity`);
+    the core's index keys them by 64 bits and compares the whole identity on every hit, so
+    a short-key collision is refused (``prefix.identity_mismatches``), never served. Times
+    are a logical clock advanced by each mutating call.
 """
 
 from __future__ import annotations
@@ -178,7 +180,9 @@ class JengaAllocator:
             [g.units_per_large_page for g in config.groups],
             config.total_units,
             _core_rules(config.rules, self.policies),
+            short_key_bits=config.identity.short_key_bits,
         )
+        self._hasher = config.identity.hasher()
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
         text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
         # a hit must end on a block boundary of every text group
@@ -247,7 +251,7 @@ class JengaAllocator:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
         spans = checked_images(images, len(prompt))
-        req = LiveRequest(self._next_internal, TokenBuffer(prompt), spans, salt)
+        req = LiveRequest(self._next_internal, TokenBuffer(prompt), spans, salt, self._hasher)
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
         req.num_committed = [0] * self.num_groups
@@ -420,7 +424,7 @@ class JengaAllocator:
                 self._core.commit(
                     g,
                     [ids[i - start] for i in picked],
-                    [hashes[i - start] for i in picked],
+                    hashes[[i - start for i in picked]],
                     [policy.prefix_length(i, req.images) for i in picked],
                 )
             )
@@ -487,7 +491,8 @@ class JengaAllocator:
         """Length of the longest cached prefix a new request with this prompt would hit."""
         if len(prompt) == 0:
             return 0
-        req = LiveRequest(-1, TokenBuffer(prompt), checked_images(images, len(prompt)), salt)
+        spans = checked_images(images, len(prompt))
+        req = LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
         return self._match(req)[0]
 
     def match_prefix_junction(
@@ -507,7 +512,8 @@ class JengaAllocator:
         """
         if len(prompt) == 0:
             return 0, 0
-        req = LiveRequest(-1, TokenBuffer(prompt), checked_images(images, len(prompt)), salt)
+        spans = checked_images(images, len(prompt))
+        req = LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
         hit, _, junction = self._match(req)
         return hit, junction
 
@@ -526,7 +532,7 @@ class JengaAllocator:
         lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
             if policy.reads_images:
-                hashes = np.asarray(req.image_hashes(policy), dtype=np.uint64)
+                hashes = req.image_hashes(policy)
             else:
                 chain = req.chain(policy.tokens_per_block)
                 chain.extend(req.tokens, n, req.images)

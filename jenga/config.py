@@ -9,9 +9,10 @@ Rationale
 
 Approach
     `GroupConfig`: one group as the allocator sees it (its kind's policy parameters and
-    its page shape). `AllocatorConfig`: the groups, the pool's units, the rules and the
-    length limit; `AllocatorConfig.from_page_table` builds one from a `jenga.pages` page
-    table. What each rule does is in the design note of `jenga.allocator`.
+    its page shape). `AllocatorConfig`: the groups, the pool's units, the rules, the
+    length limit and the block identity (`jenga.prefix.BlockIdentity`);
+    `AllocatorConfig.from_page_table` builds one from a `jenga.pages` page table. What
+    each rule does is in the design note of `jenga.allocator`.
 
 Limitations
     Validation that needs the whole configuration (a window beyond ``max_model_len``, a
@@ -26,6 +27,7 @@ from enum import StrEnum
 
 from jenga.pages import PageTable
 from jenga.policies import POLICY_BY_KIND
+from jenga.prefix import BlockIdentity
 from jenga.specs import Kind, ModelSpec
 
 
@@ -95,6 +97,8 @@ class AllocatorConfig:
     # Mamba: True when the engine writes a state only where each step ends (vLLM's
     # "align" mode), so one step holds 2 states, not one per checkpoint it spans.
     mamba_step_end_only: bool = False
+    # how blocks are named in the prefix cache (digest, key, the index's short key)
+    identity: BlockIdentity = field(default_factory=BlockIdentity)
 
     @classmethod
     def from_page_table(
@@ -105,6 +109,7 @@ class AllocatorConfig:
         rules: AllocationRules | AllocationOrder = _DEFAULT_RULES,
         *,
         mamba_step_end_only: bool = False,
+        identity: BlockIdentity | None = None,
     ) -> AllocatorConfig:
         """One `GroupConfig` per model group from a `jenga.pages` page table row.
 
@@ -130,4 +135,11 @@ class AllocatorConfig:
                     token_fraction=spec.token_fraction,
                 )
             )
-        return cls(tuple(groups), total_units, rules, model.max_model_len, mamba_step_end_only)
+        return cls(
+            tuple(groups),
+            total_units,
+            rules,
+            model.max_model_len,
+            mamba_step_end_only,
+            identity or BlockIdentity(),
+        )

@@ -1,66 +1,135 @@
-"""Prefix cache keys: chained block hashes over token ids plus extra keys.
+"""Prefix cache keys: chained 128-bit block identities over token ids plus extra keys.
 
 Rationale
     A cached block may serve a new request only if everything that determined its
     contents is equal: every token before and in it, the images among those tokens, and
-    the cache salt (tenant isolation). Chaining the hash (block i's hash covers block
-    i-1's) makes one 64-bit key name a whole prefix, so each group's hash index answers
-    "is block i of this prompt cached?" independently, which `possible_prefix` needs.
+    the cache salt (tenant isolation). Chaining the identity (block i's covers block
+    i-1's) makes one key name a whole prefix, so each group's index answers "is block i
+    of this prompt cached?" independently, which `possible_prefix` needs. A wrong hit
+    serves one request another's KV, so the identity is 128 bits of a keyed or
+    cryptographic digest (`BlockIdentity`): no one can pick prompts that collide.
 
 Approach
-    - Root: ``hash_ints([salt, tokens_per_block])``; blocks of T tokens are hashed in C++
-      (`jenga._core.hash_blocks`) continuing from the previous hash, so decode
+    - `jenga._core.BlockHasher` (csrc/jenga/digest.hpp): keyed BLAKE2b-128 by default,
+      SHA-256 / HMAC-SHA-256 cut to 128 bits on request. An identity is two uint64 words;
+      a run of them is a ``(n, 2)`` uint64 array.
+    - Root: the digest of ``"jenga.root"``, the salt and the block size. Blocks of T tokens
+      are chained in C++ (`BlockHasher.chain`) from the previous identity, so decode
       extends a chain incrementally.
-    - Images: the prompt's placeholder tokens inside an image span are replaced by
-      ``content_hash + offset`` before hashing, so the same placeholders with another
-      image give other hashes.
-    - Image groups (cross attention, vision embeddings) hash per image:
-      ``hash_ints([content_hash, block_in_image, T], salt)``; their contents depend on
-      the image alone, so two prompts with one image share those blocks.
+    - Images: a block that holds positions of an image is hashed on its own with extra
+      bytes naming each such image (its whole ``content_hash``, the overlap's offset in
+      the image and in the block), so the same placeholders with another image give
+      other identities, and an image key is never cut to 64 bits.
+    - Image groups (cross attention, vision embeddings) key per image: the digest of
+      ``"jenga.image"``, the content hash, the block's index in the image, T and the
+      salt; their contents depend on the image alone, so two prompts with one image
+      share those blocks.
+    Integers enter messages length-prefixed and signed (`_int_bytes`), so any size works
+    and no two lists encode alike.
 
 Limitations
-    64-bit keys: a collision aliases two prefixes (expected first collision after ~4e9
-    distinct blocks). Token ids must fit in int64.
+    The core's index keys an identity by 64 of its bits; it compares the whole identity
+    on every hit (`jenga.allocator`), so a short-key collision costs a hit, never
+    correctness. Token ids must fit in int64.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from jenga import _core
+from jenga.errors import InvalidInput
 
-_MASK64 = (1 << 64) - 1
-_INT64_MIN = -(1 << 63)
-
-
-def _wrap_int64(value: int) -> int:
-    value &= _MASK64
-    return value - (1 << 64) if value >= (1 << 63) else value
+#: Algorithms `BlockIdentity` accepts.
+HASH_ALGORITHMS = ("blake2b", "sha256")
 
 
-def root_hash(salt: int, tokens_per_block: int) -> int:
-    """The chain's starting value for one salt and block size."""
-    return int(_core.hash_ints([_wrap_int64(salt), tokens_per_block], 0))
+@dataclass(frozen=True)
+class BlockIdentity:
+    """How an allocator names blocks: the digest, its key, and the index's short key.
+
+    ``algorithm``: ``"blake2b"`` (BLAKE2b with a 128-bit digest, keyed) or ``"sha256"``
+    (SHA-256, HMAC-SHA-256 when keyed; its first 128 bits). ``key``: None draws 32 random
+    bytes per allocator (nobody outside the process can aim at a collision; identities
+    then differ between processes); ``b""`` hashes without a key (identities are the same
+    in every process); other bytes key the digest (BLAKE2b: at most 64). ``short_key_bits``
+    (64): bits of the identity the core's hash index keys by; fewer is a test hook that
+    makes short-key collisions common (they are detected and never served either way).
+    """
+
+    algorithm: str = "blake2b"
+    key: bytes | None = None
+    short_key_bits: int = 64
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in HASH_ALGORITHMS:
+            raise InvalidInput(
+                f"identity algorithm {self.algorithm!r} is not one of {HASH_ALGORITHMS}"
+            )
+        if self.key is not None and not isinstance(self.key, bytes):
+            raise InvalidInput(f"identity key must be bytes or None, got {type(self.key).__name__}")
+        if self.algorithm == "blake2b" and self.key is not None and len(self.key) > 64:
+            raise InvalidInput(f"a blake2b key has at most 64 bytes, got {len(self.key)}")
+        bits = self.short_key_bits
+        if type(bits) is not int or not 0 <= bits <= 64:
+            raise InvalidInput(f"short_key_bits must be an int in [0, 64], got {bits!r}")
+
+    def hasher(self) -> _core.BlockHasher:
+        """A hasher with this algorithm and key (a fresh random key when ``key`` is None)."""
+        key = os.urandom(32) if self.key is None else self.key
+        return _core.BlockHasher(self.algorithm, key)
 
 
-def effective_tokens(
-    tokens: Sequence[int] | np.ndarray, start: int, images: Sequence[object] = ()
-) -> np.ndarray:
-    """A copy of ``tokens`` (positions ``start..``) with image spans replaced by image keys."""
-    arr = np.array(tokens, dtype=np.int64)
-    stop = start + len(arr)
+def _int_bytes(value: int) -> bytes:
+    """``value`` as a 4-byte length and its signed little-endian bytes."""
+    size = value.bit_length() // 8 + 1
+    return size.to_bytes(4, "little") + value.to_bytes(size, "little", signed=True)
+
+
+def content_hash(values: Sequence[int] | np.ndarray) -> int:
+    """A 128-bit `ImageSpan.content_hash` for content given as integers (BLAKE2b-128 of
+    their int64 bytes, unkeyed: the same in every process)."""
+    data = np.asarray(values, dtype=np.int64).astype("<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+
+def no_identities() -> np.ndarray:
+    """An empty run of identities, shape ``(0, 2)``."""
+    return np.empty((0, 2), dtype=np.uint64)
+
+
+def root_hash(hasher: _core.BlockHasher, salt: int, tokens_per_block: int) -> np.ndarray:
+    """The chain's starting identity for one salt and block size."""
+    return hasher.digest(b"jenga.root\0" + _int_bytes(salt) + _int_bytes(tokens_per_block))
+
+
+def _image_extra(images: Sequence[object], lo: int, hi: int) -> bytes:
+    """Extra bytes of the block over positions ``[lo, hi)``: every image it overlaps."""
+    parts = []
     for image in images:
-        lo = max(start, image.start)  # type: ignore[attr-defined]
-        hi = min(stop, image.end)  # type: ignore[attr-defined]
-        if lo >= hi:
-            continue
-        base = _wrap_int64(image.content_hash)  # type: ignore[attr-defined]
-        offsets = np.arange(lo - image.start, hi - image.start, dtype=np.int64)  # type: ignore[attr-defined]
-        with np.errstate(over="ignore"):
-            arr[lo - start : hi - start] = np.int64(base) + offsets
-    return arr
+        start, end = image.start, image.end  # type: ignore[attr-defined]
+        a, b = max(lo, start), min(hi, end)
+        if a < b:
+            key = _int_bytes(image.content_hash)  # type: ignore[attr-defined]
+            parts.append(
+                b"I" + key + _int_bytes(a - start) + _int_bytes(a - lo) + _int_bytes(b - a)
+            )
+    return b"".join(parts)
+
+
+def _image_blocks(images: Sequence[object], first: int, stop: int, t: int) -> list[int]:
+    """Indices in ``[first, stop)`` of the T-token blocks that overlap an image."""
+    out: set[int] = set()
+    for image in images:
+        lo = max(first, image.start // t)  # type: ignore[attr-defined]
+        hi = min(stop, (image.end - 1) // t + 1)  # type: ignore[attr-defined]
+        out.update(range(lo, hi))
+    return sorted(out)
 
 
 class IntBuffer:
@@ -118,17 +187,19 @@ def TokenBuffer(tokens: Sequence[int] | np.ndarray) -> IntBuffer:
 
 
 class HashChain:
-    """The block hashes of one token stream for one block size, extended as tokens come.
+    """The identities of one token stream for one block size, extended as tokens come.
 
-    Invariant: ``hashes[i]`` covers tokens ``[0, (i+1)*T)``; only complete blocks are hashed.
+    Invariant: ``hashes[i]`` (two uint64 words) covers tokens ``[0, (i+1)*T)`` and the
+    images among them; only complete blocks are hashed.
     """
 
-    __slots__ = ("_buf", "_root", "count", "tokens_per_block")
+    __slots__ = ("_buf", "_hasher", "_root", "count", "tokens_per_block")
 
-    def __init__(self, salt: int, tokens_per_block: int) -> None:
+    def __init__(self, hasher: _core.BlockHasher, salt: int, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
-        self._root = root_hash(salt, tokens_per_block)
-        self._buf = np.empty(0, dtype=np.uint64)
+        self._hasher = hasher
+        self._root = root_hash(hasher, salt, tokens_per_block)
+        self._buf = no_identities()
         self.count = 0
 
     @property
@@ -138,27 +209,57 @@ class HashChain:
     def extend(self, tokens: IntBuffer, num_tokens: int, images: Sequence[object]) -> None:
         """Hash the complete blocks within ``tokens[:num_tokens]`` not hashed yet."""
         t = self.tokens_per_block
-        done = self.count * t
-        target = (min(num_tokens, len(tokens)) // t) * t
-        if target <= done:
+        first = self.count
+        stop = min(num_tokens, len(tokens)) // t
+        if stop <= first:
             return
-        arr = tokens.view(done, target)
+        parent = self._buf[first - 1] if first else self._root
+        arr = tokens.view(first * t, stop * t)
         if images:
-            arr = effective_tokens(arr, done, images)
-        parent = int(self._buf[self.count - 1]) if self.count else self._root
-        new = _core.hash_blocks(arr, t, parent)
-        if self.count + len(new) > len(self._buf):
-            grown = np.empty(max(2 * len(self._buf), self.count + len(new)), dtype=np.uint64)
-            grown[: self.count] = self._buf[: self.count]
+            new = self._chain_with_images(arr, first, stop, parent, images)
+        else:
+            new = self._hasher.chain(arr, t, parent)
+        if stop > len(self._buf):
+            grown = np.empty((max(2 * len(self._buf), stop), 2), dtype=np.uint64)
+            grown[:first] = self._buf[:first]
             self._buf = grown
-        self._buf[self.count : self.count + len(new)] = new
-        self.count += len(new)
+        self._buf[first:stop] = new
+        self.count = stop
+
+    def _chain_with_images(
+        self, arr: np.ndarray, first: int, stop: int, parent: np.ndarray, images: Sequence[object]
+    ) -> np.ndarray:
+        """Blocks ``first..stop`` (tokens ``arr``): runs without images in one C++ call each,
+        a block with image positions alone, with its image keys as extra bytes."""
+        t = self.tokens_per_block
+        out = np.empty((stop - first, 2), dtype=np.uint64)
+        done = first
+        for b in [*_image_blocks(images, first, stop, t), stop]:
+            if b > done:  # the image-free run [done, b)
+                run = self._hasher.chain(arr[(done - first) * t : (b - first) * t], t, parent)
+                out[done - first : b - first] = run
+                parent = run[-1]
+            if b == stop:
+                break
+            block = arr[(b - first) * t : (b - first + 1) * t]
+            parent = self._hasher.block(parent, block, _image_extra(images, b * t, (b + 1) * t))
+            out[b - first] = parent
+            done = b + 1
+        return out
 
 
 def image_block_hashes(
-    content_hash: int, num_blocks: int, tokens_per_block: int, salt: int
-) -> list[int]:
-    """Hashes of one image's blocks in an image group (independent of the text prefix)."""
-    seed = _wrap_int64(salt) & _MASK64
-    key = _wrap_int64(content_hash)
-    return [int(_core.hash_ints([key, i, tokens_per_block], seed)) for i in range(num_blocks)]
+    hasher: _core.BlockHasher,
+    content_hash: int,
+    num_blocks: int,
+    tokens_per_block: int,
+    salt: int,
+) -> np.ndarray:
+    """Identities ``(num_blocks, 2)`` of one image's blocks in an image group (independent
+    of the text prefix)."""
+    head = b"jenga.image\0" + _int_bytes(content_hash)
+    tail = _int_bytes(tokens_per_block) + _int_bytes(salt)
+    out = no_identities() if not num_blocks else np.empty((num_blocks, 2), dtype=np.uint64)
+    for i in range(num_blocks):
+        out[i] = hasher.digest(head + _int_bytes(i) + tail)
+    return out

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jenga import _core
 from jenga.errors import InvalidSize
 from jenga.plan import MappingPlan
 from jenga.policies import Policy
-from jenga.prefix import HashChain, IntBuffer, image_block_hashes
+from jenga.prefix import HashChain, IntBuffer, image_block_hashes, no_identities
 
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
@@ -88,6 +89,7 @@ class LiveRequest:
     tokens: IntBuffer
     images: tuple[ImageSpan, ...]
     salt: int
+    hasher: _core.BlockHasher  # the allocator's (`jenga.prefix.BlockIdentity`)
     num_tokens: int = 0  # tokens with allocated slots (a hit counts as allocated)
     # `allocate` fast path: while num_tokens <= quiet_until and the new length <=
     # held_until, no group releases or grows (both only grow; -1: unknown)
@@ -139,16 +141,18 @@ class LiveRequest:
         """The request's hash chain for blocks of ``tokens_per_block`` (shared by groups)."""
         chain = self.chains.get(tokens_per_block)
         if chain is None:
-            chain = self.chains[tokens_per_block] = HashChain(self.salt, tokens_per_block)
+            chain = HashChain(self.hasher, self.salt, tokens_per_block)
+            self.chains[tokens_per_block] = chain
         return chain
 
-    def image_hashes(self, policy: Policy) -> list[int]:
-        """Hashes of an image group's blocks, image after image."""
-        out: list[int] = []
-        for im in self.images:
-            n = policy.image_blocks(im)  # type: ignore[attr-defined]
-            out.extend(image_block_hashes(im.content_hash, n, policy.tokens_per_block, self.salt))
-        return out
+    def image_hashes(self, policy: Policy) -> np.ndarray:
+        """Identities ``(n, 2)`` of an image group's blocks, image after image."""
+        t = policy.tokens_per_block
+        parts = [
+            image_block_hashes(self.hasher, im.content_hash, policy.image_blocks(im), t, self.salt)  # type: ignore[attr-defined]
+            for im in self.images
+        ]
+        return np.concatenate(parts) if parts else no_identities()
 
 
 def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:

@@ -71,6 +71,8 @@ py::dict counters_dict(const Core& core) {
   d["blocks.acquired"] = c.blocks_acquired;
   d["plan.remapped_units"] = c.remapped_units;
   d["prefix.hashes_committed"] = c.hashes_committed;
+  d["prefix.identity_collisions"] = c.identity_collisions;
+  d["prefix.identity_mismatches"] = c.identity_mismatches;
   d["units.free.current"] = core.free_units();
   d["units.evictable.current"] = core.evictable_page_units();
   return d;
@@ -97,55 +99,177 @@ py::tuple block_info(const Core& core, int32_t g, int32_t b) {
 }
 
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using jenga::Identity;
+static_assert(sizeof(Identity) == 2 * sizeof(uint64_t), "Identity is two packed words");
 
-py::array_t<uint64_t> hash_blocks(py::array_t<int64_t, py::array::c_style | py::array::forcecast> t,
-                                  int64_t tokens_per_block, uint64_t parent) {
-  if (t.ndim() != 1) throw py::value_error("tokens must be 1-D, got " + std::to_string(t.ndim()));
-  const int64_t* data = t.data();
-  const int64_t n = t.shape(0);
-  std::vector<uint64_t> out;
-  {
-    py::gil_scoped_release nogil;
-    out = jenga::hash_token_blocks(data, n, tokens_per_block, parent);
+// Identities cross the boundary as uint64 arrays of shape (n, 2): (low word, high word).
+// A 1-D array of n values is shorthand for the identities (value, 0) (tests of the
+// allocation steps name blocks by small integers).
+struct Identities {
+  const Identity* data = nullptr;
+  size_t size = 0;
+  std::vector<Identity> owned;
+};
+
+Identities identities(const U64Array& a, const char* what) {
+  Identities out;
+  if (a.ndim() == 1) {
+    out.owned.reserve(static_cast<size_t>(a.shape(0)));
+    for (py::ssize_t i = 0; i < a.shape(0); ++i) out.owned.push_back({a.data()[i], 0});
+    out.data = out.owned.data();
+    out.size = out.owned.size();
+    return out;
   }
-  py::array_t<uint64_t> arr(static_cast<py::ssize_t>(out.size()));
-  std::copy(out.begin(), out.end(), arr.mutable_data());
-  return arr;
+  if (a.ndim() != 2 || a.shape(1) != 2) {
+    std::string shape;
+    for (py::ssize_t d = 0; d < a.ndim(); ++d)
+      shape += (d ? ", " : "") + std::to_string(a.shape(d));
+    throw py::value_error(std::string(what) +
+                          " must have shape (n, 2) (two uint64 words per "
+                          "identity) or (n,), got (" +
+                          shape + ")");
+  }
+  out.data = reinterpret_cast<const Identity*>(a.data());
+  out.size = static_cast<size_t>(a.shape(0));
+  return out;
 }
 
-U64Array checked_1d(U64Array a) {
-  if (a.ndim() != 1) throw py::value_error("hashes must be 1-D, got " + std::to_string(a.ndim()));
-  return a;
+py::array_t<uint64_t> identity_array(py::ssize_t n) {
+  return py::array_t<uint64_t>({n, py::ssize_t{2}});
 }
 
-py::array_t<int32_t> lookup(const Core& core, int32_t g, U64Array hashes) {
-  hashes = checked_1d(hashes);
-  py::array_t<int32_t> out(hashes.shape(0));
-  const uint64_t* in = hashes.data();
+Identity one_identity(const U64Array& a, const char* what) {
+  if (a.ndim() != 1 || a.shape(0) != 2) {
+    throw py::value_error(std::string(what) + " must be one identity: 2 uint64 words, got " +
+                          std::to_string(a.size()) + " values in " + std::to_string(a.ndim()) +
+                          " dimension(s)");
+  }
+  return {a.data()[0], a.data()[1]};
+}
+
+py::array_t<uint64_t> to_words(const Identity& id) {
+  py::array_t<uint64_t> out(2);
+  out.mutable_data()[0] = id.lo;
+  out.mutable_data()[1] = id.hi;
+  return out;
+}
+
+py::array_t<int32_t> lookup(Core& core, int32_t g, const U64Array& hashes) {
+  const Identities in = identities(hashes, "hashes");
+  py::array_t<int32_t> out(static_cast<py::ssize_t>(in.size));
   int32_t* dst = out.mutable_data();
-  const size_t n = static_cast<size_t>(hashes.shape(0));
   {
     py::gil_scoped_release nogil;
     const Lock lock(core.api_mutex());
-    core.lookup(g, in, n, dst);
+    core.lookup(g, in.data, in.size, dst);
   }
   return out;
 }
 
-int64_t commit_run(Core& core, int32_t g,
-                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& arr,
-                   U64Array hashes, int64_t first_prefix, int64_t step) {
-  if (arr.ndim() != 1) throw py::value_error("blocks must be 1-D");
-  const std::vector<int32_t> blocks(arr.data(), arr.data() + arr.shape(0));
-  hashes = checked_1d(hashes);
-  if (static_cast<size_t>(hashes.shape(0)) != blocks.size()) {
-    throw py::value_error("commit_run needs one hash per block: " + std::to_string(blocks.size()) +
-                          " blocks, " + std::to_string(hashes.shape(0)) + " hashes");
-  }
-  const uint64_t* h = hashes.data();
+int64_t commit(Core& core, int32_t g, const std::vector<int32_t>& blocks, const U64Array& hashes,
+               const std::vector<int64_t>& prefix_lens) {
+  const Identities h = identities(hashes, "hashes");
+  const std::vector<Identity> ids(h.data, h.data + h.size);
   py::gil_scoped_release nogil;
   const Lock lock(core.api_mutex());
-  return core.commit_run(g, blocks, h, first_prefix, step);
+  return core.commit(g, blocks, ids, prefix_lens);
+}
+
+int64_t commit_run(Core& core, int32_t g,
+                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& arr,
+                   const U64Array& hashes, int64_t first_prefix, int64_t step) {
+  if (arr.ndim() != 1) throw py::value_error("blocks must be 1-D");
+  const std::vector<int32_t> blocks(arr.data(), arr.data() + arr.shape(0));
+  const Identities h = identities(hashes, "hashes");
+  if (h.size != blocks.size()) {
+    throw py::value_error("commit_run needs one hash per block: " + std::to_string(blocks.size()) +
+                          " blocks, " + std::to_string(h.size) + " hashes");
+  }
+  py::gil_scoped_release nogil;
+  const Lock lock(core.api_mutex());
+  return core.commit_run(g, blocks, h.data, first_prefix, step);
+}
+
+// ---- block identity (digest.hpp) ------------------------------------------------------
+
+jenga::HashAlgorithm algorithm_named(const std::string& name) {
+  if (name == "blake2b") return jenga::HashAlgorithm::kBlake2b;
+  if (name == "sha256") return jenga::HashAlgorithm::kSha256;
+  throw py::value_error("unknown hash algorithm '" + name + "'; known: 'blake2b', 'sha256'");
+}
+
+const uint8_t* bytes_of(const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); }
+
+py::array_t<uint64_t> hasher_chain(const jenga::BlockHasher& h, const I64Array& tokens,
+                                   int64_t tokens_per_block, const U64Array& parent) {
+  if (tokens.ndim() != 1) {
+    throw py::value_error("tokens must be 1-D, got " + std::to_string(tokens.ndim()));
+  }
+  if (tokens_per_block <= 0) {
+    throw py::value_error("tokens_per_block must be > 0, got " + std::to_string(tokens_per_block));
+  }
+  const Identity root = one_identity(parent, "parent");
+  const int64_t n = tokens.shape(0);
+  auto out = identity_array(n / tokens_per_block);
+  Identity* dst = reinterpret_cast<Identity*>(out.mutable_data());
+  const int64_t* src = tokens.data();
+  {
+    py::gil_scoped_release nogil;
+    h.chain(src, n, tokens_per_block, root, dst);
+  }
+  return out;
+}
+
+py::array_t<uint64_t> hasher_block(const jenga::BlockHasher& h, const U64Array& parent,
+                                   const I64Array& tokens, const py::bytes& extra) {
+  if (tokens.ndim() != 1) {
+    throw py::value_error("tokens must be 1-D, got " + std::to_string(tokens.ndim()));
+  }
+  const std::string more = extra;
+  return to_words(h.block(one_identity(parent, "parent"), tokens.data(), tokens.shape(0),
+                          bytes_of(more), more.size()));
+}
+
+void register_identity(py::module_ m) {
+  py::class_<jenga::BlockHasher>(m, "BlockHasher",
+                                 "128-bit block identities: keyed BLAKE2b-128 or (HMAC-)SHA-256 "
+                                 "cut to 128 bits (csrc/jenga/digest.hpp)")
+      .def(py::init([](const std::string& algorithm, const py::bytes& key) {
+             return jenga::BlockHasher(algorithm_named(algorithm), key);
+           }),
+           py::arg("algorithm"), py::arg("key"))
+      .def(
+          "digest",
+          [](const jenga::BlockHasher& h, const py::bytes& data) {
+            const std::string s = data;
+            return to_words(h.digest(bytes_of(s), s.size()));
+          },
+          py::arg("data"), "Identity (2 uint64 words) of the message 0x00 | data")
+      .def("block", &hasher_block, py::arg("parent"), py::arg("tokens"),
+           py::arg("extra") = py::bytes(),
+           "Identity of one block: parent identity, its tokens, extra bytes (image keys)")
+      .def("chain", &hasher_chain, py::arg("tokens"), py::arg("tokens_per_block"),
+           py::arg("parent"),
+           "Chained identities (n, 2) of the complete blocks of `tokens` after `parent`");
+  m.def(
+      "blake2b",
+      [](const py::bytes& data, const py::bytes& key, size_t digest_size) {
+        const std::string s = data, k = key;
+        const auto d = jenga::blake2b(bytes_of(s), s.size(), k, digest_size);
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("data"), py::arg("key") = py::bytes(), py::arg("digest_size") = 64,
+      "BLAKE2b of data (RFC 7693), keyed when key is not empty");
+  m.def(
+      "sha256",
+      [](const py::bytes& data, const py::bytes& key) {
+        const std::string s = data, k = key;
+        const auto d = jenga::sha256(bytes_of(s), s.size(), k);
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("data"), py::arg("key") = py::bytes(),
+      "SHA-256 of data, HMAC-SHA-256 when key is not empty");
 }
 
 using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -228,11 +352,14 @@ void register_rules(py::module_ m) {
 
 void register_jenga(py::module_ m) {
   register_rules(m);
+  register_identity(m);
   py::class_<Core>(m, "Core", "Two-level LCM allocator bookkeeping (see jenga/allocator.py)")
       .def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t,
-                    const jenga::Rules&>(),
+                    const jenga::Rules&, int32_t>(),
            py::arg("blocks_per_page"), py::arg("units_per_page"), py::arg("total_units"),
-           py::arg_v("rules", jenga::Rules{}, "Rules()"))
+           py::arg_v("rules", jenga::Rules{}, "Rules()"), py::arg("short_key_bits") = 64,
+           "short_key_bits < 64 keys the hash index by fewer bits of each identity (a test "
+           "hook: collisions of the short key are then common, and must never be served)")
       .def("allocate", locked(&Core::allocate), py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
       .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
@@ -243,14 +370,15 @@ void register_jenga(py::module_ m) {
            "none is left; returns the units freed (the unmaps are plan ops)")
       .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
-      .def("commit", locked(&Core::commit), py::arg("group"), py::arg("blocks"), py::arg("hashes"),
-           py::arg("prefix_lens"), Release())
+      .def("commit", &commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
+           py::arg("prefix_lens"), "Enter the identities (n, 2) of USED blocks in the index")
       .def("commit_run", &commit_run, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("first_prefix"), py::arg("step"),
            "commit() for consecutive blocks: prefix_len[i] = first_prefix + i * step; "
            "negative block ids are skipped")
       .def("lookup", &lookup, py::arg("group"), py::arg("hashes"),
-           "Block id per hash (int32 array), -1 where absent")
+           "Block id per identity (int32 array), -1 where absent or where the short key "
+           "names another identity")
       .def("drain_plan", &plan_keys,
            "The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, "
            "reused_units) tuples")
@@ -273,12 +401,6 @@ void register_jenga(py::module_ m) {
       .def_property_readonly("total_units", locked(&Core::total_units))
       .def_property_readonly("free_units", locked(&Core::free_units))
       .def_property_readonly("num_groups", &Core::num_groups);
-  m.def("hash_blocks", &hash_blocks, py::arg("tokens"), py::arg("tokens_per_block"),
-        py::arg("parent") = 0,
-        "Chained 64-bit hashes of the complete blocks of `tokens`; `parent` is the hash of the "
-        "block before the first (continue a chain) or a root from hash_ints.");
-  m.def("hash_ints", &jenga::hash_ints, py::arg("values"), py::arg("seed") = 0, Release(),
-        "64-bit hash of a short list of integers.");
 }
 
 }  // namespace jvmm

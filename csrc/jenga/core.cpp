@@ -24,8 +24,13 @@ void check_clock(int64_t now) {
 }  // namespace
 
 Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
-           int64_t total_units, const Rules& rules)
+           int64_t total_units, const Rules& rules, int32_t short_key_bits)
     : total_units_(total_units), free_units_(total_units) {
+  if (short_key_bits < 0 || short_key_bits > 64) {
+    throw std::invalid_argument("short_key_bits must be in [0, 64], got " + str(short_key_bits));
+  }
+  short_key_bits_ = short_key_bits;
+  short_key_mask_ = short_key_bits == 64 ? ~uint64_t{0} : (uint64_t{1} << short_key_bits) - 1;
   if (blocks_per_page.empty() || blocks_per_page.size() != units_per_page.size()) {
     throw std::invalid_argument("need one (blocks_per_page, units_per_page) per group, got " +
                                 str(blocks_per_page.size()) + " and " + str(units_per_page.size()));
@@ -320,7 +325,7 @@ void Core::evict_page(int32_t g, int32_t page) {
     const int32_t b = page * B + slot;
     if (slot + static_cast<int32_t>(kPrefetchAhead) < B) {
       const Block& ahead = G.blocks[static_cast<size_t>(b) + kPrefetchAhead];
-      if (ahead.hashed) G.hash_to_block.prefetch(ahead.hash);
+      if (ahead.hashed) G.hash_to_block.prefetch(short_key(ahead.hash));
     }
     if (G.blocks[static_cast<size_t>(b)].state == State::kCached) {
       prim_uncache(g, b);
@@ -395,7 +400,7 @@ void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
 }
 
 int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
-                     const std::vector<uint64_t>& hashes, const std::vector<int64_t>& prefix_lens) {
+                     const std::vector<Identity>& hashes, const std::vector<int64_t>& prefix_lens) {
   Group& G = grp((group(g), g));
   if (blocks.size() != hashes.size() || blocks.size() != prefix_lens.size()) {
     throw std::invalid_argument("commit needs equal lengths, got " + str(blocks.size()) +
@@ -412,9 +417,7 @@ int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
   int64_t added = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     Block& k = G.blocks[static_cast<size_t>(blocks[i])];
-    if (k.hashed || !G.hash_to_block.insert(hashes[i], blocks[i])) continue;
-    k.hashed = true;
-    k.hash = hashes[i];
+    if (k.hashed || !index_block(G, blocks[i], hashes[i])) continue;
     k.prefix_len = prefix_lens[i];
     added += 1;
   }
@@ -422,7 +425,22 @@ int64_t Core::commit(int32_t g, const std::vector<int32_t>& blocks,
   return added;
 }
 
-int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const uint64_t* hashes,
+bool Core::index_block(Group& G, int32_t block, const Identity& id) {
+  const uint64_t key = short_key(id);
+  if (!G.hash_to_block.insert(key, block)) {
+    // the key is taken: by this very identity (a duplicate, skipped as before) or by
+    // another one (a short-key collision: this block stays out of the index)
+    const int32_t holder = G.hash_to_block.find(key);
+    if (G.blocks[static_cast<size_t>(holder)].hash != id) counters_.identity_collisions += 1;
+    return false;
+  }
+  Block& k = G.blocks[static_cast<size_t>(block)];
+  k.hashed = true;
+  k.hash = id;
+  return true;
+}
+
+int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const Identity* hashes,
                          int64_t first_prefix, int64_t step) {
   Group& G = grp((group(g), g));
   const int64_t limit = static_cast<int64_t>(G.blocks.size());
@@ -434,13 +452,12 @@ int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const ui
   }
   int64_t added = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
-    if (i + kPrefetchAhead < blocks.size()) G.hash_to_block.prefetch(hashes[i + kPrefetchAhead]);
+    if (i + kPrefetchAhead < blocks.size()) {
+      G.hash_to_block.prefetch(short_key(hashes[i + kPrefetchAhead]));
+    }
     if (blocks[i] < 0) continue;
     Block& k = G.blocks[static_cast<size_t>(blocks[i])];
-    if (k.hashed) continue;
-    if (!G.hash_to_block.insert(hashes[i], blocks[i])) continue;
-    k.hashed = true;
-    k.hash = hashes[i];
+    if (k.hashed || !index_block(G, blocks[i], hashes[i])) continue;
     k.prefix_len = first_prefix + static_cast<int64_t>(i) * step;
     added += 1;
   }
@@ -448,11 +465,17 @@ int64_t Core::commit_run(int32_t g, const std::vector<int32_t>& blocks, const ui
   return added;
 }
 
-void Core::lookup(int32_t g, const uint64_t* hashes, size_t n, int32_t* out) const {
+void Core::lookup(int32_t g, const Identity* hashes, size_t n, int32_t* out) {
   const Group& G = group(g);
   for (size_t i = 0; i < n; ++i) {
-    if (i + kPrefetchAhead < n) G.hash_to_block.prefetch(hashes[i + kPrefetchAhead]);
-    out[i] = G.hash_to_block.find(hashes[i]);
+    if (i + kPrefetchAhead < n) G.hash_to_block.prefetch(short_key(hashes[i + kPrefetchAhead]));
+    const int32_t b = G.hash_to_block.find(short_key(hashes[i]));
+    if (b >= 0 && G.blocks[static_cast<size_t>(b)].hash != hashes[i]) {
+      counters_.identity_mismatches += 1;  // the short key collided: never served
+      out[i] = -1;
+    } else {
+      out[i] = b;
+    }
   }
 }
 

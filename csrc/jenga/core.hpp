@@ -28,7 +28,13 @@
 //     (JENGA_RULES below). Here: an early block's tie is +prefix_len (head first); a demoted
 //     block's eviction time is last_access - kDemotedOffset, below every normal block;
 //     clock values must lie in (-2^61, 2^61). A page's key takes its newest block.
-//   * hash_to_block[g]: open addressing (flat_hash.hpp), no node per entry.
+//   * Block identity: 128 bits (digest.hpp), kept whole in the block. hash_to_block[g] is
+//     open addressing (flat_hash.hpp, no node per entry) on a *short* 64-bit key of it
+//     (its low word, masked by short_key_bits; fewer bits are a test hook that forces
+//     collisions). A short key is never trusted alone: lookup() compares the whole
+//     identity of the block it finds and answers -1 on a mismatch (counted in
+//     identity_mismatches); commit() leaves a block out of the index when its short key
+//     already names another identity (counted in identity_collisions).
 //   * allocate() is a transaction: every primitive mutation appends an undo record; on
 //     "no room" the records are undone in reverse (LIFO restores the exact state, free
 //     chain order included) and the plan is truncated. The frugal retry undoes the
@@ -51,6 +57,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "jenga/digest.hpp"
 #include "jenga/flat_hash.hpp"
 
 namespace jvmm::jenga {
@@ -84,7 +91,7 @@ struct Block {
   int32_t refcount = 0;
   int32_t next_free = -1;  // slot index within the page
   bool hashed = false;
-  uint64_t hash = 0;
+  Identity hash;  // the whole identity; the index keys it by its short key
   int64_t last_access = 0;
   int64_t prefix_len = 0;
   uint64_t lru_stamp = 0;  // stamp of its live heap entry while CACHED
@@ -215,12 +222,14 @@ struct Counters {
   int64_t blocks_released = 0;
   int64_t blocks_acquired = 0;  // prefix hits
   int64_t hashes_committed = 0;
+  int64_t identity_collisions = 0;  // commits left out: the short key names another identity
+  int64_t identity_mismatches = 0;  // lookups refused: short key found, identity differs
 };
 
 class Core {
  public:
   Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
-       int64_t total_units, const Rules& rules = Rules{});
+       int64_t total_units, const Rules& rules = Rules{}, int32_t short_key_bits = 64);
 
   // Held by the bindings across every public call (after the GIL is released), so threads
   // sharing one Core never interleave inside its tables. The core itself never locks it.
@@ -244,14 +253,19 @@ class Core {
   // Take one reference per listed block (a prefix hit). Blocks must be USED or CACHED.
   void acquire(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
   // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.
+  // A block whose short key already names another identity is left out (counted).
   int64_t commit(int32_t group, const std::vector<int32_t>& blocks,
-                 const std::vector<uint64_t>& hashes, const std::vector<int64_t>& prefix_lens);
+                 const std::vector<Identity>& hashes, const std::vector<int64_t>& prefix_lens);
   // Same, for a run of consecutive blocks: prefix_len of blocks[i] = first_prefix + i * step;
   // entries < 0 (blocks the request released) are skipped.
-  int64_t commit_run(int32_t group, const std::vector<int32_t>& blocks, const uint64_t* hashes,
+  int64_t commit_run(int32_t group, const std::vector<int32_t>& blocks, const Identity* hashes,
                      int64_t first_prefix, int64_t step);
-  // Block id per hash, or -1 (out[i] for hashes[i], n entries).
-  void lookup(int32_t group, const uint64_t* hashes, size_t n, int32_t* out) const;
+  // Block id per identity, or -1 (out[i] for hashes[i], n entries); a block found by the
+  // short key whose whole identity differs is -1 (counted in identity_mismatches).
+  void lookup(int32_t group, const Identity* hashes, size_t n, int32_t* out);
+  // The index key of an identity.
+  uint64_t short_key(const Identity& id) const { return id.lo & short_key_mask_; }
+  int32_t short_key_bits() const { return short_key_bits_; }
   // The plan ops emitted since the last drain.
   std::vector<PlanOp> drain_plan();
   size_t num_plan_ops() const { return plan_.size(); }
@@ -290,7 +304,7 @@ class Core {
     int32_t id;  // block or page
     int64_t a;   // saved value (owner, last_access, extended flag)
     int64_t b;   // saved prefix_len (uncache), early | demoted << 1 (decref), shared (take)
-    uint64_t hash;
+    Identity hash;
   };
 
   Group& grp(int32_t g) { return groups_[static_cast<size_t>(g)]; }
@@ -319,6 +333,9 @@ class Core {
                          std::vector<int32_t>& out);
   bool evict_pages_for(int32_t g, Counters& c, int32_t& reused_units);
   void evict_page(int32_t g, int32_t page);
+  // Enter block's identity in G's index; false (nothing changed) when its short key is
+  // taken, counting a collision when another identity holds it.
+  bool index_block(Group& G, int32_t block, const Identity& id);
 
   // Primitive mutations, each logged for undo when a transaction is open.
   int32_t prim_take(int32_t g, int32_t page, int64_t now);
@@ -363,14 +380,9 @@ class Core {
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;
+  int32_t short_key_bits_ = 64;
+  uint64_t short_key_mask_ = ~uint64_t{0};
   mutable std::mutex api_mutex_;
 };
-
-// Chained block hashes over token ids: h[i] = H(h[i-1], tokens[i*T .. (i+1)*T)), h[-1] = parent.
-// Only complete blocks are hashed.
-std::vector<uint64_t> hash_token_blocks(const int64_t* tokens, int64_t num_tokens,
-                                        int64_t tokens_per_block, uint64_t parent);
-// Hash of a short list of integers (image content hash, block index, salt, ...).
-uint64_t hash_ints(const std::vector<int64_t>& values, uint64_t seed);
 
 }  // namespace jvmm::jenga

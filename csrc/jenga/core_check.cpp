@@ -68,7 +68,7 @@ void Core::check_group(int32_t g, bool expensive) const {
   G.hash_to_block.for_each([&](uint64_t hash, int32_t b) {
     require(b >= 0 && static_cast<size_t>(b) < G.blocks.size() &&
                 G.blocks[static_cast<size_t>(b)].hashed &&
-                G.blocks[static_cast<size_t>(b)].hash == hash,
+                short_key(G.blocks[static_cast<size_t>(b)].hash) == hash,
             where + "hash index entry points at block " + str(b) + " without that hash");
   });
 }
@@ -120,7 +120,7 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
       require(k.hashed && in_lru[static_cast<size_t>(b)],
               pw + "cached block " + str(b) + " missing from the LRU heap");
     }
-    require(!k.hashed || G.hash_to_block.find(k.hash) == b,
+    require(!k.hashed || G.hash_to_block.find(short_key(k.hash)) == b,
             pw + "hashed block " + str(b) + " missing from the hash index");
   }
   require(chain == n_free && n_free == P.num_free, pw + "free chain " + str(chain) +

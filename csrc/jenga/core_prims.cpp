@@ -27,7 +27,7 @@ int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
   P.num_free -= 1;
   G.num_free_blocks -= 1;
   if (P.num_free == 0) remove_from_free_set(G, page);
-  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, k.shared, 0});
+  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, k.shared, {}});
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
@@ -64,7 +64,7 @@ int32_t Core::prim_map(int32_t g, int64_t owner, int32_t reused_units) {
   free_units_ -= G.units_per_page;
   add_to_free_set(G, page);
   plan_.push_back({OpKind::kMap, g, page, reused_units});
-  if (logging_) undo_.push_back({UndoKind::kMap, g, page, extended, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kMap, g, page, extended, 0, {}});
   return page;
 }
 
@@ -79,7 +79,7 @@ void Core::prim_unmap(int32_t g, int32_t page) {
   G.num_free_blocks -= G.blocks_per_page;
   free_units_ += G.units_per_page;
   plan_.push_back({OpKind::kUnmap, g, page, 0});
-  if (logging_) undo_.push_back({UndoKind::kUnmap, g, page, P.owner, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kUnmap, g, page, P.owner, 0, {}});
 }
 
 void Core::prim_uncache(int32_t g, int32_t block) {
@@ -89,7 +89,7 @@ void Core::prim_uncache(int32_t g, int32_t block) {
     undo_.push_back({UndoKind::kUncache, g, block, k.last_access, k.prefix_len, k.hash});
   }
   lru_remove(G, block);
-  G.hash_to_block.erase(k.hash);
+  G.hash_to_block.erase(short_key(k.hash));
   k.hashed = false;
   k.state = State::kLimbo;
   G.pages[static_cast<size_t>(page_of(G, block))].num_cached -= 1;
@@ -108,13 +108,13 @@ void Core::prim_push_free(int32_t g, int32_t block) {
   P.num_free += 1;
   G.num_free_blocks += 1;
   if (P.num_free == 1) add_to_free_set(G, page);
-  if (logging_) undo_.push_back({UndoKind::kPushFree, g, block, 0, 0, 0});
+  if (logging_) undo_.push_back({UndoKind::kPushFree, g, block, 0, 0, {}});
   if (!defer_refresh_) refresh_page(g, page);
 }
 
 void Core::prim_use_limbo(int32_t g, int32_t block, int64_t now) {
   Block& k = grp(g).blocks[static_cast<size_t>(block)];
-  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, k.shared, 0});
+  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, k.shared, {}});
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
@@ -129,7 +129,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Block& k = G.blocks[static_cast<size_t>(block)];
   if (logging_) {
     const int64_t flags = (k.early ? 1 : 0) | (k.demoted ? 2 : 0);
-    undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, flags, 0});
+    undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, flags, {}});
   }
   k.refcount -= 1;
   if (k.refcount > 0) return;
@@ -140,7 +140,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   k.demoted = early && rules_.demote_window_releases && !k.shared;
   counters_.blocks_released += 1;
   if (k.hashed) {
-    if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, 0});
+    if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, {}});
     k.state = State::kCached;
     lru_insert(G, block);
     P.num_cached += 1;
@@ -231,7 +231,7 @@ void Core::undo_one(const Undo& u) {
       k.last_access = u.a;
       k.prefix_len = u.b;
       lru_insert(G, u.id);
-      G.hash_to_block.insert(u.hash, u.id);
+      G.hash_to_block.insert(short_key(u.hash), u.id);
       G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached += 1;
       G.num_cached_blocks += 1;
       break;

@@ -28,17 +28,20 @@ Limitations
     the vmm plan rolls back but the allocator cannot; the cache is then marked broken
     and raises `KVCacheBroken` on further use. The cache object itself is single-threaded
     (one scheduler thread calls it; the overlap worker maps through the pool, whose calls
-    are thread-safe). Arguments (token counts, token ids) are checked strictly
-    (`vmm.checks`). Reserved but unmapped slots are zero-backed by default: a stray read
-    gives zeros, a stray write through a raw `layer_view`/`block_view` still faults;
-    `block` is the checked per-block view.
+    are thread-safe); a call that changes it, entered while another thread is inside one,
+    raises `vmm.ConcurrentUse` before touching anything (`_one_thread`). Arguments (token
+    counts, token ids) are checked strictly (`vmm.checks`). Reserved but unmapped slots are
+    zero-backed by default: a stray read gives zeros, a stray write through a raw
+    `layer_view`/`block_view` still faults; `block` is the checked per-block view.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import functools
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from jenga.allocator import (
     Allocation,
@@ -52,7 +55,7 @@ from jenga.plan import MapPage
 from jenga.plan import MappingPlan as PagePlan
 from jenga.specs import Kind, ModelSpec
 from vmm.checks import as_index, as_indices
-from vmm.errors import ClosedError, MappingError, VmmError
+from vmm.errors import ClosedError, ConcurrentUse, MappingError, VmmError
 from vmm.plan import MappingPlan
 from vmm.pool import ChunkPool
 from vmm.range import VirtualRange
@@ -86,6 +89,36 @@ class KVCacheConfig:
     #: stray read never faults); None: whenever the backend has a zero chunk
     zero_backed: bool | None = None
     layout: str = "per_layer"  # or "per_group" (one range per group, strided layer views)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _one_thread(method: _F) -> _F:
+    """A `KVCache` call that changes it, run as the only such call in progress. Another
+    thread entering while one is inside raises `ConcurrentUse` at once (interleaved calls
+    would apply their plans out of order: a map before the unmap that frees its units);
+    the same thread re-entering passes. A non-blocking lock makes the check atomic."""
+
+    @functools.wraps(method)
+    def guarded(self: KVCache, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        if not self._entry.acquire(blocking=False):
+            if self._entered_by == me:
+                return method(self, *args, **kwargs)
+            raise ConcurrentUse(
+                f"KVCache.{method.__name__} called from thread {me} while thread "
+                f"{self._entered_by} is inside another call; a KVCache takes its calls from "
+                "one thread at a time (nothing was changed)"
+            )
+        self._entered_by = me
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._entered_by = None
+            self._entry.release()
+
+    return cast(_F, guarded)
 
 
 class KVCache:
@@ -141,6 +174,8 @@ class KVCache:
                           "kv.pages.unmapped": 0}  # fmt: skip
         self._broken = False
         self._closed = False
+        self._entry = threading.Lock()  # held by the thread inside a `_one_thread` call
+        self._entered_by: int | None = None
         self._worker: OverlapWorker | None = None
         self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
         self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []
@@ -192,6 +227,7 @@ class KVCache:
         if self._broken:
             raise KVCacheBroken("a backend failure left this KV cache inconsistent; rebuild it")
 
+    @_one_thread
     def add_request(
         self,
         request_id: Hashable,
@@ -208,6 +244,7 @@ class KVCache:
             request_id, prompt, images=images, salt=salt, use_cache=use_cache
         )
 
+    @_one_thread
     def allocate(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
         """Slots for `num_new_tokens` more tokens in every group, mapped; None: no room."""
         self._check_usable()
@@ -217,11 +254,13 @@ class KVCache:
             self._apply(got.plan)
         return got
 
+    @_one_thread
     def free(self, request_id: Hashable) -> None:
         """Finish a request; its uncached pages are unmapped (chunks back to the pool)."""
         self._check_usable()
         self._apply(self.allocator.free(request_id))
 
+    @_one_thread
     def evict_cached(self, num_units: int) -> int:
         """Evict prefix-cache pages until `num_units` chunks are unmapped (or none is left,
         see `JengaAllocator.evict_cached`); returns the chunks unmapped."""
@@ -231,10 +270,12 @@ class KVCache:
         groups = self.allocator.config.groups
         return sum(groups[op.group].units_per_large_page for op in plan.ops)
 
+    @_one_thread
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         self._check_usable()
         self.allocator.append_tokens(request_id, as_indices(token_ids, "token_ids"))
 
+    @_one_thread
     def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
         """Offer the request's complete blocks to the prefix cache (see JengaAllocator.cache)."""
         return self.allocator.cache(request_id, num_computed_tokens)
@@ -269,6 +310,7 @@ class KVCache:
         self._counters["kv.remapped_units"] += remapped
 
     # ---- overlap (see integrations.kvcache.overlap) ---------------------------------------
+    @_one_thread
     def allocate_ahead(self, request_id: Hashable, num_new_tokens: int) -> Allocation | None:
         """Allocate now, map later: the plan waits for `launch_ahead` (map-only plans, on
         the worker) or `sync` (plans that unmap, and every plan after one). Call `sync`
@@ -285,6 +327,7 @@ class KVCache:
                 self._ahead_sync.append((got.plan, vmm_plan, remapped))
         return got
 
+    @_one_thread
     def launch_ahead(self) -> None:
         """Hand the collected map-only plans to the overlap worker. Returns at once unless
         the worker still runs the previous batch: that is waited for first (a stall), so no
@@ -310,6 +353,7 @@ class KVCache:
         self._counters["overlap.plans.async"] += len(jobs)
         self._worker.launch(run)
 
+    @_one_thread
     def sync(self) -> None:
         """Wait for the worker (a stall if it is still mapping), then apply deferred plans."""
         if self._ahead_async:
@@ -425,6 +469,7 @@ class KVCache:
             out[f"kv.bytes.mapped.{geo.name}"] = len(pages) * geo.page_bytes * geo.num_ranges
         return out
 
+    @_one_thread
     def release_free_chunks(self) -> int:
         """Hand every free (unmapped) chunk back to the OS/device; returns how many."""
         pool = self.pool
@@ -454,6 +499,7 @@ class KVCache:
                 got = set(rng.slot_to_handle())
                 assert got == want, f"range {rng.name!r}: slots {sorted(got)} != {sorted(want)}"
 
+    @_one_thread
     def close(self) -> None:
         """Close every range (chunks go back to the pool). The pool stays open. Every
         later call that allocates, frees or views raises ClosedError."""

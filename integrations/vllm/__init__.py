@@ -1,4 +1,4 @@
-"""jenga-vmm inside vLLM 0.32: a jenga-backed KV-cache manager and VMM-backed KV tensors.
+"""jenga-vmm inside vLLM 0.32 and 0.33: a jenga-backed KV-cache manager and VMM-backed KV tensors.
 
 Importing this package needs vLLM installed and changes nothing in vLLM. It is turned
 on explicitly, never by import side effects:

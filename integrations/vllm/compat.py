@@ -62,7 +62,10 @@ AT_LEAST_0_33 = tuple(int(p) for p in VLLM_VERSION.split("+")[0].split(".")[:2])
 (`get_kv_cache_configs`); the scheduler calls ``get_computed_blocks(request,
 max_cache_hit_length)`` (the manager takes the bound on both); the output update that
 caches blocks under async scheduling moved from ``AsyncScheduler`` into ``Scheduler``
-(``_update_request_with_output``; `scheduler_owns_output_update`)."""
+(``_update_request_with_output``; `scheduler_owns_output_update`); the scheduler-side
+auxiliary-output (routed experts) connector reads the manager's ``block_pool``
+(`aux_outputs_read_the_block_pool`); `KVCacheManager` takes ``num_hash_lookahead_tokens``
+(EAGLE lookahead block hashes, refused by `integrations.vllm.drop_in`)."""
 
 __all__ = [
     "AT_LEAST_0_33",
@@ -119,13 +122,6 @@ def platform_base_class() -> type:
     from vllm.platforms.interface import Platform
 
     return Platform
-
-
-def use_v2_model_runner(vllm_config: Any) -> bool:
-    """Whether vLLM builds its V2 model runner for this config (vLLM's own rule)."""
-    from vllm.v1.worker.gpu_worker import use_v2_model_runner as rule
-
-    return bool(rule(vllm_config))
 
 
 # -- configuration and requests (harness, tests) ------------------------------------------
@@ -215,6 +211,17 @@ def scheduler_owns_output_update() -> bool:
     that wraps it must wrap ``Scheduler``'s on 0.33 and ``AsyncScheduler``'s on 0.32.
     """
     return AT_LEAST_0_33
+
+
+def aux_outputs_read_the_block_pool(vllm_config: Any) -> bool:
+    """Whether the scheduler's auxiliary-output connector needs vLLM's own block pool.
+
+    0.32: ``AuxOutputSchedulerConnector()`` keeps its own state. 0.33: it is built with
+    the KV-cache manager and keys the routed-experts rows it caches by that manager's
+    ``block_pool`` (``--enable-return-routed-experts``), which ours does not have.
+    """
+    aux = getattr(vllm_config, "aux_output_config", None)
+    return AT_LEAST_0_33 and aux is not None and bool(aux.enabled)
 
 
 # -- engine (harness, tests) -------------------------------------------------------------

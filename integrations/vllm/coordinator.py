@@ -16,7 +16,7 @@ Approach
     `blocks_needed` estimate (the same one the ``full_sequence_must_fit`` gate uses).
 
 Limitations
-    Only the members vLLM 0.32's engine and scheduler read are served; anything else
+    Only the members the engines and schedulers of vLLM 0.32 and 0.33 read are served; anything else
     raises AttributeError naming the member (no silent default).
 """
 

@@ -9,8 +9,10 @@ Rationale
 
 Approach
     `jenga_kv_cache_manager` accepts vLLM's keyword arguments of every supported version,
-    refuses EAGLE block dropping and decode/prefill context parallelism with
-    `UnsupportedFeature` naming them, validates the config's
+    refuses EAGLE block dropping, EAGLE lookahead block hashes (0.33's
+    ``num_hash_lookahead_tokens``: a block's hash then covers tokens after it, so vLLM
+    publishes it later than our manager commits the block) and decode/prefill context
+    parallelism with `UnsupportedFeature` naming them, validates the config's
     ``prefix_cache_retention_interval`` as vLLM does (`ValueError`) and refuses a positive
     one as the scheduler does, and builds `JengaKVCacheManager` on `build_layout` of the
     config with default `JengaVllmOptions` (or the ones given).
@@ -32,11 +34,18 @@ from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build
 from integrations.vllm.manager import JengaKVCacheManager
 
 
-def check_manager_args(use_eagle: bool, dcp_world_size: int, pcp_world_size: int) -> None:
+def check_manager_args(
+    use_eagle: bool, dcp_world_size: int, pcp_world_size: int, num_hash_lookahead_tokens: int = 0
+) -> None:
     """Raise `UnsupportedFeature` for manager arguments that ask for what we do not serve."""
     problems = []
     if use_eagle:
         problems.append("EAGLE speculative decoding (use_eagle=True)")
+    if num_hash_lookahead_tokens:
+        problems.append(
+            "EAGLE speculative decoding's lookahead block hashes "
+            f"(num_hash_lookahead_tokens={num_hash_lookahead_tokens})"
+        )
     if dcp_world_size > 1:
         problems.append(f"decode context parallelism (dcp_world_size={dcp_world_size})")
     if pcp_world_size > 1:
@@ -87,6 +96,7 @@ def jenga_kv_cache_manager(
     *args: Any,
     enable_caching: bool = True,
     use_eagle: bool = False,
+    num_hash_lookahead_tokens: int = 0,
     log_stats: bool = False,
     enable_kv_cache_events: bool = False,
     dcp_world_size: int = 1,
@@ -101,7 +111,7 @@ def jenga_kv_cache_manager(
     ``scheduler_block_size`` defaults to the lcm of the groups' block sizes (vLLM's value
     without context parallelism); it only checks the retention interval here.
     """
-    check_manager_args(use_eagle, dcp_world_size, pcp_world_size)
+    check_manager_args(use_eagle, dcp_world_size, pcp_world_size, num_hash_lookahead_tokens)
     if scheduler_block_size is None:
         sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
         scheduler_block_size = math.lcm(*sizes) if sizes else 1

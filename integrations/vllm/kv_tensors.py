@@ -1,4 +1,4 @@
-"""vLLM 0.32 KV tensors on VMM ranges: a replacement for ``allocate_kv_cache``.
+"""vLLM 0.32 and 0.33 KV tensors on VMM ranges: a replacement for ``allocate_kv_cache``.
 
 Rationale
     vLLM allocates one ``torch.zeros`` buffer for every block the KV cache could ever

@@ -1,4 +1,4 @@
-"""A vLLM 0.32 KV-cache manager backed by the Jenga allocator.
+"""A vLLM 0.32 and 0.33 KV-cache manager backed by the Jenga allocator.
 
 Rationale
     vLLM's hybrid manager pads every group's page to one size and shares one block

@@ -18,7 +18,7 @@ Approach
     - ``GPUModelRunner.execute_model``: before vLLM's step, the mapping plans the
       scheduler attached to the `SchedulerOutput` are applied (maps and unmaps;
       `VmmKVCache.apply_scheduler_output`).
-    - Both model runners: vLLM 0.32 builds its *V2* runner
+    - Both model runners: vLLM 0.32 and 0.33 build their *V2* runner
       (``vllm.v1.worker.gpu.model_runner``) whenever Triton is importable. Its
       ``initialize_kv_cache`` allocates through ``attn_utils.allocate_kv_cache`` (same
       signature as V1's), so the same swap is applied there, and its ``execute_model``

@@ -1,7 +1,7 @@
 """Scheduler subclasses that swap vLLM's KV-cache manager for `JengaKVCacheManager`.
 
 Rationale
-    vLLM 0.32 builds its `KVCacheManager` inside ``Scheduler.__init__`` with no hook, and
+    vLLM 0.32 and 0.33 build their `KVCacheManager` inside ``Scheduler.__init__`` with no hook, and
     we may not edit vLLM's files. ``SchedulerConfig.scheduler_cls`` accepts any
     `Scheduler` subclass, so the subclass lets vLLM build everything, then replaces
     ``self.kv_cache_manager`` and resets the few derived flags that read the old one.
@@ -14,14 +14,15 @@ Approach
 
 Limitations
     vLLM's own manager is built once and dropped (its block objects cost memory for
-    the life of ``__init__`` only). Supported vLLM version: exactly 0.32.0.
+    the life of ``__init__`` only). Supported vLLM versions: exactly 0.32.0 and 0.33.0
+    (`integrations.vllm.version`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from integrations.vllm.compat import AsyncScheduler, Scheduler
+from integrations.vllm.compat import AsyncScheduler, Scheduler, aux_outputs_read_the_block_pool
 from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.version import check_vllm_version
@@ -36,6 +37,11 @@ def check_supported_config(vllm_config: Any) -> None:
         problems.append("speculative decoding (speculative_config)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
+    if aux_outputs_read_the_block_pool(vllm_config):
+        problems.append(
+            "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
+            "auxiliary-output connector reads vLLM's own block pool)"
+        )
     cache_config = getattr(vllm_config, "cache_config", None)
     retention = getattr(cache_config, "prefix_cache_retention_interval", 0)
     if retention != 0:

@@ -1,7 +1,7 @@
 """Jenga page ids → vLLM's shared block slots (the ``pages="vllm"`` geometry).
 
 Rationale
-    vLLM 0.32 allocates one KV buffer and overlays every KV-cache group on it from byte
+    vLLM 0.32 and 0.33 allocate one KV buffer and overlay every KV-cache group on it from byte
     0 (`KVCacheTensor`): block id ``b`` is the same bytes in every group, which is sound
     only because a block id belongs to one group at a time. The jenga core numbers large
     pages per group (page 5 of group 0 and page 5 of group 1 are different memory), so

@@ -54,6 +54,7 @@ from collections.abc import Callable
 from jenga.allocator import JengaAllocator
 from jenga.config import AllocationOrder, AllocationRules, AllocatorConfig
 from jenga.pages import PageTable, static_page_table, vmm_page_table
+from jenga.prefix import content_hash
 from jenga.requests import ImageSpan
 from jenga.sim.needs import role_of
 from jenga.sim.protocol import AllocatorSnapshot, RequestState
@@ -93,7 +94,7 @@ class JengaCoreAllocator:
         image = state.image_tokens
         if not image:
             return ()
-        key = hash(tuple(state.tokens[:image]))
+        key = content_hash(state.tokens[:image])  # 128 bits, as the block identity
         return (ImageSpan(0, image, key, in_text=not self.encoder_images),)
 
     def _encoder_offset(self, state: RequestState) -> int:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+
 import numpy as np
-from jenga.allocator import AllocatorConfig, GroupConfig, ImageSpan, JengaAllocator
+import pytest
+from jenga.allocator import AllocatorConfig, GroupConfig, ImageSpan, InvalidInput, JengaAllocator
 from jenga.prefix import (
+    BlockIdentity,
     HashChain,
     TokenBuffer,
-    effective_tokens,
     image_block_hashes,
     root_hash,
 )
@@ -15,40 +20,122 @@ from jenga.specs import Kind
 
 from jenga import _core as J
 
+ZERO = np.zeros(2, dtype=np.uint64)
 
-def test_chained_hashes_name_the_whole_prefix():
-    a = J.hash_blocks([1, 2, 3, 4, 5, 6], 2, 0).tolist()
-    b = J.hash_blocks([9, 9, 3, 4, 5, 6], 2, 0).tolist()
-    assert len(a) == 3 and len(set(a)) == 3
-    assert a[0] != b[0] and a[1] != b[1]  # equal blocks after a different prefix differ
-    assert J.hash_blocks([1, 2, 3, 4, 5, 6, 7], 2, 0).tolist() == a  # incomplete block not hashed
-    assert J.hash_blocks([5, 6], 2, a[1]).tolist() == [a[2]]  # continuing a chain
+
+def _ids(a: np.ndarray) -> list[tuple[int, int]]:
+    return [tuple(int(w) for w in row) for row in a]
+
+
+def test_chained_identities_name_the_whole_prefix():
+    h = BlockIdentity().hasher()
+    a = h.chain(np.array([1, 2, 3, 4, 5, 6]), 2, ZERO)
+    b = h.chain(np.array([9, 9, 3, 4, 5, 6]), 2, ZERO)
+    assert a.shape == (3, 2) and a.dtype == np.uint64 and len(set(_ids(a))) == 3
+    assert _ids(a)[1] != _ids(b)[1] and _ids(a)[2] != _ids(b)[2]  # after another prefix
+    assert _ids(h.chain(np.array([1, 2, 3, 4, 5, 6, 7]), 2, ZERO)) == _ids(a)  # incomplete
+    assert _ids(h.chain(np.array([5, 6]), 2, a[1])) == [_ids(a)[2]]  # continuing a chain
+    # the same tokens as 32-bit or 64-bit values give different messages, not a collision
+    wide = h.chain(np.array([1, 2, 3, 4, 5, 2**32 + 6]), 2, ZERO)
+    assert _ids(wide)[:2] == _ids(a)[:2] and _ids(wide)[2] != _ids(a)[2]
+
+
+def test_identity_is_keyed_and_configurable():
+    tokens = np.arange(64)
+    keyed = [BlockIdentity().hasher().chain(tokens, 16, ZERO) for _ in range(2)]
+    assert _ids(keyed[0]) != _ids(keyed[1])  # a random key per hasher (per allocator)
+    fixed = [BlockIdentity(key=b"k" * 16).hasher().chain(tokens, 16, ZERO) for _ in range(2)]
+    assert _ids(fixed[0]) == _ids(fixed[1])
+    sha = BlockIdentity(algorithm="sha256", key=b"").hasher().chain(tokens, 16, ZERO)
+    plain = BlockIdentity(key=b"").hasher().chain(tokens, 16, ZERO)
+    assert _ids(sha) != _ids(plain) and len({*_ids(sha), *_ids(plain)}) == 8
+    for bad in (
+        {"algorithm": "md5"},
+        {"key": "text"},
+        {"key": b"x" * 65},
+        {"short_key_bits": 65},
+        {"short_key_bits": -1},
+        {"short_key_bits": 8.0},
+    ):
+        with pytest.raises(InvalidInput):
+            BlockIdentity(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("length", [0, 1, 55, 56, 63, 64, 65, 111, 112, 127, 128, 129, 1000])
+def test_digests_equal_hashlib_and_hmac(length: int):
+    data = os.urandom(length)
+    for key in (b"", b"k", os.urandom(32), os.urandom(64)):
+        for size in (16, 32, 64):
+            want = hashlib.blake2b(data, key=key, digest_size=size).digest()
+            assert J.blake2b(data, key, size) == want
+    assert J.sha256(data) == hashlib.sha256(data).digest()
+    for key in (b"k", os.urandom(64), os.urandom(100)):
+        assert J.sha256(data, key) == hmac.new(key, data, hashlib.sha256).digest()
+
+
+def test_block_identity_is_the_documented_message():
+    """Identity = the first 16 bytes of the digest of 0x01 | parent | width | tokens | extra."""
+    key = os.urandom(32)
+    parent = np.array([3, 4], dtype=np.uint64)
+    head = b"\x01" + parent.astype("<u8").tobytes()
+    for algo, ref in (
+        ("blake2b", lambda m: hashlib.blake2b(m, key=key, digest_size=16).digest()),
+        ("sha256", lambda m: hmac.new(key, m, hashlib.sha256).digest()[:16]),
+    ):
+        h = J.BlockHasher(algo, key)
+        narrow = h.block(parent, np.array([7, 8]), b"xy")
+        assert narrow.tobytes() == ref(head + b"\x04" + np.array([7, 8], "<u4").tobytes() + b"xy")
+        wide = h.chain(np.array([7, 2**40]), 2, parent)[0]
+        assert wide.tobytes() == ref(head + b"\x08" + np.array([7, 2**40], "<u8").tobytes())
+        assert h.digest(b"abc").tobytes() == ref(b"\x00abc")
 
 
 def test_incremental_chain_equals_one_shot_and_salt_separates():
+    hasher = BlockIdentity().hasher()
     tokens = list(range(1000, 1100))
     buf = TokenBuffer(tokens[:5])
-    chain = HashChain(salt=0, tokens_per_block=8)
+    chain = HashChain(hasher, salt=0, tokens_per_block=8)
     for n in (3, 17, 17, 64, 99, 100):
         buf.extend(tokens[len(buf) : n])
         chain.extend(buf, n, ())
-    oneshot = J.hash_blocks(np.asarray(tokens, dtype=np.int64), 8, root_hash(0, 8))
-    assert chain.hashes.tolist() == oneshot.tolist() and len(oneshot) == 12
-    salted = HashChain(salt=7, tokens_per_block=8)
+    oneshot = hasher.chain(np.asarray(tokens, dtype=np.int64), 8, root_hash(hasher, 0, 8))
+    assert _ids(chain.hashes) == _ids(oneshot) and len(oneshot) == 12
+    salted = HashChain(hasher, salt=7, tokens_per_block=8)
     salted.extend(buf, 100, ())
-    assert not set(salted.hashes.tolist()) & set(oneshot.tolist())
+    assert not set(_ids(salted.hashes)) & set(_ids(oneshot))
+    big = HashChain(hasher, salt=2**200 + 7, tokens_per_block=8)  # salts are not cut to 64 bits
+    big.extend(buf, 100, ())
+    assert not set(_ids(big.hashes)) & set(_ids(salted.hashes))
 
 
-def test_image_tokens_hash_by_image_content():
-    tokens = [5] * 10
-    a = effective_tokens(tokens, 0, [ImageSpan(2, 4, 111)])
-    b = effective_tokens(tokens, 0, [ImageSpan(2, 4, 222)])
-    assert a.tolist()[:2] == [5, 5] and a.tolist()[6:] == [5] * 4
-    assert a.tolist()[2:6] == [111, 112, 113, 114]
-    assert b.tolist()[2:6] == [222, 223, 224, 225]
-    assert effective_tokens(tokens[4:], 4, [ImageSpan(2, 4, 111)]).tolist()[:2] == [113, 114]
-    assert image_block_hashes(111, 3, 2, 0) != image_block_hashes(222, 3, 2, 0)
-    assert image_block_hashes(111, 3, 2, 0) != image_block_hashes(111, 3, 2, 1)
+def test_image_blocks_hash_by_the_whole_image_key():
+    hasher = BlockIdentity().hasher()
+    tokens = TokenBuffer([5] * 12)
+
+    def chain(*images: ImageSpan) -> list[tuple[int, int]]:
+        c = HashChain(hasher, 0, 4)
+        c.extend(tokens, 12, images)
+        return _ids(c.hashes)
+
+    plain = chain()
+    a = chain(ImageSpan(2, 4, 111))
+    assert a[0] != plain[0] and a[1] != plain[1] and a[2] != plain[2]  # chained after
+    assert chain(ImageSpan(2, 4, 222))[0] != a[0]
+    assert chain(ImageSpan(3, 4, 111))[0] != a[0]  # the same image one position later
+    # keys equal in their low 64 bits (the old int64 image key) still differ
+    assert chain(ImageSpan(2, 4, 111 + 2**64))[0] != a[0]
+    # incremental, across the image: the same as one shot
+    c = HashChain(hasher, 0, 4)
+    for n in (4, 8, 12):
+        c.extend(tokens, n, (ImageSpan(2, 4, 111),))
+    assert _ids(c.hashes) == a
+    assert _ids(image_block_hashes(hasher, 111, 3, 2, 0)) != _ids(
+        image_block_hashes(hasher, 222, 3, 2, 0)
+    )
+    assert _ids(image_block_hashes(hasher, 111, 3, 2, 0)) != _ids(
+        image_block_hashes(hasher, 111, 3, 2, 1)
+    )
+    assert image_block_hashes(hasher, 111, 0, 2, 0).shape == (0, 2)
 
 
 def _run(alloc: JengaAllocator, rid: str, prompt: list[int], **kw) -> None:

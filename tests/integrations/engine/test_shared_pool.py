@@ -4,10 +4,8 @@ engine's chunks return."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -16,7 +14,13 @@ pytest.importorskip("transformers")
 
 from vmm.shared.cli import pool_state
 
-from tests.vmm.shared.pool_helpers import ROOT, owner_process, pool_name, wait_until
+from tests.vmm.shared.pool_helpers import (
+    ROOT,
+    JsonLineProcess,
+    owner_process,
+    pool_name,
+    wait_until,
+)
 
 CHUNK = 4096
 BUDGET = 64 * CHUNK
@@ -24,40 +28,23 @@ HALF = BUDGET // 2
 WORKER = ROOT / "tests" / "integrations" / "engine" / "shared_engine_worker.py"
 
 
-class Engine:
+class Engine(JsonLineProcess):
+    """A mini engine in its own process (shared_engine_worker.py), one JSON command a line."""
+
+    close_timeout = 20.0
+
     def __init__(
         self, pool: str, name: str, layers: int, min_bytes: int, cache: bool = False
     ) -> None:
         args = [sys.executable, str(WORKER), pool, name, str(layers), str(min_bytes)]
-        args += ["1"] if cache else []
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        super().__init__(args + (["1"] if cache else []))
         self.ready = self._read()
 
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        assert line, f"engine exited with {self.proc.wait(10.0)}"
-        return json.loads(line)
-
     def burst(self, k: int, seed: int) -> dict:
-        self.proc.stdin.write(json.dumps({"burst": k, "seed": seed}) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        return self._read()
+        return self.send({"burst": k, "seed": seed})
 
     def stats(self) -> dict:
-        self.proc.stdin.write(json.dumps({"stats": 1}) + "\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(20.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5.0)
-        self.proc.stdout.close()  # type: ignore[union-attr]
+        return self.send({"stats": 1})
 
 
 def held() -> dict[str, int]:

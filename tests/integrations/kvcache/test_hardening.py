@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -129,3 +131,32 @@ def test_overlap_worker_maps_while_the_scheduler_reads_stats(make_cache: MakeCac
             kv.free(f"r{step - 1}")
     kv.check_invariants(expensive=True)
     assert torch.is_tensor(kv.layer_view(0))
+
+
+def test_a_second_thread_inside_a_call_raises_concurrent_use(make_cache: MakeCache) -> None:
+    """Issue 15, threads: two threads on one KVCache interleaved its plans and left it
+    unusable. A thread is held inside `allocate` (blocked on the pool's lock, which the
+    test holds); a call from another thread then raises ConcurrentUse and changes nothing,
+    and once the first call finishes the cache is whole and usable."""
+    kv = make_cache(hybrid_model())
+    kv.add_request("a", list(range(8)))
+    kv.add_request("b", list(range(100, 108)))
+    assert kv.allocate("b", 8) is not None
+    results: list[object] = []
+    with kv.pool.ledger.lock:  # the allocate below blocks in its plan's apply
+        worker = threading.Thread(target=lambda: results.append(kv.allocate("a", 8)))
+        worker.start()
+        deadline = time.monotonic() + 30.0
+        while kv.num_tokens("a") < 8:  # the allocator has committed: it is inside _apply
+            assert time.monotonic() < deadline, "the allocating thread never started"
+            time.sleep(0.005)
+        for call in (lambda: kv.free("b"), lambda: kv.allocate("b", 1), kv.sync):
+            with pytest.raises(vmm.ConcurrentUse, match=r"KVCache\.\w+ called from thread"):
+                call()
+        assert kv.num_tokens("b") == 8
+    worker.join(30.0)
+    assert not worker.is_alive() and results and results[0] is not None
+    kv.check_invariants(expensive=True)
+    kv.free("b")  # from this thread again, now that no call is in progress
+    kv.free("a")
+    kv.check_invariants(expensive=True)

@@ -50,6 +50,10 @@ def test_vllm_keyword_arguments_build_a_working_jenga_manager(model_dir: Path) -
         ({"use_eagle": True}, r"EAGLE speculative decoding \(use_eagle=True\)"),
         ({"dcp_world_size": 2}, r"decode context parallelism \(dcp_world_size=2\)"),
         ({"pcp_world_size": 4}, r"prefill context parallelism \(pcp_world_size=4\)"),
+        (  # vLLM 0.33's argument; a hash then covers tokens after its block
+            {"num_hash_lookahead_tokens": 1},
+            r"lookahead block hashes \(num_hash_lookahead_tokens=1\)",
+        ),
     ],
 )
 def test_refused_features_are_named_at_construction(

@@ -73,22 +73,24 @@ def _stop(proc: subprocess.Popen) -> None:
     assert proc.returncode == 0, f"owner exited with {proc.returncode}:\n{output}"
 
 
-class Worker:
-    """A tenant worker process (see module note)."""
+class JsonLineProcess:
+    """A child process (run from the repository root) spoken to in JSON lines: one command
+    per stdin line, one answer per stdout line. The tenant workers here and the mini-engine
+    workers of tests/integrations/engine/test_shared_pool.py."""
 
-    def __init__(self, pool: str, name: str, min_bytes: int = 0, max_bytes: int | None = None):
-        args = [sys.executable, __file__, pool, name, str(min_bytes), str(max_bytes or 0)]
+    close_timeout = 5.0  # seconds `close` waits for the child to exit before killing it
+
+    def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
-        self.hello = self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
-            raise AssertionError(f"worker exited with {self.proc.wait(5.0)}")
+            raise AssertionError(f"{type(self).__name__} exited with {self.proc.wait(10.0)}")
         return json.loads(line)
 
-    def __call__(self, **cmd: object) -> dict:
+    def send(self, cmd: dict) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self._read()
@@ -97,11 +99,23 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.stdin.close()  # type: ignore[union-attr]
             try:
-                self.proc.wait(5.0)
+                self.proc.wait(self.close_timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5.0)
         self.proc.stdout.close()  # type: ignore[union-attr]
+
+
+class Worker(JsonLineProcess):
+    """A tenant worker process (see module note)."""
+
+    def __init__(self, pool: str, name: str, min_bytes: int = 0, max_bytes: int | None = None):
+        limits = [str(min_bytes), str(max_bytes or 0)]
+        super().__init__([sys.executable, __file__, pool, name, *limits])
+        self.hello = self._read()
+
+    def __call__(self, **cmd: object) -> dict:
+        return self.send(cmd)
 
 
 def _pattern(slot: int, size: int) -> bytes:
