@@ -410,14 +410,12 @@ def build_layout(
         total_units = _check_room(table, memory, options)
     else:
         table, total_units = _vmm_pages(model, memory, options)
-    reuse = options.window_reuse
-    rules = AllocationRules(
-        order=AllocationOrder(options.order),
-        demote_window_releases=reuse,
-        reuse_window_releases=reuse,
-    )
     config = AllocatorConfig.from_page_table(
-        model, table, total_units, rules, mamba_step_end_only=_mamba_step_end_only(vgroups)
+        model,
+        table,
+        total_units,
+        _rules(options),
+        mamba_step_end_only=_mamba_step_end_only(vgroups),
     )
     shared = options.page_geometry == "vllm"
     groups = []
@@ -441,6 +439,16 @@ def build_layout(
             )
         )
     return JengaLayout(model, table, config, tuple(groups), memory, options)
+
+
+def _rules(options: JengaVllmOptions) -> AllocationRules:
+    """The allocator's rules: the order, and window-release reuse (`window_reuse`)."""
+    reuse = options.window_reuse
+    return AllocationRules(
+        order=AllocationOrder(options.order),
+        demote_window_releases=reuse,
+        reuse_window_releases=reuse,
+    )
 
 
 def _mamba_step_end_only(vgroups: list[Any]) -> bool:
