@@ -61,6 +61,12 @@ Approach
       evicted (steps 3 and 5) before any block released by `free`, unless the block
       served a prefix hit since it was taken (its prefix is known to be shared). A page
       is demoted only while every cached block on it is.
+    - ``reuse_window_releases`` (off; needs demotion): while less than a quarter of the
+      pool is free, right after step 4 a group takes its own least recent demoted block on
+      a page that is not wholly evictable, before mapping or evicting a page. With many
+      blocks per large page (VMM per-group pages), a live window pins a page whose
+      out-of-window blocks stay cached; reusing them keeps the group's pages few, so
+      whole pages become evictable for other groups.
 
     On "no room" `allocate` returns None and the core rolls back every step it took
     (releases and evictions included): every primitive mutation is logged and undone

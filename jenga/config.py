@@ -51,13 +51,17 @@ class AllocationRules:
     from a sliding-window or chunked-local group (they left its window / chunk) are
     evicted before every block of a finished request (LRU within each tier); off by
     default, it lost hit rate in the measured runs ("Window-release demotion" in
-    docs/jenga.md). Which groups release early follows from their policies
+    docs/jenga.md). ``reuse_window_releases`` (with demotion): under pressure (less than
+    a quarter of the pool free), right after step 4 a group reuses its own demoted blocks
+    on pages it still pins before mapping or evicting a page (on for vLLM's per-group
+    VMM pages; docs/vllm.md). Which groups release early follows from their policies
     (`Policy.releases_early`), so it is not a rule here.
     """
 
     order: AllocationOrder = AllocationOrder.PAPER
     frugal_retry: bool = True
     demote_window_releases: bool = False
+    reuse_window_releases: bool = False
 
 
 _DEFAULT_RULES = AllocationRules()

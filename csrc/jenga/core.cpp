@@ -3,6 +3,7 @@
 #include "jenga/core.hpp"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <stdexcept>
 
@@ -170,12 +171,20 @@ bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Coun
                      : pinned                                    ? kPinned
                      : rules_.order == AllocationOrder::kCompact ? kCompact
                                                                  : kPaper;
-  const int num_steps = frugal_ ? 7 : pinned ? 6 : 5;
+  int num_steps = frugal_ ? 7 : pinned ? 6 : 5;
+  std::array<int, 8> steps{};
+  std::copy(order, order + num_steps, steps.begin());
+  if (rules_.reuse_window_releases && !frugal_) {  // kEvictDemoted right after step 4
+    const auto any = std::find(steps.begin(), steps.begin() + num_steps, int{kAnyFree});
+    std::copy_backward(any + 1, steps.begin() + num_steps, steps.begin() + num_steps + 1);
+    *(any + 1) = kEvictDemoted;
+    num_steps += 1;
+  }
   bool ok = true;
   while (ok && n > 0) {
     bool progressed = false;
     for (int i = 0; i < num_steps && !progressed; ++i) {
-      progressed = try_step(order[i], g, owner, n, now, c, out);
+      progressed = try_step(steps[static_cast<size_t>(i)], g, owner, n, now, c, out);
     }
     ok = progressed;
   }
@@ -222,9 +231,14 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       if (page < 0) return false;
       break;
     case kEvictBlock:
-    case kEvictPinned: {
-      const int32_t block = (frugal_ || step == kEvictPinned) ? frugal_lru_top(G) : lru_top(G);
+    case kEvictPinned:
+    case kEvictDemoted: {
+      // reuse only under pressure: below 1/4 of the pool free (plenty: keep caching)
+      if (step == kEvictDemoted && free_units_ * kReusePressure >= total_units_) return false;
+      const bool pinned_only = frugal_ || step == kEvictPinned || step == kEvictDemoted;
+      const int32_t block = pinned_only ? frugal_lru_top(G) : lru_top(G);
       if (block < 0) return false;
+      if (step == kEvictDemoted && !G.blocks[static_cast<size_t>(block)].demoted) return false;
       prim_uncache(g, block);
       prim_use_limbo(g, block, now);
       out.push_back(block);

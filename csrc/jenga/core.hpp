@@ -182,6 +182,10 @@ enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
   X(bool, demote_window_releases, false,                                                  \
     "early releases are cached in a lower tier, evicted before every block cached by "    \
     "release(), unless they served a prefix hit")                                         \
+  X(bool, reuse_window_releases, false,                                                   \
+    "with demote_window_releases, while under 1/4 of the pool is free: right after step " \
+    "4, a group reuses its own demoted (window-released) cached blocks on pages it pins " \
+    "before mapping or evicting a page (counted as 5)")                                   \
   X(std::vector<bool>, early_release_groups, {},                                          \
     "one flag per group (empty: none): blocks cached by allocate()'s release lists of a " \
     "flagged group are early (ties: shortest prefix first)")
@@ -200,6 +204,10 @@ constexpr int kEvictPinned = 6;
 // what the later groups and the rest of this group need at least (counted as 2 and 3).
 constexpr int kNewPageSpare = 7;
 constexpr int kEvictPageSpare = 8;
+// Step 5 restricted to demoted (window-released) blocks on pinned pages, after step 4,
+// taken only while less than 1/kReusePressure of the pool is free (counted as 5).
+constexpr int kEvictDemoted = 9;
+constexpr int64_t kReusePressure = 4;
 
 struct Counters {
   std::array<int64_t, 6> step_blocks{};  // blocks served by each step (index 1..5)

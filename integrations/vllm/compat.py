@@ -116,6 +116,14 @@ def v2_attn_utils_module() -> ModuleType:
     return attn_utils
 
 
+def platform_base_class() -> type:
+    """vLLM's ``Platform`` base class (holds ``_align_hybrid_block_size``, the hybrid
+    attention + Mamba page-size unification every GPU platform inherits)."""
+    from vllm.platforms.interface import Platform
+
+    return Platform
+
+
 # -- configuration and requests (harness, tests) ------------------------------------------
 def config_classes() -> dict[str, Any]:
     """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
@@ -142,6 +150,17 @@ def get_kv_cache_configs(
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as build
 
     return list(build(vllm_config, layer_specs, memory_bytes))
+
+
+def mamba_state_calculators() -> tuple[Any, Any]:
+    """vLLM's ``MambaStateShapeCalculator`` and ``MambaStateDtypeCalculator`` (the state
+    shapes and dtypes its models derive from their configs)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import (
+        MambaStateDtypeCalculator,
+        MambaStateShapeCalculator,
+    )
+
+    return MambaStateShapeCalculator, MambaStateDtypeCalculator
 
 
 def structured_output_manager(vllm_config: Any) -> Any:

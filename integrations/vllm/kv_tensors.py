@@ -8,16 +8,25 @@ Rationale
     one group's ranges is mapped into another's).
 
 Approach
-    Per layer one virtual range (`vmm.ChunkPool.reserve`, zero-backed where the backend
-    has a zero chunk) holding ``capacity + 1`` blocks of the group's *unpadded* page:
-    block ``b`` at byte ``b * page`` — the layout vLLM's views expect — and the last
-    block is the group's null block. Where a block and a large page live in the ranges
-    is `integrations.kvcache.geometry.GroupGeometry` (built by
+    Two geometries (`JengaVllmOptions.geometry`):
+
+    - "per_group" (default): one virtual range per KV-cache group; a large page of ``k``
+      chunks holds ``B`` whole blocks of every layer of the group, layer-compact inside
+      the page (`integrations.vllm.placement`), so one live block pins ``k`` chunks, not
+      ``k`` chunks per layer. vLLM's `create_kv_cache_views` builds the per-layer views
+      with ``layer_stride = B*S`` and ``block_stride = S`` over the range; the manager
+      hands vLLM spread ids (page ``q`` starts at id ``q*M``), so any epsilon tail and a
+      padded Mamba state stride keep every view uniform.
+    - "per_layer": one range per layer holding ``capacity + 1`` blocks of the group's
+      *unpadded* page, block ``b`` at byte ``b * page`` — a contiguous per-layer tensor
+      for kernels that need one — and a large page is ``k`` chunks in each layer range.
+
+    Either way the last id is the group's null block (zero-backed where the backend has
+    a zero chunk). Where a large page lives in the ranges is
+    `integrations.kvcache.geometry.GroupGeometry` (built by
     `integrations.vllm.layout.JengaLayout.geometries`), and page plans become range
     plans through `integrations.kvcache.translate` — the one translator of the project,
-    so an evicted page's chunks are remapped to the page that reuses them. The
-    per-layer tensors come from vLLM's own `create_kv_cache_views` over a flat int8 view
-    of the range, so shapes and strides are exactly vLLM's.
+    so an evicted page's chunks are remapped to the page that reuses them.
 
     Two ways to drive the mapping (`apply_scheduler_output` picks):
 
@@ -29,13 +38,14 @@ Approach
       block ids first appear and never unmapped.
 
 Limitations
-    Only groups whose large page has no tail (exact LCM, ``epsilon`` small enough or
-    page sizes dividing the chunk) and layer-compact layouts (``LBHNC``/``LBNHC``) are
-    supported (`UnsupportedLayout` otherwise). Unmapping a page while a previous step's
-    kernels may still read it relies on steps running in order on the worker (the plan
-    for step N + 1 is applied after step N was launched; on CUDA, `cuMemUnmap` of memory
-    in use by queued kernels is not synchronised by us — untested on a GPU).
-    Kernel-block splitting follows vLLM's rules for dense pages.
+    per_layer supports only groups whose large page has no tail (exact LCM, ``epsilon``
+    small enough or page sizes dividing the chunk) and layer-compact layouts
+    (``LBHNC``/``LBNHC``); per_group any layout with L and B outermost (`UnsupportedLayout`
+    otherwise). Unmapping a page while a previous step's kernels may still read it
+    relies on steps running in order on the worker (the plan for step N + 1 is applied
+    after step N was launched; on CUDA, `cuMemUnmap` of memory in use by queued kernels
+    is not synchronised by us — untested on a GPU). Kernel-block splitting follows
+    vLLM's rules for dense pages (per_group attention strides are the dense page).
 """
 
 from __future__ import annotations
@@ -60,10 +70,10 @@ class UnsupportedLayout(JengaVllmError, NotImplementedError):
 
 
 class VmmKVCache:
-    """Per-layer VMM ranges and vLLM views for one `KVCacheConfig`.
+    """VMM ranges (per group or per layer) and vLLM views for one `KVCacheConfig`.
 
     Invariant: a page is in ``mapped_pages[g]`` exactly when its chunk slots are mapped
-    in every range of group g.
+    in every range of group g (``group_ranges[g]``).
     """
 
     def __init__(
@@ -84,49 +94,90 @@ class VmmKVCache:
                 f"pool granularity {pool.granularity} B != jenga chunk_bytes "
                 f"{layout.options.chunk_bytes} B"
             )
-        if kv_cache_layout.name not in _LAYER_COMPACT:
+        per_group = layout.options.geometry == "per_group"
+        if per_group and not kv_cache_layout.is_block_compact:
+            raise UnsupportedLayout(
+                f"KV cache layout {kv_cache_layout.name} keeps heads outside blocks; the "
+                "per_group geometry needs L and B outermost (LBHNC, LBNHC, BLHNC, BLNHC)"
+            )
+        if not per_group and kv_cache_layout.name not in _LAYER_COMPACT:
             raise UnsupportedLayout(
                 f"KV cache layout {kv_cache_layout.name} is not layer-compact; "
                 f"supported: {_LAYER_COMPACT}"
             )
         for g in layout.groups:
-            if g.pages.tail_bytes:
+            if g.pages.tail_bytes and not per_group:
                 raise UnsupportedLayout(
                     f"group {g.name!r}: its large page leaves a {g.pages.tail_bytes} B tail, so "
-                    "block b is not at b * page; use jenga_vmm.epsilon=0 (exact LCM)"
+                    "block b is not at b * page; use jenga_vmm.epsilon=0 (exact LCM) or "
+                    "geometry='per_group'"
                 )
         self.layout = layout
         self.pool = pool
         self.geometries: tuple[GroupGeometry, ...] = layout.geometries()
-        self.ranges: dict[str, vmm.VirtualRange] = {}
+        self.ranges: dict[str, vmm.VirtualRange] = {}  # by layer (per_layer) / group name
+        self.group_ranges: list[list[vmm.VirtualRange]] = [[] for _ in layout.groups]
         self.kv_caches: dict[str, Any] = {}
         self.mapped_pages: list[set[int]] = [set() for _ in layout.groups]
         specs = [grp.kv_cache_spec for grp in kv_cache_config.kv_cache_groups]
         for g, spec in zip(layout.groups, specs, strict=True):
             kernel = kernel_block_sizes[g.index] if kernel_block_sizes else None
-            self._build_group(g, spec, kv_cache_layout, kernel)
+            if g.placement is not None:
+                self._build_group_range(g, spec, kv_cache_layout, kernel)
+            else:
+                self._build_layer_ranges(g, spec, kv_cache_layout, kernel)
 
-    def _build_group(self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None) -> None:
+    def _reserve(self, g: GroupLayout, name: str, size: int) -> vmm.VirtualRange:
+        zero = self.pool.backend.zero_handle is not None
+        rng = self.pool.reserve(size, zero_backed=zero, name=name)
+        self.ranges[name] = rng
+        self.group_ranges[g.index].append(rng)
+        return rng
+
+    def _build_layer_ranges(
+        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+    ) -> None:
+        """per_layer: a range per layer, block b at ``b * page`` (vLLM's per-layer tensor)."""
         import torch
 
         geometry = self.geometries[g.index]
         size = geometry.range_bytes + geometry.page_bytes  # + the null block's page
-        num_blocks = g.capacity + 1
         dense = replace(spec, page_size_padded=None)
-        zero = self.pool.backend.zero_handle is not None
         for name in g.layer_names:
-            rng = self.pool.reserve(size, zero_backed=zero, name=name)
-            raw = rng.tensor((size,), torch.int8)
+            raw = self._reserve(g, name, size).tensor((size,), torch.int8)
             placement = KVCacheTensor(
                 size=size, layers=[name], layer_stride=size, block_stride=g.page_bytes
             )
-            (view,) = create_kv_cache_views(raw, dense, num_blocks, kv_layout, placement, kernel)
-            self.ranges[name] = rng
+            (view,) = create_kv_cache_views(
+                raw, dense, g.capacity + 1, kv_layout, placement, kernel
+            )
             self.kv_caches[name] = view
+
+    def _build_group_range(
+        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+    ) -> None:
+        """per_group: one range; layer l of vLLM id v at ``l * B*S + v * S``
+        (`integrations.vllm.placement`), viewed by vLLM's own `create_kv_cache_views`."""
+        import torch
+
+        place = g.placement
+        assert place is not None
+        geometry = self.geometries[g.index]
+        size = geometry.range_bytes + geometry.page_bytes  # + the page of the null ids
+        raw = self._reserve(g, g.name, size).tensor((size,), torch.int8)
+        tensor = KVCacheTensor(
+            size=size,
+            layers=list(g.layer_names),
+            layer_stride=place.layer_stride,
+            block_stride=place.stride,
+        )
+        dense = replace(spec, page_size_padded=None)
+        views = create_kv_cache_views(raw, dense, g.capacity + 1, kv_layout, tensor, kernel)
+        self.kv_caches.update(zip(g.layer_names, views, strict=True))
 
     # -- mapping ---------------------------------------------------------------------
     def _group_ranges(self, g: GroupLayout) -> list[vmm.VirtualRange]:
-        return [self.ranges[name] for name in g.layer_names]
+        return self.group_ranges[g.index]
 
     def apply_plan(self, plan: MappingPlan) -> None:
         """Carry out one scheduler plan atomically; an empty plan unmaps every page."""
@@ -163,7 +214,8 @@ class VmmKVCache:
         added: list[tuple[int, int]] = []
         for g, ids in zip(self.layout.groups, block_ids, strict=True):
             geometry = self.geometries[g.index]
-            want = {b // geometry.blocks_per_page for b in ids if 0 <= b < g.capacity}
+            per_page = geometry.blocks_per_page if g.placement is None else g.placement.ids_per_page
+            want = {b // per_page for b in ids if 0 <= b < g.capacity}
             for page in sorted(want - self.mapped_pages[g.index]):
                 for rng in self._group_ranges(g):
                     batch.map(rng, list(geometry.page_slots(page)))
@@ -204,16 +256,18 @@ class VmmKVCache:
 
     def check_invariants(self) -> None:
         for g, pages in zip(self.layout.groups, self.mapped_pages, strict=True):
-            for name in g.layer_names:
-                rng = self.ranges[name]
-                slots = {s for p in pages for s in self.geometries[g.index].page_slots(p)}
+            slots = {s for p in pages for s in self.geometries[g.index].page_slots(p)}
+            for rng in self._group_ranges(g):
                 mapped = {s for s, h in rng.slot_to_handle().items() if h >= 0}
-                assert mapped == slots, f"{name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
+                assert mapped == slots, (
+                    f"{g.name}: mapped slots {sorted(mapped)} != {sorted(slots)}"
+                )
 
     def close(self) -> None:
         for rng in self.ranges.values():
             rng.close()
         self.ranges.clear()
+        self.group_ranges = [[] for _ in self.layout.groups]
 
 
 def allocate_kv_cache_on_vmm(

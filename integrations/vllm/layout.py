@@ -17,11 +17,14 @@ Approach
         slot, every group's large page is one slot (padded, as vLLM pads it), the
         allocator's per-group page ids are translated to slots by
         `integrations.vllm.slots.SharedSlots`, and slot 0 is the null block, as in vLLM.
-      * "vmm" (with `integrations.vllm.kv_tensors`): every layer has its own range and
-        each group its *unpadded* page in large pages of ``k`` chunks per layer range
-        (`jenga.pages.vmm_page_table`); group ``g`` holds at most
-        ``(total_units // U_g) * B_g`` blocks (the C++ core recycles page ids LIFO below
-        its peak), so ids ``< capacity`` and the id ``capacity`` is its null block.
+      * "vmm" (with `integrations.vllm.kv_tensors`): each group its *unpadded* page in
+        large pages of ``k`` chunks, placed by `JengaVllmOptions.geometry`:
+        "per_group" (default) gives each group one range whose pages hold ``B`` whole
+        blocks of all its layers (`integrations.vllm.placement`; vLLM ids are spread,
+        page ``q`` spanning ids ``q*M ..``); "per_layer" gives each layer a range and a
+        page ``k`` chunks in each (`jenga.pages.vmm_page_table`). Group ``g`` holds at
+        most ``total_units // U_g`` pages (the C++ core recycles page ids LIFO below its
+        peak), so vLLM ids are ``< capacity`` and the id ``capacity`` is its null block.
 
       A null block stands for entries a request released (blocks out of a sliding
       window, old Mamba states).
@@ -44,10 +47,11 @@ Limitations
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from jenga.allocator import AllocationOrder, AllocatorConfig, JengaAllocator
+from jenga.allocator import AllocationOrder, AllocationRules, AllocatorConfig, JengaAllocator
 from jenga.pages import (
     DEFAULT_CHUNK_BYTES,
     GroupPages,
@@ -58,6 +62,10 @@ from jenga.pages import (
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
 from integrations.kvcache.geometry import GroupGeometry
+from integrations.vllm.placement import GroupPlacement, PlacementError, place_group
+
+GEOMETRIES = ("per_group", "per_layer")
+"""Where VMM pages place a group's blocks: one range per group, or one per layer."""
 
 OPTIONS_KEY = "jenga_vmm"
 """Key of our options inside ``VllmConfig.additional_config``."""
@@ -96,16 +104,24 @@ class JengaVllmOptions:
     ``b`` is the same bytes in every group, so ids are vLLM's shared block slots (1 ..
     ``num_blocks - 1``, 0 = null) and a group's large page is one slot; memory moves
     between groups block by block, as in vLLM, and jenga adds request-aware allocation
-    and the prefix-subset evictor. "vmm" (required by ``kv_tensors="vmm"``): every layer
-    has its own virtual range and a group's large page is ``k`` chunks of each of its
-    ranges, with the group's unpadded page. "auto" picks by ``kv_tensors``.
+    and the prefix-subset evictor. "vmm" (required by ``kv_tensors="vmm"``): VMM ranges
+    placed per ``geometry``, each group with its unpadded page in large pages of ``k``
+    chunks. "auto" picks by ``kv_tensors``.
     ``junctions``: report the shared-prefix boundary to the scheduler
     (`JengaKVCacheManager.get_computed_blocks`) so Mamba states get cached where
     siblings' prompts diverge.
+    ``geometry`` (VMM pages): "per_group" (default; one range per KV-cache group, a
+    large page holds whole blocks of all the group's layers) or "per_layer" (one range
+    per layer, a large page is ``k`` chunks of each; per-layer contiguous tensors).
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
-    ``epsilon``: the tail a large page may waste (0: exact LCM; the VMM tensor path
-    needs 0-tail groups). ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned"
-    (compact plus step 5 on pinned pages before step 3) or "paper" (`jenga.allocator`);
+    ``epsilon``: the waste (tail, padding) a large page may carry; None: 0.01 per_layer
+    (whose VMM tensor path needs 0-tail groups), 0.05 per_group (any tail works).
+    ``reuse_window_releases``: blocks that left a sliding window / local chunk are cached
+    in a lower tier and the group reuses those stranded in pages it still pins before
+    mapping or evicting a page (`jenga.config.AllocationRules`); None: on with per_group
+    VMM pages (a page holds many blocks there), off otherwise.
+    ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned" (compact plus step 5
+    on pinned pages before step 3) or "paper" (`jenga.allocator`);
     compact keeps other prompts' cached pages alive where the paper order evicts whole
     pages before using free slots in other requests' pages; pinned keeps more requests
     running under memory pressure (both measured in `docs/vllm.md`). ``kv_tensors``:
@@ -117,7 +133,9 @@ class JengaVllmOptions:
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    epsilon: float = 0.01
+    epsilon: float | None = None
+    geometry: str = "per_group"
+    reuse_window_releases: bool | None = None
     order: str = "compact"
     kv_tensors: str = "torch"
     pages: str = "auto"
@@ -141,12 +159,28 @@ class JengaVllmOptions:
             )
         if self.chunk_bytes <= 0:
             raise InvalidOptions(f"chunk_bytes must be > 0, got {self.chunk_bytes}")
-        if not 0.0 <= self.epsilon < 1.0:
+        if self.epsilon is not None and not 0.0 <= self.epsilon < 1.0:
             raise InvalidOptions(f"epsilon must be in [0, 1), got {self.epsilon}")
+        if self.geometry not in GEOMETRIES:
+            raise InvalidOptions(f"geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
         if self.order not in tuple(AllocationOrder):
             raise InvalidOptions(
                 f"order must be one of {[str(o) for o in AllocationOrder]}, got {self.order!r}"
             )
+
+    @property
+    def page_epsilon(self) -> float:
+        """`epsilon`, or the geometry's default when None."""
+        if self.epsilon is not None:
+            return self.epsilon
+        return 0.05 if self.geometry == "per_group" else 0.01
+
+    @property
+    def window_reuse(self) -> bool:
+        """`reuse_window_releases`, or its default (per_group VMM pages) when None."""
+        if self.reuse_window_releases is not None:
+            return self.reuse_window_releases
+        return self.page_geometry == "vmm" and self.geometry == "per_group"
 
     @property
     def page_geometry(self) -> str:
@@ -184,6 +218,20 @@ class GroupLayout:
     capacity: int  # block ids of this group are < capacity
     null_block_id: int  # capacity (vmm pages) or 0 (vllm pages, vLLM's null block)
     block_bytes: int  # what one block of this group costs in the KV-cache budget
+    placement: GroupPlacement | None = None  # per_group VMM geometry, else None
+
+    @property
+    def spread_ids(self) -> bool:
+        """True when vLLM's block ids differ from the allocator's (per_group pages)."""
+        return self.placement is not None and self.placement.spread
+
+    def vllm_id(self, block: int) -> int:
+        """vLLM block id of allocator block ``block`` (identity unless `spread_ids`)."""
+        return block if self.placement is None else self.placement.vllm_id(block)
+
+    def allocator_block(self, vllm_id: int) -> int:
+        """Allocator block of vLLM block id ``vllm_id`` (inverse of `vllm_id`)."""
+        return vllm_id if self.placement is None else self.placement.allocator_block(vllm_id)
 
 
 @dataclass(frozen=True)
@@ -205,7 +253,7 @@ class JengaLayout:
         return JengaAllocator(self.allocator_config)
 
     def geometries(self) -> tuple[GroupGeometry, ...]:
-        """Where each group's blocks and large pages live in its per-layer VMM ranges.
+        """Where each group's large pages live in its VMM ranges (per group or per layer).
 
         The KV cache's own record (`integrations.kvcache.geometry`), so the vLLM tensors
         and `integrations.kvcache.KVCache` share one arithmetic and one plan translator.
@@ -353,21 +401,28 @@ def build_layout(
         next_layer += len(ids)
         kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
     model = ModelSpec("vllm", tuple(kv_groups), max_model_len)
+    placements: tuple[GroupPlacement | None, ...] = (None,) * len(kv_groups)
     if options.page_geometry == "vllm":
         table, total_units = _vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
+    elif options.geometry == "per_group":
+        placements = tuple(_place(g, options) for g in kv_groups)
+        table = _group_page_table(model, placements, options)
+        total_units = _check_room(table, memory, options)
     else:
         table, total_units = _vmm_pages(model, memory, options)
     config = AllocatorConfig.from_page_table(
         model,
         table,
         total_units,
-        AllocationOrder(options.order),
+        _rules(options),
         mamba_step_end_only=_mamba_step_end_only(vgroups),
     )
     shared = options.page_geometry == "vllm"
     groups = []
-    for i, (vg, kg, row) in enumerate(zip(vgroups, kv_groups, table.groups, strict=True)):
-        capacity = (total_units // row.units_per_large_page) * row.blocks_per_large_page
+    rows = zip(vgroups, kv_groups, table.groups, placements, strict=True)
+    for i, (vg, kg, row, place) in enumerate(rows):
+        per_page = row.blocks_per_large_page if place is None else place.ids_per_page
+        capacity = (total_units // row.units_per_large_page) * per_page
         groups.append(
             GroupLayout(
                 index=i,
@@ -380,9 +435,20 @@ def build_layout(
                 capacity=capacity + 1 if shared else capacity,
                 null_block_id=0 if shared else capacity,
                 block_bytes=(slot or 0) if shared else kg.spec.page_bytes * kg.num_layers,
+                placement=place,
             )
         )
     return JengaLayout(model, table, config, tuple(groups), memory, options)
+
+
+def _rules(options: JengaVllmOptions) -> AllocationRules:
+    """The allocator's rules: the order, and window-release reuse (`window_reuse`)."""
+    reuse = options.window_reuse
+    return AllocationRules(
+        order=AllocationOrder(options.order),
+        demote_window_releases=reuse,
+        reuse_window_releases=reuse,
+    )
 
 
 def _mamba_step_end_only(vgroups: list[Any]) -> bool:
@@ -409,10 +475,63 @@ def _vmm_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tupl
     """Per-layer ranges: large pages of ``k`` chunks per range (`vmm_page_table`)."""
     try:
         table = vmm_page_table(
-            model, chunk_bytes=options.chunk_bytes, epsilon=options.epsilon, budget_bytes=memory
+            model,
+            chunk_bytes=options.chunk_bytes,
+            epsilon=options.page_epsilon,
+            budget_bytes=memory,
         )
     except SpecError as exc:
         raise JengaVllmError(f"KV cache of {memory} B cannot hold one large page: {exc}") from exc
+    return table, _check_room(table, memory, options)
+
+
+def _place(group: KVGroup, options: JengaVllmOptions) -> GroupPlacement:
+    try:
+        return place_group(
+            group.spec.page_bytes,
+            group.num_layers,
+            options.chunk_bytes,
+            epsilon=options.page_epsilon,
+        )
+    except PlacementError as exc:
+        raise JengaVllmError(f"group {group.name!r}: {exc}") from exc
+
+
+def _group_page_table(
+    model: ModelSpec, placements: tuple[GroupPlacement | None, ...], options: JengaVllmOptions
+) -> PageTable:
+    """One range per group: the allocator's rows for `integrations.vllm.placement`."""
+    rows = []
+    for g, place in zip(model.groups, placements, strict=True):
+        assert place is not None
+        rows.append(
+            GroupPages(
+                group=g.name,
+                small_page_bytes=place.block_bytes,
+                num_ranges=1,
+                chunks_per_range=place.chunks_per_page,
+                blocks_per_large_page=place.blocks_per_page,
+                units_per_large_page=place.chunks_per_page,
+                tail_bytes=place.tail_bytes,
+                kind=str(g.spec.kind),
+                layers_per_small_page=g.num_layers,
+                lcm_chunks_per_range=math.lcm(place.block_bytes, options.chunk_bytes)
+                // options.chunk_bytes,
+                within_epsilon=place.within_epsilon,
+            )
+        )
+    return PageTable(
+        "vmm",
+        options.chunk_bytes,
+        tuple(rows),
+        model.name,
+        options.page_epsilon,
+        layout="per_group",
+    )
+
+
+def _check_room(table: PageTable, memory: int, options: JengaVllmOptions) -> int:
+    """The pool's chunk count; raises when one request's large page per group does not fit."""
     total_units = memory // options.chunk_bytes
     one_each = sum(row.units_per_large_page for row in table.groups)
     if one_each > total_units:
@@ -421,7 +540,7 @@ def _vmm_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tupl
             f"{options.chunk_bytes} B, but the KV cache holds {total_units}; give the KV "
             "cache more memory or raise jenga_vmm.epsilon for smaller Mamba pages"
         )
-    return table, total_units
+    return total_units
 
 
 def _vllm_slot_pages(model: ModelSpec, memory: int, num_blocks: int) -> tuple[PageTable, int]:

@@ -37,7 +37,9 @@ Approach
     Block ids: with vLLM's own KV tensors (``pages="vllm"``, the default) every group
     overlays one buffer, so each mapped allocator page gets a vLLM block slot of its own
     (`integrations.vllm.slots.SharedSlots`, driven by the same plan ops); with VMM tensors
-    (``pages="vmm"``) the allocator's ids are used as they are.
+    (``pages="vmm"``) the allocator's ids are used as they are (per_layer geometry) or
+    spread so that page ``q`` starts at id ``q*M`` (per_group geometry,
+    `integrations.vllm.placement`).
 
     Blocks that leave a sliding window / local chunk (and old Mamba states) are released
     as vLLM releases them: in `allocate_slots` and `remove_skipped_blocks`, only those out
@@ -571,8 +573,11 @@ class JengaKVCacheManager:
 
     def is_cached_block(self, group: int, block_id: int) -> bool:
         """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
-        page = block_id if self._slots is None else self._slots.page(group, block_id)
-        return self._is_cached_page_block(group, page)
+        if self._slots is not None:
+            return self._is_cached_page_block(group, self._slots.page(group, block_id))
+        return self._is_cached_page_block(
+            group, self.layout.groups[group].allocator_block(block_id)
+        )
 
     def _is_cached_page_block(self, group: int, block: int) -> bool:
         """Whether allocator block ``block`` of ``group`` is in the prefix cache's index."""
@@ -596,6 +601,8 @@ class JengaKVCacheManager:
         for g, ids in enumerate(tables):
             interned = self._block_objects[g]
             slot_of = self._slots.slot_of[g] if self._slots is not None else None
+            group = self.layout.groups[g]
+            spread = group.vllm_id if group.spread_ids else None  # per_group VMM pages
             row = []
             for b in ids:
                 if b == NULL_BLOCK:
@@ -603,6 +610,8 @@ class JengaKVCacheManager:
                     continue
                 if slot_of is not None:
                     b = slot_of[b]  # one block per page: the page's vLLM slot
+                elif spread is not None:
+                    b = spread(b)
                 blk = interned.get(b)
                 if blk is None:
                     blk = interned[b] = KVCacheBlock(b)

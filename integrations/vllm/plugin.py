@@ -2,8 +2,8 @@
 
 Rationale
     vLLM loads every installed general plugin in every process, so installing
-    jenga-vmm must not change vLLM by itself. `register` only wraps two worker methods;
-    each wrapper checks the run's own config and, unless
+    jenga-vmm must not change vLLM by itself. `register` only wraps two worker methods
+    and one platform method; each wrapper checks the run's own config and, unless
     ``additional_config={"jenga_vmm": {"kv_tensors": "vmm"}}``, calls vLLM's code
     unchanged.
 
@@ -12,6 +12,9 @@ Approach
       module-level ``allocate_kv_cache`` is swapped for `vmm_allocate_kv_cache`, so
       vLLM's own cross-layer sharing and ``bind_kv_cache`` run on our views; the
       `VmmKVCache` is kept on the runner.
+    - ``Platform.update_block_size_for_backend`` (engine start-up): with VMM tensors a
+      hybrid attention + Mamba model's attention block size is not raised to the Mamba
+      state's page and the state is not padded (`_wrap_hybrid_alignment`).
     - ``GPUModelRunner.execute_model``: before vLLM's step, the mapping plans the
       scheduler attached to the `SchedulerOutput` are applied (maps and unmaps;
       `VmmKVCache.apply_scheduler_output`).
@@ -56,6 +59,7 @@ def register() -> None:
         return
     from integrations.vllm import compat
 
+    _wrap_hybrid_alignment(compat.platform_base_class())
     v1 = compat.gpu_model_runner_module()
     _wrap_runner(v1.GPUModelRunner, "initialize_kv_cache_tensors", v1)
     try:
@@ -76,6 +80,53 @@ def _wrap_runner(runner: Any, init_name: str, alloc_module: Any) -> None:
         return
     setattr(runner, init_name, _wrap_initialize(init, alloc_module))
     runner.execute_model = _wrap_execute(runner.execute_model)
+
+
+def _wrap_hybrid_alignment(platform: type) -> None:
+    """With VMM tensors, keep attention blocks small beside Mamba states.
+
+    vLLM's ``update_block_size_for_backend`` (start-up) calls the platform's
+    ``_align_hybrid_block_size``, which raises a hybrid model's attention block size
+    until one attention page is as large as a Mamba state and pads the state to it
+    (every group must fit vLLM's one shared slot size). Our VMM ranges give every group
+    its own unpadded page, so with ``kv_tensors="vmm"`` vLLM's method runs on
+    `keep_block_size` of the platform, whose alignment step keeps the block size the
+    backend chose (16 tokens for FlashAttention) and leaves the state unpadded. Other
+    runs call vLLM's code unchanged.
+    """
+    original = platform.__dict__["update_block_size_for_backend"].__func__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def update_block_size_for_backend(cls: Any, vllm_config: Any) -> Any:
+        if wants_vmm_tensors(vllm_config):
+            cls = keep_block_size(cls)
+        return original(cls, vllm_config)
+
+    setattr(update_block_size_for_backend, _MARK, True)
+    platform.update_block_size_for_backend = classmethod(  # type: ignore[attr-defined]
+        update_block_size_for_backend
+    )
+
+
+@functools.cache
+def keep_block_size(platform: type) -> type:
+    """``platform`` whose hybrid alignment keeps the block size and pads no state."""
+
+    class KeepBlockSize(platform):  # type: ignore[valid-type,misc]
+        @classmethod
+        def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+            cache = vllm_config.cache_config
+            if cache.mamba_cache_mode == "align":
+                cache.mamba_block_size = cache.block_size
+            _log.info(
+                "jenga-vmm: keeping %d-token attention blocks beside unpadded Mamba states",
+                cache.block_size,
+            )
+
+    KeepBlockSize.__name__ = KeepBlockSize.__qualname__ = f"JengaVmm{platform.__name__}"
+    return KeepBlockSize
 
 
 def _refuse_vmm(original: Callable[..., Any], runner: Any) -> Callable[..., Any]:

@@ -12,8 +12,12 @@ median over ``--reps`` rounds that alternate the managers' order; "cpu p90"; "cp
 the median over rounds of the ratio to vLLM's manager in the same round).
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
-vLLM's shared slots, ``pages="vllm"``) and ``jenga-vmm`` (ours on VMM ranges: each group's
-unpadded page in large pages of 2 MiB chunks per layer, ``pages="vmm"``).
+vLLM's shared slots, ``pages="vllm"``), ``jenga-vmm`` (ours on VMM ranges, one per
+KV-cache group: a large page of 2 MiB chunks holds whole blocks of all the group's
+layers, ``pages="vmm"``) and ``jenga-vmm-layer`` (the same with one range per layer: a
+large page is 2 MiB chunks in each layer range, ``geometry="per_layer"``).
+Column "committed": the peak bytes mapped for ours on VMM ranges, vLLM's whole KV
+buffer otherwise; "sched cpu ms" is the thread's CPU time of the same calls.
 
 Workload (``shared_prefix``): ``--requests`` prompts = a system prompt shared by all,
 then a topic prefix shared by one request in ``--topics``, then a private question;
@@ -72,17 +76,27 @@ class Row:
     max_running: int
     avg_running: float
     preemptions: int
-    prefix_hit_tokens: int
+    hit_tokens: int  # prefix-hit tokens of first admissions
     resumed_hit_tokens: int
+    committed_bytes: int  # ours on VMM: peak bytes mapped; else vLLM's whole KV buffer
     seconds: float
     scheduler_ms_per_step: float  # schedule() + update_from_output(), mean over steps
     sched_cpu_ms: float = 0.0  # their thread CPU per step; median over reps
     sched_cpu_p90_ms: float = 0.0  # p90 over reps
     cpu_vs_vllm: float = 0.0  # median over reps of sched_cpu_ms / vLLM's (0: no vLLM row)
+    block_size: int = 16  # attention block (tokens) the manager ran with
 
 
-MANAGERS = ("vllm", "jenga", "jenga-vmm")
-"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges."""
+MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-layer")
+"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges,
+one per KV-cache group (``pages="vmm"``, the per_group geometry) or one per layer
+(``geometry="per_layer"``)."""
+
+_JENGA_OPTIONS = {
+    "jenga": {"pages": "vllm"},
+    "jenga-vmm": {"pages": "vmm", "geometry": "per_group"},
+    "jenga-vmm-layer": {"pages": "vmm", "geometry": "per_layer"},
+}
 
 
 def run_case(
@@ -100,12 +114,18 @@ def run_case(
     start = time.perf_counter()
     jenga = manager != "vllm"
     if jenga:
-        pages = "vmm" if manager == "jenga-vmm" else "vllm"
-        setup = replace(setup, jenga_options={**setup.jenga_options, "pages": pages})
+        setup = replace(setup, jenga_options={**setup.jenga_options, **_JENGA_OPTIONS[manager]})
+    # state hybrids at real scale: vLLM's tensors need vLLM's GPU block size (every page
+    # as large as the state); our VMM ranges keep 16-token attention blocks
+    vllm_gpu = case in cases.REAL_CASES and case in cases.STATE_CASES
+    vllm_gpu = vllm_gpu and not manager.startswith("jenga-vmm")
+    if vllm_gpu:
+        setup = replace(setup, block_size=cases.vllm_gpu_block_size(case))
     config = replay.make_vllm_config(model_dir, setup)
-    specs = cases.layer_specs(case, window=window)
+    specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
+    peak = PeakCommitted(scheduler, manager)
     prompts = workload.prompts()
     half = len(prompts) // 2
     outputs = [workload.output_tokens] * len(prompts)
@@ -113,19 +133,50 @@ def run_case(
         replay.make_requests(prompts[:half], outputs[:half], setup.block_size, prefix="a"),
         replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
     ]
-    reports = [replay.replay(scheduler, wave) for wave in waves]
+    reports = [replay.replay(scheduler, wave, after_step=peak) for wave in waves]
     for report in reports:
         wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
-    return summarize(case, manager, int(kv_config.num_blocks), reports, start)
+    row = summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
+    return replace(row, block_size=setup.block_size)
+
+
+class PeakCommitted:
+    """``after_step`` hook: the most physical bytes the run commits.
+
+    Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
+    after each step, at its peak. vLLM's manager and ours on vLLM's tensors: the whole
+    KV buffer vLLM allocates up front.
+    """
+
+    def __init__(self, scheduler: Any, manager: str) -> None:
+        self.kv = scheduler.kv_cache_manager
+        self.on_vmm = manager.startswith("jenga-vmm")
+        if self.on_vmm:
+            self.bytes = 0
+        else:
+            from integrations.vllm.layout import kv_cache_memory_bytes
+
+            self.bytes = kv_cache_memory_bytes(scheduler.kv_cache_config)
+
+    def __call__(self, _scheduler: Any, _out: Any) -> None:
+        if self.on_vmm:
+            used = self.kv.allocator.usage().used_units * self.kv.layout.options.chunk_bytes
+            self.bytes = max(self.bytes, used)
 
 
 def summarize(
-    case: str, manager: str, num_blocks: int, reports: list[replay.ReplayReport], start: float
+    case: str,
+    manager: str,
+    num_blocks: int,
+    reports: list[replay.ReplayReport],
+    start: float,
+    committed_bytes: int = 0,
 ) -> Row:
     """One row from the replays of a run (waves in order) that began at ``start``."""
     running = [n for r in reports for n in r.running_per_step]
+    steps = sum(r.steps for r in reports)
     return Row(
         case=case,
         manager=manager,
@@ -134,8 +185,9 @@ def summarize(
         max_running=max(r.max_running for r in reports),
         avg_running=round(sum(running) / len(running), 2),
         preemptions=sum(r.preemptions for r in reports),
-        prefix_hit_tokens=sum(r.prefix_hit_tokens for r in reports),
+        hit_tokens=sum(r.prefix_hit_tokens for r in reports),
         resumed_hit_tokens=sum(r.resumed_hit_tokens for r in reports),
+        committed_bytes=committed_bytes,
         seconds=round(time.perf_counter() - start, 2),
         scheduler_ms_per_step=round(
             1000 * sum(r.scheduler_seconds for r in reports) / sum(r.steps for r in reports), 3
@@ -199,6 +251,7 @@ def format_table(rows: list[Row]) -> str:
     head = (
         "case",
         "manager",
+        "block",
         "blocks",
         "steps",
         "max run",
@@ -206,6 +259,7 @@ def format_table(rows: list[Row]) -> str:
         "preempt",
         "hit tokens",
         "resumed",
+        "committed MiB",
         "sched ms",
         "cpu ms",
         "cpu p90",
@@ -216,13 +270,15 @@ def format_table(rows: list[Row]) -> str:
         cells = (
             r.case,
             r.manager,
+            r.block_size,
             r.num_blocks,
             r.steps,
             r.max_running,
             r.avg_running,
             r.preemptions,
-            r.prefix_hit_tokens,
+            r.hit_tokens,
             r.resumed_hit_tokens,
+            round(r.committed_bytes / 2**20, 1),
             r.scheduler_ms_per_step,
             r.sched_cpu_ms,
             r.sched_cpu_p90_ms,
@@ -234,13 +290,20 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=list(cases.CASES), choices=cases.CASES)
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(cases.CASES),
+        choices=cases.ALL_CASES,
+        help=f"default: the small stand-ins; real-scale geometries: {', '.join(cases.REAL_CASES)}",
+    )
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--question-tokens", type=int, default=200)
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
     parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
+    parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
         "--reps", type=int, default=1, help="rounds per case, managers alternating (CPU: median)"
@@ -264,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             args.memory_mb,
             workload,
             setup,
+            tuple(args.managers),
             window=args.window,
             reps=args.reps,
         )

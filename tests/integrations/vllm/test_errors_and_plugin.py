@@ -99,11 +99,17 @@ def test_options_are_checked() -> None:
     assert JengaVllmOptions(kv_tensors="vmm").page_geometry == "vmm"
 
 
-def test_a_pool_without_room_for_one_page_per_group_is_refused(model_dir: Path) -> None:
+@pytest.mark.parametrize(("geometry", "chunks"), [("per_group", 64), ("per_layer", 58)])
+def test_a_pool_without_room_for_one_page_per_group_is_refused(
+    model_dir: Path, geometry: str, chunks: int
+) -> None:
+    """jamba: 7 Mamba groups of 2 layers x 280 KiB and one attention group. per_group: a
+    Mamba page is 9 chunks (32 states at a 288 KiB stride), 7 x 9 + 1 = 64; per_layer:
+    a Mamba page is 4 chunks per layer range (29 states), 7 x 2 x 4 + 2 x 1 = 58."""
     config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=256))
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("jamba"), 64 << 20)
-    with pytest.raises(JengaVllmError, match=r"needs a large page in each group: 58 chunks"):
-        build_layout(kv_config, 256, JengaVllmOptions(pages="vmm"))
+    with pytest.raises(JengaVllmError, match=rf"needs a large page in each group: {chunks} chunks"):
+        build_layout(kv_config, 256, JengaVllmOptions(pages="vmm", geometry=geometry))
 
 
 def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:

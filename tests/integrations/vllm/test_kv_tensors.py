@@ -1,4 +1,5 @@
-"""KV tensors on VMM ranges (host backend): real vLLM KVCacheConfig → our ranges → vLLM views."""
+"""KV tensors on VMM ranges (host backend), per_layer geometry: real vLLM KVCacheConfig →
+one range per layer → vLLM views (the per_group geometry: test_group_ranges.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _setup(model_dir: Path, case: str, memory_mb: int) -> tuple[Any, Any, Any]:
     setup = replay.SchedulerSetup(max_model_len=MAX_LEN)
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
-    layout = build_layout(kv_config, MAX_LEN, JengaVllmOptions(kv_tensors="vmm"))
+    options = JengaVllmOptions(kv_tensors="vmm", geometry="per_layer")
+    layout = build_layout(kv_config, MAX_LEN, options)
     return config, kv_config, layout
 
 
@@ -157,7 +159,9 @@ def test_a_worker_in_another_process_follows_maps_and_unmaps(model_dir: Path) ->
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     setup = replay.SchedulerSetup(
-        max_model_len=MAX_LEN, max_num_batched_tokens=1024, jenga_options={"kv_tensors": "vmm"}
+        max_model_len=MAX_LEN,
+        max_num_batched_tokens=1024,
+        jenga_options={"kv_tensors": "vmm", "geometry": "per_layer"},
     )
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("gemma2"), 48 << 20)

@@ -255,7 +255,13 @@ def test_the_v2_runners_kv_cache_init_builds_vmm_tensors(model_dir: Path) -> Non
     with plugin.vmm_allocation(attn_utils, config, made, backend=backend):
         caches = attn_utils.init_kv_cache({}, kv_config, torch.device("cpu"), [BLOCK] * 2, config)
     assert len(made) == 1
-    assert {n: c.data_ptr() for n, c in caches.items()} == {n: made[0].ranges[n].va for n in caches}
+    ours = made[0]
+    assert {n: c.data_ptr() for n, c in caches.items()} == {
+        n: ours.kv_caches[n].data_ptr() for n in caches
+    }
+    ranges = [rng.va for rng in ours.ranges.values()]
+    assert len(ranges) == len(kv_config.kv_cache_groups)  # per_group: one range per group
+    assert {c.data_ptr() for c in caches.values()} >= set(ranges)  # each group's layer 0
     made[0].close()
 
 

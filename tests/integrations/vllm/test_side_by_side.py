@@ -34,10 +34,10 @@ def test_full_attention_matches_vllm_exactly(model_dir: Path) -> None:
     rows = _rows(model_dir, "llama", managers=MANAGERS)
     for ours in (rows["jenga"], rows["jenga-vmm"]):
         theirs = rows["vllm"]
-        assert (ours.steps, ours.max_running, ours.prefix_hit_tokens) == (
+        assert (ours.steps, ours.max_running, ours.hit_tokens) == (
             theirs.steps,
             theirs.max_running,
-            theirs.prefix_hit_tokens,
+            theirs.hit_tokens,
         )
 
 
@@ -50,10 +50,10 @@ def test_hybrid_models_never_fit_or_hit_fewer(model_dir: Path, case: str, reques
     rows = _rows(model_dir, case, Workload(requests=requests))
     ours, theirs = rows["jenga"], rows["vllm"]
     assert ours.avg_running >= theirs.avg_running
-    assert ours.prefix_hit_tokens >= theirs.prefix_hit_tokens
-    assert (ours.avg_running, ours.prefix_hit_tokens) != (
+    assert ours.hit_tokens >= theirs.hit_tokens
+    assert (ours.avg_running, ours.hit_tokens) != (
         theirs.avg_running,
-        theirs.prefix_hit_tokens,
+        theirs.hit_tokens,
     )
 
 
@@ -62,7 +62,7 @@ def test_jamba_on_vmm_ranges_fits_more_concurrent_requests(model_dir: Path) -> N
     rows = _rows(model_dir, "jamba", managers=("vllm", "jenga-vmm"))
     assert rows["jenga-vmm"].max_running > rows["vllm"].max_running
     assert rows["jenga-vmm"].avg_running > rows["vllm"].avg_running
-    assert rows["jenga-vmm"].prefix_hit_tokens > rows["vllm"].prefix_hit_tokens
+    assert rows["jenga-vmm"].hit_tokens > rows["vllm"].hit_tokens
 
 
 def test_the_shared_prefix_junction_makes_mamba_siblings_hit(model_dir: Path) -> None:
@@ -71,7 +71,7 @@ def test_the_shared_prefix_junction_makes_mamba_siblings_hit(model_dir: Path) ->
     with_junction = _rows(model_dir, "jamba", managers=("jenga",))["jenga"]
     no_junctions = replace(SETUP, jenga_options={"junctions": False})
     plain = _rows(model_dir, "jamba", setup=no_junctions, managers=("jenga",))["jenga"]
-    assert with_junction.prefix_hit_tokens > plain.prefix_hit_tokens
+    assert with_junction.hit_tokens > plain.hit_tokens
 
 
 def test_lockstep_finds_no_divergence_on_full_attention_and_one_on_gemma2(

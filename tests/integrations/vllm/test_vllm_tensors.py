@@ -77,7 +77,9 @@ class ContentChecker:
         self.verified += 1
 
 
-def _run(model_dir: Path, case: str, pages: str, memory_mb: int) -> ContentChecker:
+def _run(
+    model_dir: Path, case: str, pages: str, memory_mb: int, geometry: str = "per_group"
+) -> ContentChecker:
     import torch
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -86,7 +88,7 @@ def _run(model_dir: Path, case: str, pages: str, memory_mb: int) -> ContentCheck
         max_model_len=1024,
         max_num_seqs=256,
         max_num_batched_tokens=1024,
-        jenga_options={"pages": pages},
+        jenga_options={"pages": pages, "geometry": geometry},
     )
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
@@ -109,7 +111,10 @@ def test_blocks_keep_their_bytes_in_vllms_shared_buffer(model_dir: Path, case: s
 
 
 def test_per_group_page_ids_would_alias_in_vllms_buffer(model_dir: Path) -> None:
-    """Why `pages="vllm"` exists: the VMM geometry's ids are per group, and two groups'
-    block 0 are the same bytes of vLLM's overlaid buffer."""
+    """Why `pages="vllm"` exists: the VMM geometries' ids are per group, and two groups'
+    block 0 are the same bytes of vLLM's overlaid buffer (per_group ids are also spread
+    past vLLM's block count)."""
     with pytest.raises(AssertionError, match=r"would destroy group"):
+        _run(model_dir, "gemma2", "vmm", 34, geometry="per_layer")
+    with pytest.raises((AssertionError, IndexError), match=r"would destroy group|out of bounds"):
         _run(model_dir, "gemma2", "vmm", 34)
