@@ -181,7 +181,7 @@ def summarize(
         case=case,
         manager=manager,
         num_blocks=num_blocks,
-        steps=sum(r.steps for r in reports),
+        steps=steps,
         max_running=max(r.max_running for r in reports),
         avg_running=round(sum(running) / len(running), 2),
         preemptions=sum(r.preemptions for r in reports),
@@ -189,12 +189,8 @@ def summarize(
         resumed_hit_tokens=sum(r.resumed_hit_tokens for r in reports),
         committed_bytes=committed_bytes,
         seconds=round(time.perf_counter() - start, 2),
-        scheduler_ms_per_step=round(
-            1000 * sum(r.scheduler_seconds for r in reports) / sum(r.steps for r in reports), 3
-        ),
-        sched_cpu_ms=round(
-            sum(r.scheduler_cpu_ns for r in reports) / 1e6 / sum(r.steps for r in reports), 4
-        ),
+        scheduler_ms_per_step=round(1000 * sum(r.scheduler_seconds for r in reports) / steps, 3),
+        sched_cpu_ms=round(sum(r.scheduler_cpu_ns for r in reports) / 1e6 / steps, 4),
     )
 
 
