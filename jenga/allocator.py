@@ -111,7 +111,7 @@ from jenga.errors import AllocatorError as AllocatorError
 from jenga.errors import InvalidInput as InvalidInput
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
-from jenga.prefix import IntBuffer, TokenBuffer
+from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
 from jenga.requests import (
     NULL_BLOCK,
     Allocation,
@@ -248,6 +248,7 @@ class JengaAllocator:
         salt: int = 0,
         use_cache: bool = True,
         match: PrefixMatch | None = None,
+        digests: Sequence[bytes] | None = None,
     ) -> int:
         """Register a request and claim its longest cached prefix; returns its length.
 
@@ -256,8 +257,11 @@ class JengaAllocator:
         (refcounted), not copied; no new memory is needed, so this never fails for room.
         ``match``: `prefix_match` of this same prompt, images and salt; while no call
         that can evict ran since (its ``epoch``), its hit and hashed prompt are adopted
-        instead of looking the prefix up again. Raises `DuplicateRequest`, `InvalidSize`
-        (empty prompt, > max_model_len, bad image).
+        instead of looking the prefix up again. ``digests``: the caller's chained block
+        digests when the allocator's identity has a ``digest_block_size`` (a list the
+        caller may extend later; only ``len(prompt)`` is read then, no token id is kept).
+        Raises `DuplicateRequest`, `InvalidSize` (empty prompt, > max_model_len, bad
+        image), `InvalidInput` (digests given to an allocator that hashes tokens).
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already live")
@@ -266,7 +270,7 @@ class JengaAllocator:
             assert match is not None
             hit, hit_blocks = (match.hit, match.tables) if use_cache else (0, [])
         else:
-            req = self._new_live(request_id, prompt, images, salt)
+            req = self._new_live(request_id, prompt, images, salt, digests)
             hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
         req.internal_id = self._next_internal
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
@@ -294,15 +298,28 @@ class JengaAllocator:
         prompt: Sequence[int] | np.ndarray,
         images: Sequence[ImageSpan],
         salt: int,
+        digests: Sequence[bytes] | None = None,
     ) -> LiveRequest:
         """A checked, unregistered `LiveRequest` for this prompt (no blocks yet)."""
-        prompt = checked_token_ids(prompt, f"request {request_id!r}: prompt", self._length_cap())
+        size = self.config.identity.digest_block_size
+        if size is None and digests is not None:
+            raise InvalidInput(
+                f"request {request_id!r}: block digests given, but this allocator hashes "
+                "token ids (BlockIdentity.digest_block_size is None)"
+            )
+        if size is None:
+            what = f"request {request_id!r}: prompt"
+            prompt = checked_token_ids(prompt, what, self._length_cap())
         salt = as_count(salt, f"request {request_id!r}: salt")
         if len(prompt) == 0:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
         spans = checked_images(images, len(prompt))
-        return LiveRequest(-1, TokenBuffer(prompt), spans, salt, self._hasher)
+        if size is None:
+            return LiveRequest(-1, TokenBuffer(prompt), spans, salt, self._hasher)
+        req = LiveRequest(-1, TokenCount(len(prompt)), spans, salt, self._hasher)
+        req.digests, req.digest_block_size = (digests if digests is not None else []), size
+        return req
 
     def _adopt(self, match: PrefixMatch | None, length: int, salt: int) -> LiveRequest | None:
         """The prompt state of ``match`` when it is still current (taken: used once)."""
@@ -441,23 +458,34 @@ class JengaAllocator:
         """Record generated token ids so their blocks can be hashed by `cache`."""
         req = self._request(request_id)
         what = f"request {request_id!r}: token_ids"
-        token_ids = checked_token_ids(token_ids, what, self._length_cap())
+        if req.digests is None:
+            token_ids = checked_token_ids(token_ids, what, self._length_cap())
         self._check_length(request_id, "tokens", len(req.tokens) + len(token_ids))
         req.tokens.extend(token_ids)
 
-    def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
+    def cache(
+        self,
+        request_id: Hashable,
+        num_computed_tokens: int,
+        *,
+        digests: Sequence[bytes] | None = None,
+    ) -> int:
         """Commit the hashes of blocks complete within ``num_computed_tokens``.
 
         Text groups commit every block whose tokens are all computed (Mamba: the state
         at each checkpoint); image groups commit an image once its last token is
-        computed. Returns the number of blocks newly entered in the hash index. Raises
-        `UnknownRequest`, `InvalidSize` (more tokens than allocated or known).
+        computed. Returns the number of blocks newly entered in the hash index.
+        ``digests``: the request's digests now (caller-named blocks; those past the last
+        digest wait for a later call). Raises `UnknownRequest`, `InvalidSize` (more
+        tokens than allocated or known).
         """
         req = self._request(request_id)
+        if digests is not None and req.digests is not None:
+            req.digests = digests
         num_computed_tokens = as_count(
             num_computed_tokens, f"request {request_id!r}: num_computed_tokens"
         )
-        known = min(req.num_tokens, len(req.tokens))
+        known = req.num_tokens if req.digests is not None else min(req.num_tokens, len(req.tokens))
         if num_computed_tokens < 0 or num_computed_tokens > known:
             raise InvalidSize(
                 f"request {request_id!r}: {num_computed_tokens} computed tokens, but only "
@@ -500,14 +528,12 @@ class JengaAllocator:
         stop = min(len(table), computed // t)
         if stop <= start:
             return 0
-        chain = req.chain(t)
-        chain.extend(req.tokens, stop * t, req.images)
+        hashes = req.identities(t, start, stop)
+        stop = start + len(hashes)  # the caller's digests may end sooner
+        if stop <= start:
+            return 0
         req.num_committed[g] = stop
-        return int(
-            self._core.commit_run(
-                g, table.view(start, stop), chain.hashes[start:stop], (start + 1) * t, t
-            )
-        )
+        return int(self._core.commit_run(g, table.view(start, stop), hashes, (start + 1) * t, t))
 
     def free(self, request_id: Hashable) -> MappingPlan:
         """Finish a request: hashed blocks stay cached (evictable), the rest are freed.
@@ -562,12 +588,12 @@ class JengaAllocator:
         *,
         images: Sequence[ImageSpan] = (),
         salt: int = 0,
+        digests: Sequence[bytes] | None = None,
     ) -> int:
         """Length of the longest cached prefix a new request with this prompt would hit."""
         if len(prompt) == 0:
             return 0
-        spans = checked_images(images, len(prompt))
-        req = LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
+        req = self._lookup_request(prompt, images, salt, digests)
         return self._match(req)[0]
 
     def match_prefix_junction(
@@ -576,6 +602,7 @@ class JengaAllocator:
         *,
         images: Sequence[ImageSpan] = (),
         salt: int = 0,
+        digests: Sequence[bytes] | None = None,
     ) -> tuple[int, int]:
         """(hit, junction): `match_prefix`, and the longest prefix valid in any one group.
 
@@ -587,10 +614,22 @@ class JengaAllocator:
         """
         if len(prompt) == 0:
             return 0, 0
-        spans = checked_images(images, len(prompt))
-        req = LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
+        req = self._lookup_request(prompt, images, salt, digests)
         hit, _, junction = self._match(req)
         return hit, junction
+
+    def _lookup_request(
+        self,
+        prompt: Sequence[int] | np.ndarray,
+        images: Sequence[ImageSpan],
+        salt: int,
+        digests: Sequence[bytes] | None,
+    ) -> LiveRequest:
+        """An unregistered request for a lookup (``digests``: as `add_request` takes them)."""
+        if digests is not None or self.config.identity.digest_block_size is not None:
+            return self._new_live("(prefix match)", prompt, images, salt, digests)
+        spans = checked_images(images, len(prompt))
+        return LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
 
     def prefix_match(
         self,
@@ -599,12 +638,13 @@ class JengaAllocator:
         images: Sequence[ImageSpan] = (),
         salt: int = 0,
         request_id: Hashable = "(prefix match)",
+        digests: Sequence[bytes] | None = None,
     ) -> PrefixMatch:
         """`match_prefix_junction` plus the hit's block tables, reusable by `add_request`
         (``match=``) so an engine that looks up and then admits hashes and matches once.
         No state changes. Raises `InvalidInput` / `InvalidSize` as `add_request` does
-        (``request_id`` names the request in their messages)."""
-        req = self._new_live(request_id, prompt, images, salt)
+        (``request_id`` names the request in their messages; ``digests`` as there)."""
+        req = self._new_live(request_id, prompt, images, salt, digests)
         hit, tables, junction = self._match(req)
         return PrefixMatch(hit, junction, tables, self._epoch, req)
 
@@ -625,10 +665,11 @@ class JengaAllocator:
             if policy.reads_images:
                 hashes = req.image_hashes(policy)
             else:
-                chain = req.chain(policy.tokens_per_block)
-                chain.extend(req.tokens, n, req.images)
-                hashes = chain.hashes
+                t = policy.tokens_per_block
+                hashes = req.identities(t, 0, n // t)
             found = self._core.lookup(g, hashes)
+            if not policy.reads_images and len(found) < n // t:  # the caller's digests end
+                found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
             lookups.append(found)
             mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
             if whole:

@@ -60,11 +60,19 @@ class BlockIdentity:
     in every process); other bytes key the digest (BLAKE2b: at most 64). ``short_key_bits``
     (64): bits of the identity the core's hash index keys by; fewer is a test hook that
     makes short-key collisions common (they are detected and never served either way).
+    ``digest_block_size`` (None): when set to H, text blocks are named by the caller's
+    own chained digests, one per H tokens (``digests=`` of `JengaAllocator.add_request`,
+    `prefix_match`, `cache`; an engine such as vLLM that hashes blocks already): a block
+    of ``t = m * H`` tokens takes the first 128 bits of the digest of its last H-block,
+    which chains over everything before (`digest_identities`). The allocator then hashes
+    no token and keeps no token ids (`TokenCount`); image groups still use
+    ``algorithm`` and ``key``.
     """
 
     algorithm: str = "blake2b"
     key: bytes | None = None
     short_key_bits: int = 64
+    digest_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in HASH_ALGORITHMS:
@@ -75,6 +83,9 @@ class BlockIdentity:
             raise InvalidInput(f"identity key must be bytes or None, got {type(self.key).__name__}")
         if self.algorithm == "blake2b" and self.key is not None and len(self.key) > 64:
             raise InvalidInput(f"a blake2b key has at most 64 bytes, got {len(self.key)}")
+        size = self.digest_block_size
+        if size is not None and (type(size) is not int or size <= 0):
+            raise InvalidInput(f"digest_block_size must be a positive int or None, got {size!r}")
         bits = self.short_key_bits
         if type(bits) is not int or not 0 <= bits <= 64:
             raise InvalidInput(f"short_key_bits must be an int in [0, 64], got {bits!r}")
@@ -246,6 +257,42 @@ class HashChain:
             out[b - first] = parent
             done = b + 1
         return out
+
+
+class TokenCount:
+    """A request's token count without its ids: the `IntBuffer` surface `LiveRequest`
+    uses when identities come from the caller (`BlockIdentity.digest_block_size`)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def extend(self, values: Sequence[int] | np.ndarray) -> None:
+        self.size += len(values)
+
+
+def digest_identities(
+    digests: Sequence[bytes], digest_block_size: int, tokens_per_block: int, first: int, stop: int
+) -> np.ndarray:
+    """Identities ``(k, 2)`` of blocks ``first..first + k`` named by the caller's chained
+    digests (one per ``digest_block_size`` tokens): the first 16 bytes of each block's
+    last digest. ``k <= stop - first``: naming stops at the first block whose digest the
+    caller has not produced, and a block size no multiple of the digests' names nothing.
+    """
+    per_block, rest = divmod(tokens_per_block, digest_block_size)
+    stop = min(stop, len(digests) // per_block) if per_block and not rest else first
+    if stop <= first:
+        return no_identities()
+    picked = [digests[(i + 1) * per_block - 1] for i in range(first, stop)]
+    if any(len(d) < 16 for d in picked):
+        short = min(len(d) for d in picked)
+        raise InvalidInput(f"a block digest needs at least 16 bytes, got one of {short}")
+    data = b"".join([bytes(d[:16]) for d in picked])
+    return np.frombuffer(data, dtype=np.uint64).reshape(-1, 2)
 
 
 def image_block_hashes(

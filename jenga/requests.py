@@ -35,7 +35,14 @@ from jenga import _core
 from jenga.errors import InvalidSize
 from jenga.plan import MappingPlan
 from jenga.policies import Policy
-from jenga.prefix import HashChain, IntBuffer, image_block_hashes, no_identities
+from jenga.prefix import (
+    HashChain,
+    IntBuffer,
+    TokenCount,
+    digest_identities,
+    image_block_hashes,
+    no_identities,
+)
 
 NULL_BLOCK = -1
 """Block-table entry of a block the request released (out of the window, an old Mamba state)."""
@@ -86,7 +93,7 @@ class LiveRequest:
     """One request as the allocator tracks it (see the module note)."""
 
     internal_id: int
-    tokens: IntBuffer
+    tokens: IntBuffer | TokenCount  # a count only when the caller names blocks
     images: tuple[ImageSpan, ...]
     salt: int
     hasher: _core.BlockHasher  # the allocator's (`jenga.prefix.BlockIdentity`)
@@ -101,6 +108,9 @@ class LiveRequest:
     first_live: list[int] = field(default_factory=list)  # entries below are NULL_BLOCK
     num_committed: list[int] = field(default_factory=list)  # leading blocks offered to index
     chains: dict[int, HashChain] = field(default_factory=dict)  # tokens_per_block -> chain
+    # the caller's chained digests, one per `digest_block_size` tokens (None: hash tokens)
+    digests: Sequence[bytes] | None = None
+    digest_block_size: int = 0
 
     def skipped(self, g: int, policy: Policy, length: int) -> tuple[np.ndarray, int]:
         """Group g's blocks the request no longer reads at ``length`` (a state kind:
@@ -146,6 +156,17 @@ class LiveRequest:
             else:
                 held = min(held, limit if limit >= cur else cur - 1)
         self.quiet_until, self.held_until = quiet, held
+
+    def identities(self, tokens_per_block: int, start: int, stop: int) -> np.ndarray:
+        """Identities of text blocks ``start..`` (at most ``stop``) of ``tokens_per_block``
+        tokens: the caller's digests when it names blocks (fewer where they end), else
+        the request's hash chain over its tokens (extended as needed)."""
+        if self.digests is not None:
+            t, size = tokens_per_block, self.digest_block_size
+            return digest_identities(self.digests, size, t, start, stop)
+        chain = self.chain(tokens_per_block)
+        chain.extend(self.tokens, stop * tokens_per_block, self.images)  # type: ignore[arg-type]
+        return chain.hashes[start:stop]
 
     def chain(self, tokens_per_block: int) -> HashChain:
         """The request's hash chain for blocks of ``tokens_per_block`` (shared by groups)."""

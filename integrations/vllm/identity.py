@@ -1,36 +1,36 @@
-"""Block identity is vLLM's: the request's own ``block_hashes`` decide what may be shared.
+"""Block identity is vLLM's: the request's own ``block_hashes`` name its blocks in the core.
 
 Rationale
     vLLM puts into every block's identity the LoRA adapter, the prompt embeddings,
     multimodal features and the cache salt, hashed with the configured
-    ``prefix_caching_hash_algo`` (sha256 by default). The jenga core indexes blocks by a
-    64-bit key it derives from token ids, a per-request salt and image identities, so on
-    its own it would share KV between requests vLLM keeps apart (two LoRA adapters,
-    two prompt-embeds requests with their all-zero token ids), and a 64-bit collision
-    could serve another prompt's KV.
+    ``prefix_caching_hash_algo`` (sha256 by default), and it computes those digests for
+    every request anyway. Hashing the tokens a second time (the core's own BLAKE2b
+    chain) and checking one identity against the other cost more scheduler time than
+    vLLM's whole manager; and only vLLM's digest knows what vLLM keeps apart (two LoRA
+    adapters, two prompt-embeds requests with their all-zero token ids).
 
 Approach
-    - The core's key is only a *short* key: `request_salt` folds what the token ids do
-      not carry (cache salt, LoRA name, and for prompt-embeds requests the first block's
-      vLLM digest) into the root of the core's hash chain, so requests vLLM keeps apart
-      rarely even meet in the index.
-    - The *full* identity is vLLM's digest. `DigestRegistry` records, for every block
-      the manager commits, the vLLM digest of that block (``block_hashes`` at the hash
-      block size; a group with ``t = m * H`` tokens per block takes the digest of its
-      last ``H``-block, which chains over everything before). On a hit, every hit block
-      of every text group is checked against the request's own digest; one mismatch
-      (a short-key collision, or identity the short key does not carry) and the request
-      gets no hit at all — it computes its prefix, never reads the wrong KV.
-    - The registry is also the source of vLLM's KV events: a commit is a
-      ``BlockStored`` shaped as vLLM's (one per group and commit, with LoRA, extra keys
-      and session id); a recorded block whose id is handed out again (evicted) or whose
-      page is unmapped is a ``BlockRemoved``.
+    - The manager's allocator names text blocks by vLLM's digests
+      (`jenga.prefix.BlockIdentity.digest_block_size` = the hash block size): a group
+      with ``t = m * H`` tokens per block takes the digest of its last ``H``-block, which
+      chains over everything before. The core indexes 64 bits of it and compares 128 on
+      every hit, so there is one hash per block (vLLM's) and no second registry to check;
+      a lookup stops at the first digest the core never committed, as vLLM's does.
+    - `request_salt` still folds cache salt, LoRA name and prompt-embeds into the salt of
+      the groups the core keys itself (cross-attention image blocks).
+    - `DigestRegistry` exists for vLLM's KV events only (``enable_kv_cache_events``):
+      a commit is a ``BlockStored`` shaped as vLLM's (one per group and commit, with
+      LoRA, extra keys and session id), built from the request's digests at commit
+      time; the digest of each such block is kept so that a recorded block whose id is
+      handed out again (evicted) or whose page is unmapped becomes a ``BlockRemoved``.
+      With events off nothing is recorded per block.
 
 Limitations
     A request without ``block_hashes`` (prefix caching off in vLLM, or a test building
-    `Request` s without a hasher) never gets a hit: nothing can be verified. Groups whose
-    block size is not a multiple of the hash block size, and cross-attention (encoder)
-    groups, are keyed by the core alone (vLLM does not cache cross-attention at all).
+    `Request` s without a hasher) never gets a hit and commits nothing. Groups whose
+    block size is not a multiple of the hash block size name no block (vLLM refuses
+    such prefix-cacheable groups); cross-attention (encoder) groups are keyed by the
+    core (vLLM does not cache cross-attention at all).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from jenga.allocator import NULL_BLOCK
 from jenga.specs import Kind
 
 from integrations.vllm.compat import (
@@ -78,32 +77,12 @@ def request_salt(request: Request) -> int:
     return stable_int(b"\0".join(parts)) if parts else 0
 
 
-PLACEHOLDER_IDS = 1 << 40
-"""Core token id of vLLM placeholder id -1 (then -2 → this + 1, ...): above every vocabulary."""
-
-
-def core_token_ids(request: Request, tokens: Any) -> Any:
-    """``tokens`` of ``request`` as the jenga core takes them (ids >= 0).
-
-    vLLM's manager never reads token ids; multimodal and prompt-embeds requests may carry
-    placeholder ids (vLLM's own tests use -1 for image positions). For such requests a
-    negative id ``v`` becomes ``PLACEHOLDER_IDS - 1 - v``: keyed apart from every real id,
-    and the block's identity stays vLLM's digest (`DigestRegistry.verify`). Any other
-    request's ids go to the core unchanged, which refuses a negative id (`InvalidInput`).
-    """
-    placeholders = getattr(request, "mm_features", None) or (
-        getattr(request, "prompt_embeds", None) is not None
-    )
-    if not placeholders or len(tokens) == 0 or min(tokens) >= 0:
-        return tokens
-    return [t if t >= 0 else PLACEHOLDER_IDS - 1 - t for t in tokens]
-
-
 class DigestRegistry:
-    """vLLM digest of every block the manager committed, per (group, allocator block id).
+    """vLLM's KV events: ``BlockStored`` per commit, ``BlockRemoved`` per block whose
+    content goes, from the digest recorded per (group, allocator block id).
 
     Invariant: an entry exists only for a block committed to the core's index by this
-    manager and not handed out again or unmapped since.
+    manager while events are on, and not handed out again or unmapped since.
     """
 
     def __init__(self, layout: JengaLayout, hash_block_size: int, events: bool) -> None:
@@ -126,20 +105,6 @@ class DigestRegistry:
         hashes = getattr(request, "block_hashes", None) or ()
         index = (block + 1) * span - 1
         return bytes(hashes[index]) if span and index < len(hashes) else None
-
-    def verify(self, request: Request, tables: list[list[int]]) -> bool:
-        """True when every recorded hit block carries this request's own digest."""
-        for g, table in enumerate(tables):
-            if not self.span[g]:
-                continue
-            known = self.digest[g]
-            for i, block in enumerate(table):
-                if block == NULL_BLOCK:
-                    continue
-                want = self.digest_of(request, g, i)
-                if want is None or known.get(block) != want:
-                    return False
-        return True
 
     def record(
         self, request: Request, group: int, blocks: dict[int, int], start: int, stop: int

@@ -73,9 +73,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
 from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage, plan_from_keys
 from jenga.specs import Kind
@@ -91,7 +91,6 @@ from integrations.vllm.compat import (
 from integrations.vllm.coordinator import CoordinatorView
 from integrations.vllm.identity import (
     DigestRegistry,
-    core_token_ids,
     request_salt,
     stable_int,
 )
@@ -123,6 +122,7 @@ class JengaKVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(layout.groups)
+        self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._tokens_known: dict[Hashable, int] = {}
@@ -144,13 +144,12 @@ class JengaKVCacheManager:
         self._slots = self._new_slots()
         self._events: list[KVCacheEvent] = []
         self.kv_cache_config = kv_cache_config
-        self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
         self.enable_kv_cache_events = enable_kv_cache_events
         self._num_hit_blocks: dict[Hashable, list[int]] = {}  # per group, at admission
         # the last lookup (request id, match), adopted by that request's admission
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
-        self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded
+        self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded (events)
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
 
     @property
@@ -257,15 +256,14 @@ class JengaKVCacheManager:
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         match = self.allocator.prefix_match(
-            _token_array(core_token_ids(request, request.all_token_ids)),
+            request.all_token_ids,
             images=self._images(request),
             salt=request_salt(request),
             request_id=request.request_id,
+            digests=_digests(request),
         )
         self._last_match = (request.request_id, match)  # `_admit` adopts it
         hit, junction = match.hit, match.junction
-        if hit and not self.identity.verify(request, match.tables):
-            return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is not None and hit > max_cache_hit_length:
             # a shorter hit valid in every group is not derived here: compute it all
             return self.empty_kv_cache_blocks, 0, 0
@@ -376,9 +374,10 @@ class JengaKVCacheManager:
         got = self.allocator.grow(request.request_id, need, release_upto=processed)
         if got is None:
             return None
-        for g, blocks in enumerate(got):
-            if blocks and self.identity.digest[g]:
-                self.identity.forget(g, blocks)  # a recorded block handed out again
+        if self.identity.events_on:
+            for g, blocks in enumerate(got):
+                if blocks and self.identity.digest[g]:
+                    self.identity.forget(g, blocks)  # a recorded block handed out again
         return got
 
     def _new_slots(self) -> SharedSlots | None:
@@ -388,17 +387,22 @@ class JengaKVCacheManager:
         return SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
 
     def _new_allocator(self) -> JengaAllocator:
-        """The layout's allocator, its plan ops handed straight to `_apply_plan_keys`."""
-        allocator = self.layout.new_allocator()
+        """The layout's allocator, naming text blocks by vLLM's own digests (one per
+        ``hash_block_size`` tokens: one hash per block, vLLM's), its plan ops handed
+        straight to `_apply_plan_keys`."""
+        config = self.layout.allocator_config
+        identity = replace(config.identity, digest_block_size=self.hash_block_size)
+        allocator = JengaAllocator(replace(config, identity=identity))
         allocator.plan_sink = self._apply_plan_keys
         return allocator
 
     def _apply_plan_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
         """The allocator's ops as they happen: unmapped pages lose their identity, slots
         move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued."""
-        for kind, group, page, _ in keys:
-            if kind == OP_UNMAP:
-                self.identity.forget_page(group, page)
+        if self.identity.events_on:
+            for kind, group, page, _ in keys:
+                if kind == OP_UNMAP:
+                    self.identity.forget_page(group, page)
         if self._slots is not None:
             self._slots.apply_keys(keys)
         if self._queue_plans:
@@ -409,7 +413,7 @@ class JengaKVCacheManager:
         if not plan:
             return
         for op in plan.ops:
-            if isinstance(op, UnmapPage):
+            if isinstance(op, UnmapPage) and self.identity.events_on:
                 self.identity.forget_page(op.group, op.page)
         if self._slots is not None:
             self._slots.apply(plan)
@@ -418,7 +422,7 @@ class JengaKVCacheManager:
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
-        tokens = core_token_ids(request, request.all_token_ids)
+        tokens = request.all_token_ids
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
         last, self._last_match = self._last_match, None
         hit = self.allocator.add_request(
@@ -428,6 +432,7 @@ class JengaKVCacheManager:
             salt=request_salt(request),
             use_cache=use_cache,
             match=last[1] if last is not None and last[0] == rid else None,
+            digests=_digests(request),
         )
         if hit != num_new_computed_tokens:
             self.allocator.free(rid)
@@ -436,10 +441,11 @@ class JengaKVCacheManager:
                 f"tokens but the allocator's hit is {hit}"
             )
         self._tokens_known[rid] = len(tokens)
-        self._recorded[rid] = [
-            sum(1 for b in self.allocator.block_table(rid, g) if b != NULL_BLOCK)
-            for g in range(self.num_kv_cache_groups)
-        ]
+        if self.identity.events_on:
+            self._recorded[rid] = [
+                sum(1 for b in self.allocator.block_table(rid, g) if b != NULL_BLOCK)
+                for g in range(self.num_kv_cache_groups)
+            ]
         self.counters["requests.admitted"] += 1
         self.counters["prefix.hit_tokens"] += hit
 
@@ -478,17 +484,16 @@ class JengaKVCacheManager:
         rid = request.request_id
         if num_computed_tokens < self._next_cache.get(rid, 0):
             return  # no block of any group completes before then: tokens are handed later
-        known = self._tokens_known[rid]
-        tokens = request.all_token_ids
         # only computed tokens: a sampled token not yet computed may still be replaced
-        # (streaming-input sessions drop the chunk's last sampled token)
-        upto = min(len(tokens), num_computed_tokens)
-        if upto > known:
-            self.allocator.append_tokens(rid, core_token_ids(request, tokens[known:upto]))
+        # (streaming-input sessions drop the chunk's last sampled token); the allocator
+        # names blocks by the request's digests, so no token id is handed over
+        upto = min(request.num_tokens, num_computed_tokens)
+        if upto > self._tokens_known[rid]:
             self._tokens_known[rid] = upto
         limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
         computed = max(0, min(num_computed_tokens, limit))
-        if self.allocator.cache(rid, computed):
+        added = self.allocator.cache(rid, computed, digests=_digests(request))
+        if added and self.identity.events_on:
             self._record(request, computed)
         if self._cache_step:
             self._next_cache[rid] = (computed // self._cache_step + 1) * self._cache_step
@@ -662,7 +667,7 @@ class JengaKVCacheManager:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
 
 
-def _token_array(tokens: Sequence[int]) -> np.ndarray:
-    """vLLM's token ids (Python ints) as one int64 array, converted in one pass (the
-    allocator then checks the array, not each item)."""
-    return np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+def _digests(request: Request) -> Sequence[bytes]:
+    """The request's vLLM block digests (``block_hashes``; none without a hasher)."""
+    hashes: Sequence[bytes] | None = getattr(request, "block_hashes", None)
+    return () if hashes is None else hashes

@@ -122,3 +122,80 @@ def test_allocator_with_full_short_keys_hits_as_before(algorithm: str):
     assert alloc.match_prefix([*prompt[:4], 99, 99, 99]) == 4
     stats = alloc.stats()
     assert stats["prefix.identity_collisions"] == stats["prefix.identity_mismatches"] == 0
+
+
+# -- blocks named by the caller's digests (BlockIdentity.digest_block_size) ---------------
+def _digest_chain(tokens: list[int], size: int, salt: bytes = b"") -> list[bytes]:
+    """A caller's chained 32-byte digests, one per ``size`` tokens (as vLLM's)."""
+    import hashlib
+
+    out: list[bytes] = []
+    parent = salt
+    for i in range(len(tokens) // size):
+        parent = hashlib.sha256(parent + repr(tokens[i * size : (i + 1) * size]).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def _digest_allocator(bits: int = 64) -> JengaAllocator:
+    groups = (  # 2-token blocks: one digest each; 4-token blocks: the second of two
+        GroupConfig("full", Kind.FULL, 2, 4, 1),
+        GroupConfig("wide", Kind.FULL, 4, 4, 1),
+    )
+    identity = BlockIdentity(short_key_bits=bits, digest_block_size=2)
+    return JengaAllocator(AllocatorConfig(groups, 64, identity=identity))
+
+
+def test_caller_digests_name_blocks_and_hits_stop_where_they_end() -> None:
+    alloc = _digest_allocator()
+    prompt = list(range(17))
+    digests = _digest_chain(prompt, 2)
+    assert alloc.add_request("a", prompt, digests=digests) == 0
+    assert alloc.allocate("a", 17) is not None
+    assert alloc.cache("a", 17) == 8 + 4
+    assert alloc.match_prefix(prompt, digests=digests) == 16
+    assert alloc.match_prefix(prompt, digests=digests[:5]) == 8  # wide: 2 blocks named
+    assert alloc.match_prefix(prompt, digests=digests[:3]) == 4
+    forged = list(digests)
+    forged[5] = bytes(32)  # never committed: the hit stops before it
+    assert alloc.match_prefix(prompt, digests=forged) == 8
+    salted = _digest_chain(prompt, 2, salt=b"lora-1")  # same tokens, another identity
+    assert alloc.match_prefix(prompt, digests=salted) == 0
+    assert alloc.match_prefix(prompt) == 0  # no digests: nothing named
+    alloc.check_invariants(True)
+
+
+def test_caller_digests_colliding_in_the_short_key_are_never_served() -> None:
+    alloc = _digest_allocator(bits=0)  # every identity has short key 0
+    prompt = list(range(9))
+    alloc.add_request("a", prompt, digests=_digest_chain(prompt, 2))
+    assert alloc.allocate("a", 9) is not None
+    assert alloc.cache("a", 8) == 2  # one block per group: the rest collide in the index
+    before = alloc.stats()["prefix.identity_mismatches"]
+    assert alloc.match_prefix(prompt, digests=_digest_chain(prompt, 2, salt=b"x")) == 0
+    assert alloc.stats()["prefix.identity_mismatches"] >= before + 2  # found, refused
+
+
+def test_caller_digests_commit_only_blocks_whose_digest_exists() -> None:
+    alloc = _digest_allocator()
+    prompt = list(range(12))
+    digests: list[bytes] = []  # the caller's list, filled later (vLLM appends in place)
+    alloc.add_request("a", prompt, digests=digests)
+    assert alloc.allocate("a", 12) is not None
+    assert alloc.cache("a", 12) == 0
+    digests.extend(_digest_chain(prompt, 2)[:3])
+    assert alloc.cache("a", 12) == 3 + 1  # 3 small blocks, 1 wide one
+    assert alloc.cache("a", 12, digests=_digest_chain(prompt, 2)) == 3 + 2
+    assert alloc.match_prefix([*prompt, 0], digests=_digest_chain(prompt, 2)) == 12
+    alloc.check_invariants(True)
+
+
+def test_caller_digests_are_checked() -> None:
+    from jenga.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="digests given, but this allocator hashes"):
+        _allocator(64).add_request("a", [1, 2, 3], digests=[bytes(32)])
+    with pytest.raises(InvalidInput, match="at least 16 bytes, got one of 8"):
+        _digest_allocator().match_prefix([1, 2, 3], digests=[bytes(8)])
+    with pytest.raises(InvalidInput, match="digest_block_size must be a positive int"):
+        BlockIdentity(digest_block_size=0)

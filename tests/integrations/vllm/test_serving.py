@@ -128,23 +128,36 @@ def test_same_tokens_with_a_different_identity_never_share(model_dir: Path, vari
     assert _hit(manager, make("other", 1)) == 0
 
 
-def test_a_forced_collision_of_the_short_key_is_detected(
+def test_blocks_are_named_by_vllms_digests_never_shared_across_lora_or_salt(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two adapters whose short keys collide: the core finds the block, the full vLLM
-    digest refuses it, and the request gets no hit instead of another's KV."""
+    """The core indexes vLLM's own digests: the same tokens under another LoRA adapter or
+    cache salt are other blocks even with the core's salt forced equal (old: the core
+    keyed token ids and salt, and a Python registry re-checked vLLM's digest)."""
     manager = _scheduler(model_dir).kv_cache_manager
     import integrations.vllm.manager as manager_module
 
-    # force it (main's manager keyed by token ids and salt alone: a natural collision)
     monkeypatch.setattr(manager_module, "request_salt", lambda request: 0, raising=False)
     a = _request("a", PROMPT, lora_request=compat.lora_request("ad0", 1))
     b = _request("b", PROMPT, lora_request=compat.lora_request("ad1", 2))
+    c = _request("c", PROMPT, cache_salt="tenant")
     _run(manager, a)
-    match, _ = manager.allocator.match_prefix_junction(PROMPT)
-    assert match == 96  # the short keys collide...
-    assert _hit(manager, b) == 0  # ...and the digest check catches it
-    assert _hit(manager, _request("c", PROMPT, lora_request=compat.lora_request("ad0", 1))) == 96
+    match = manager.allocator.match_prefix
+    assert match(PROMPT, digests=a.block_hashes) == 96
+    assert match(PROMPT, digests=b.block_hashes) == match(PROMPT, digests=c.block_hashes) == 0
+    assert _hit(manager, b) == _hit(manager, c) == 0
+    assert _hit(manager, _request("d", PROMPT, lora_request=compat.lora_request("ad0", 1))) == 96
+
+
+def test_a_hit_stops_at_the_first_digest_never_committed(model_dir: Path) -> None:
+    """A lookup ends where the request's digests end or differ, as vLLM's does."""
+    manager = _scheduler(model_dir).kv_cache_manager
+    first = _request("a", PROMPT)
+    _run(manager, first)
+    assert manager.allocator.match_prefix(PROMPT, digests=first.block_hashes[:2]) == 2 * BLOCK
+    forged = list(first.block_hashes)
+    forged[3] = bytes(32)  # a digest the core never committed: the hit stops before it
+    assert manager.allocator.match_prefix(PROMPT, digests=forged) == 3 * BLOCK
 
 
 def test_identity_salt_folds_what_token_ids_do_not_carry() -> None:
@@ -175,8 +188,8 @@ def test_a_replaced_sampled_token_never_enters_the_cache(model_dir: Path) -> Non
     manager.cache_blocks(session, 48)
     manager.free(session)
     stale = [3] * 31 + [999] + [4] * 18
-    assert manager.allocator.match_prefix_junction(stale)[0] == BLOCK
-    assert manager.allocator.match_prefix_junction([3] * 31 + [4] * 18)[0] == 3 * BLOCK
+    assert _hit(manager, _request("stale", stale)) == BLOCK
+    assert _hit(manager, _request("fresh", [3] * 31 + [4] * 18)) == 3 * BLOCK
 
 
 # -- 4. events, admission gate, retention, cache-creation metric ---------------------------
