@@ -143,18 +143,10 @@ class LiveRequest:
         for g, policy in enumerate(policies):
             n, first = len(self.tables[g]), self.first_live[g]
             if first < n:
-                limit = policy.last_length_first_live(first)
-                if limit is None:
-                    released = functools.partial(_first_live_within, policy, images, first)
-                    quiet = min(quiet, _last_true(released, cur, quiet))
-                else:
-                    quiet = min(quiet, limit if limit >= cur else cur - 1)
-            limit = policy.last_length_held(n)
-            if limit is None:
-                covered = functools.partial(_blocks_within, policy, images, n)
-                held = min(held, _last_true(covered, cur, held))
-            else:
-                held = min(held, limit if limit >= cur else cur - 1)
+                released = functools.partial(_first_live_within, policy, images, first)
+                quiet = _last_length(policy.last_length_first_live(first), released, cur, quiet)
+            covered = functools.partial(_blocks_within, policy, images, n)
+            held = _last_length(policy.last_length_held(n), covered, cur, held)
         self.quiet_until, self.held_until = quiet, held
 
     def identities(self, tokens_per_block: int, start: int, stop: int) -> np.ndarray:
@@ -216,6 +208,15 @@ def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageS
             )
         prev_end = im.end
     return spans
+
+
+def _last_length(limit: int | None, pred: Callable[[int], bool], cur: int, hi: int) -> int:
+    """min(``hi``, the last length >= ``cur - 1`` a nondecreasing-in-length condition
+    holds at): the policy's closed form ``limit`` when it has one, else a galloping
+    search of ``pred`` over ``[cur, hi]``."""
+    if limit is None:
+        return min(hi, _last_true(pred, cur, hi))
+    return min(hi, limit if limit >= cur else cur - 1)
 
 
 def _last_true(pred: Callable[[int], bool], lo: int, hi: int) -> int:

@@ -77,7 +77,7 @@ from dataclasses import replace
 from typing import Any
 
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
-from jenga.plan import OP_UNMAP, MappingPlan, UnmapPage, plan_from_keys
+from jenga.plan import OP_UNMAP, MappingPlan, plan_from_keys
 from jenga.specs import Kind
 
 from integrations.vllm.compat import (
@@ -340,7 +340,7 @@ class JengaKVCacheManager:
             if admitted:
                 self._release(rid)
             else:  # as vLLM: skipped blocks go even when the request cannot grow
-                self._queue_plan(self.allocator.release_skipped(rid, release_upto=processed))
+                self.allocator.release_skipped(rid, release_upto=processed)  # ops: the sink
             self.counters["requests.rejected"] += 1
             return None
         if self.enable_caching:
@@ -398,7 +398,9 @@ class JengaKVCacheManager:
 
     def _apply_plan_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
         """The allocator's ops as they happen: unmapped pages lose their identity, slots
-        move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued."""
+        move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued.
+        The one path for plan ops: with the sink set, `free` and `release_skipped`
+        return empty plans."""
         if self.identity.events_on:
             for kind, group, page, _ in keys:
                 if kind == OP_UNMAP:
@@ -407,18 +409,6 @@ class JengaKVCacheManager:
             self._slots.apply_keys(keys)
         if self._queue_plans:
             self._plans.append(plan_from_keys(keys))
-
-    def _queue_plan(self, plan: MappingPlan) -> None:
-        """Hand a plan to the worker queue and, on shared tensors, move slots now."""
-        if not plan:
-            return
-        for op in plan.ops:
-            if isinstance(op, UnmapPage) and self.identity.events_on:
-                self.identity.forget_page(op.group, op.page)
-        if self._slots is not None:
-            self._slots.apply(plan)
-        if self._queue_plans:
-            self._plans.append(plan)
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
         rid = request.request_id
@@ -470,7 +460,7 @@ class JengaKVCacheManager:
         )
 
     def _release(self, rid: Hashable) -> None:
-        self._queue_plan(self.allocator.free(rid))
+        self.allocator.free(rid)  # its plan ops went to `_apply_plan_keys`
         del self._tokens_known[rid]
         self._recorded.pop(rid, None)
         self._next_cache.pop(rid, None)
@@ -530,10 +520,7 @@ class JengaKVCacheManager:
     ) -> None:
         """Release the blocks out of the window as of ``processed_computed_tokens``."""
         if request_id in self._tokens_known:
-            plan = self.allocator.release_skipped(
-                request_id, release_upto=processed_computed_tokens
-            )
-            self._queue_plan(plan)
+            self.allocator.release_skipped(request_id, release_upto=processed_computed_tokens)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")
