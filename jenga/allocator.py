@@ -201,7 +201,7 @@ class JengaAllocator:
         self._clock = 0
         self._epoch = 0  # advanced by every call that may evict (stale `PrefixMatch`)
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
-        self._no_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in config.groups)
+        self.no_blocks = tuple(() for _ in config.groups)  # what `grow` gives when none is new
         self.plan_sink: Callable[[list[tuple[int, int, int, int]]], None] | None = None
         """When set, every call hands it the core's plan ops as ``(kind, group, page,
         reused_units)`` tuples (`jenga.plan.plan_from_keys`) and returns an empty plan: an
@@ -232,8 +232,7 @@ class JengaAllocator:
         return MAX_TOKENS if limit is None else limit
 
     def _check_length(self, request_id: Hashable, what: str, length: int) -> None:
-        limit = self.config.max_model_len
-        if limit is not None and length > limit:
+        if (limit := self.config.max_model_len) is not None and length > limit:
             raise InvalidSize(
                 f"request {request_id!r} {what}: {length} tokens exceed max_model_len {limit}"
             )
@@ -390,7 +389,8 @@ class JengaAllocator:
     ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], MappingPlan, int] | None:
         """`allocate`'s work: (new blocks, released blocks, plan, new length) or None."""
         req = self._request(request_id)
-        num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
+        if type(num_new_tokens) is not int:  # the message is built only when needed
+            num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
         if num_new_tokens <= 0:
             raise InvalidSize(
                 f"request {request_id!r}: num_new_tokens must be > 0, got {num_new_tokens}"
@@ -400,13 +400,13 @@ class JengaAllocator:
         upto = _release_length(request_id, old, release_upto)
         if old <= req.quiet_until and new <= req.held_until:
             req.num_tokens = new  # every slot is held and nothing leaves any window
-            return self._no_blocks, self._no_blocks, _EMPTY_PLAN, new
+            return self.no_blocks, self.no_blocks, _EMPTY_PLAN, new
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
-            return self._no_blocks, self._no_blocks, _EMPTY_PLAN, new
+            return self.no_blocks, self.no_blocks, _EMPTY_PLAN, new
         self._epoch += 1
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()

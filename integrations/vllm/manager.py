@@ -345,8 +345,8 @@ class JengaKVCacheManager:
             return None
         if self.enable_caching:
             self._cache(request, cache_upto)
-        if new_blocks is None:
-            return self.empty_kv_cache_blocks
+        if new_blocks is None or new_blocks is self.allocator.no_blocks:
+            return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         return self._blocks_of(new_blocks)
 
     def _reserves_room(self, rid: str, target: int, reserved_blocks: int) -> bool:
