@@ -62,7 +62,12 @@ from jenga.pages import (
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
 from integrations.kvcache.geometry import GroupGeometry
-from integrations.vllm.placement import GroupPlacement, PlacementError, place_group
+from integrations.vllm.placement import (
+    GroupPlacement,
+    PlacementError,
+    place_group,
+    pool_least_waste_chunks,
+)
 
 GEOMETRIES = ("per_group", "per_layer")
 """Where VMM pages place a group's blocks: one range per group, or one per layer."""
@@ -405,7 +410,7 @@ def build_layout(
     if options.page_geometry == "vllm":
         table, total_units = _vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
     elif options.geometry == "per_group":
-        placements = tuple(_place(g, options) for g in kv_groups)
+        placements = tuple(_place(g, options, memory) for g in kv_groups)
         table = _group_page_table(model, placements, options)
         total_units = _check_room(table, memory, options)
     else:
@@ -485,13 +490,14 @@ def _vmm_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tupl
     return table, _check_room(table, memory, options)
 
 
-def _place(group: KVGroup, options: JengaVllmOptions) -> GroupPlacement:
+def _place(group: KVGroup, options: JengaVllmOptions, memory: int) -> GroupPlacement:
     try:
         return place_group(
             group.spec.page_bytes,
             group.num_layers,
             options.chunk_bytes,
             epsilon=options.page_epsilon,
+            least_waste_chunks=pool_least_waste_chunks(memory, options.chunk_bytes),
         )
     except PlacementError as exc:
         raise JengaVllmError(f"group {group.name!r}: {exc}") from exc
