@@ -44,6 +44,7 @@ from typing import Any
 from vmm.bench.stats import percentile
 
 from integrations.vllm.harness import cases, replay
+from integrations.vllm.harness.pinning import PinningTally, chunk_pinning
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class Row:
     sched_cpu_p90_ms: float = 0.0  # p90 over reps
     cpu_vs_vllm: float = 0.0  # median over reps of sched_cpu_ms / vLLM's (0: no vLLM row)
     block_size: int = 16  # attention block (tokens) the manager ran with
+    single_pinned: float = 0.0  # ours on VMM: share of mapped chunk-steps on 1-live-block pages
+    packable: float = 0.0  # ours on VMM: share of mapped chunk-steps packing would free
 
 
 MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-layer")
@@ -139,19 +142,27 @@ def run_case(
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
     row = summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
-    return replace(row, block_size=setup.block_size)
+    pins = peak.pinning
+    return replace(
+        row,
+        block_size=setup.block_size,
+        single_pinned=pins.single_pinned_fraction,
+        packable=pins.packable_fraction,
+    )
 
 
 class PeakCommitted:
     """``after_step`` hook: the most physical bytes the run commits.
 
     Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
-    after each step, at its peak. vLLM's manager and ours on vLLM's tensors: the whole
-    KV buffer vLLM allocates up front.
+    after each step, at its peak, and the chunk pinning of every step (`pinning`).
+    vLLM's manager and ours on vLLM's tensors: the whole KV buffer vLLM allocates up
+    front (no pinning figures).
     """
 
     def __init__(self, scheduler: Any, manager: str) -> None:
         self.kv = scheduler.kv_cache_manager
+        self.pinning = PinningTally()
         self.on_vmm = manager.startswith("jenga-vmm")
         if self.on_vmm:
             self.bytes = 0
@@ -160,10 +171,12 @@ class PeakCommitted:
 
             self.bytes = kv_cache_memory_bytes(scheduler.kv_cache_config)
 
-    def __call__(self, _scheduler: Any, _out: Any) -> None:
+    def __call__(self, scheduler: Any, _out: Any) -> None:
         if self.on_vmm:
-            used = self.kv.allocator.usage().used_units * self.kv.layout.options.chunk_bytes
-            self.bytes = max(self.bytes, used)
+            running = [r.request_id for r in scheduler.running]
+            mapped, single, packable = chunk_pinning(self.kv, running)
+            self.pinning.add(mapped, single, packable)
+            self.bytes = max(self.bytes, mapped * self.kv.layout.options.chunk_bytes)
 
 
 def summarize(
@@ -260,6 +273,8 @@ def format_table(rows: list[Row]) -> str:
         "cpu ms",
         "cpu p90",
         "cpu/vllm",
+        "1-pinned",
+        "packable",
     )
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
@@ -279,6 +294,8 @@ def format_table(rows: list[Row]) -> str:
             r.sched_cpu_ms,
             r.sched_cpu_p90_ms,
             r.cpu_vs_vllm,
+            r.single_pinned if r.manager.startswith("jenga-vmm") else "-",
+            r.packable if r.manager.startswith("jenga-vmm") else "-",
         )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
@@ -297,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--question-tokens", type=int, default=200)
+    parser.add_argument("--system-tokens", type=int, default=512, help="shared by all")
+    parser.add_argument(
+        "--topics", type=int, default=8, help="topic prefixes (256 tokens), one per request in N"
+    )
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
     parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
     parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
@@ -306,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     workload = Workload(
-        requests=args.requests, output_tokens=args.output, question_tokens=args.question_tokens
+        requests=args.requests,
+        output_tokens=args.output,
+        question_tokens=args.question_tokens,
+        system_tokens=args.system_tokens,
+        topics=args.topics,
     )
     longest = workload.system_tokens + workload.topic_tokens + args.question_tokens + args.output
     setup = replay.SchedulerSetup(

@@ -105,3 +105,26 @@ def test_reps_alternate_managers_and_report_thread_cpu(model_dir: Path) -> None:
     assert by["jenga"].steps == by["vllm"].steps
     with pytest.raises(ValueError, match="reps must be >= 1"):
         compare(model_dir, ["llama"], 256, Workload(requests=8), SETUP, ("vllm",), reps=0)
+
+
+@pytest.mark.parametrize(
+    ("case", "system_tokens"), [("qwen3-next-80b", 512), ("jamba-1.5-mini", 64)]
+)
+def test_mamba_hybrids_hit_a_prefix_shorter_than_vllms_gpu_block(
+    model_dir: Path, case: str, system_tokens: int
+) -> None:
+    """Issue 13's Mamba bar: vLLM at the block size its own config code picks on a GPU
+    (544 tokens for Qwen3-Next, 80 for Jamba; `cases.vllm_gpu_block_size`) cannot hit a
+    shared system prompt shorter than one block; ours, at 16-token blocks beside unpadded
+    states, hits it in every sibling and runs more requests per step."""
+    workload = Workload(
+        requests=16, system_tokens=system_tokens, topics=16, question_tokens=600, output_tokens=16
+    )
+    setup = replace(SETUP, max_model_len=4096)
+    rows = compare(model_dir, [case], 4096, workload, setup, ("vllm", "jenga-vmm"))
+    by = {r.manager: r for r in rows}
+    ours, theirs = by["jenga-vmm"], by["vllm"]
+    assert theirs.block_size > system_tokens and ours.block_size == 16
+    assert theirs.hit_tokens == 0
+    assert ours.hit_tokens >= (workload.requests - 2) * (system_tokens // 16 * 16)
+    assert ours.avg_running > theirs.avg_running
