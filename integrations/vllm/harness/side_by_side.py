@@ -301,7 +301,7 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--cases",
@@ -325,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reps", type=int, default=1, help="rounds per case, managers alternating (CPU: median)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     workload = Workload(
         requests=args.requests,
         output_tokens=args.output,
