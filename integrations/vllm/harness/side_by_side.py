@@ -111,6 +111,7 @@ def run_case(
     manager: str,
     setup: replay.SchedulerSetup,
     window: int = 64,
+    trace: list[dict[str, Any]] | None = None,
 ) -> Row:
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
@@ -128,7 +129,7 @@ def run_case(
     specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
-    peak = PeakCommitted(scheduler, manager)
+    peak = PeakCommitted(scheduler, manager, trace)
     prompts = workload.prompts()
     half = len(prompts) // 2
     outputs = [workload.output_tokens] * len(prompts)
@@ -160,8 +161,11 @@ class PeakCommitted:
     front (no pinning figures).
     """
 
-    def __init__(self, scheduler: Any, manager: str) -> None:
+    def __init__(
+        self, scheduler: Any, manager: str, trace: list[dict[str, Any]] | None = None
+    ) -> None:
         self.kv = scheduler.kv_cache_manager
+        self.trace = trace
         self.pinning = PinningTally()
         self.on_vmm = manager.startswith("jenga-vmm")
         if self.on_vmm:
@@ -171,12 +175,37 @@ class PeakCommitted:
 
             self.bytes = kv_cache_memory_bytes(scheduler.kv_cache_config)
 
-    def __call__(self, scheduler: Any, _out: Any) -> None:
+    def __call__(self, scheduler: Any, out: Any) -> None:
+        step: dict[str, Any] = {}
         if self.on_vmm:
             running = [r.request_id for r in scheduler.running]
             mapped, single, packable = chunk_pinning(self.kv, running)
             self.pinning.add(mapped, single, packable)
             self.bytes = max(self.bytes, mapped * self.kv.layout.options.chunk_bytes)
+            step = {"mapped_chunks": mapped, "single_pinned": single, "packable": packable}
+        if self.trace is not None:
+            self.trace.append(_trace_step(scheduler, out) | step)
+
+
+def _trace_step(scheduler: Any, out: Any) -> dict[str, Any]:
+    """One step of ``--trace``: the scheduler's queues and the manager's free memory."""
+    step = {
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "preempted": len(out.preempted_req_ids or ()),
+        "admitted": len(out.scheduled_new_reqs),
+        "tokens": sum(out.num_scheduled_tokens.values()),
+    }
+    kv = scheduler.kv_cache_manager
+    if hasattr(kv, "allocator"):  # ours: free units (chunks or slots), blocks per group
+        use = kv.allocator.usage()
+        return step | {
+            "free_units": use.free_units,
+            "used_blocks": list(use.used_blocks),
+            "cached_blocks": list(use.cached_blocks),
+            "free_blocks": list(use.free_blocks),
+        }
+    return step | {"free_blocks": kv.block_pool.get_num_free_blocks()}  # vLLM: incl. cached
 
 
 def summarize(
@@ -216,6 +245,7 @@ def compare(
     managers: tuple[str, ...] = MANAGERS,
     window: int = 64,
     reps: int = 1,
+    traces: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[Row]:
     """One row per case and manager; with ``reps`` > 1 every case runs ``reps`` rounds,
     each round every manager once (the order rotating), and the CPU columns are the
@@ -237,6 +267,9 @@ def compare(
                         manager=manager,
                         setup=setup,
                         window=window,
+                        trace=None
+                        if traces is None or r
+                        else traces.setdefault(f"{case}/{manager}", []),
                     )
                 )
         rows += [_over_reps(got, runs.get("vllm")) for got in runs.values()]
@@ -323,6 +356,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write per-step records (queues, preemptions, free memory, pinning) here",
+    )
+    parser.add_argument(
         "--reps", type=int, default=1, help="rounds per case, managers alternating (CPU: median)"
     )
     return parser
@@ -344,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=2048,
         jenga_options={"order": args.order},
     )
+    traces: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
         rows = compare(
@@ -355,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             tuple(args.managers),
             window=args.window,
             reps=args.reps,
+            traces=None if args.trace is None else traces,
         )
     print(format_table(rows))
     if args.json is not None:
@@ -366,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [asdict(r) for r in rows],
         }
         args.json.write_text(json.dumps(payload, indent=2))
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(traces))
     return 0
 
 

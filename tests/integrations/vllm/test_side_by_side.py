@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -144,3 +145,22 @@ def test_chunk_pinning_is_measured_and_pinned_order_packs_tighter(model_dir: Pat
     for row in (loose, tight):
         assert 0.0 < row.single_pinned < 1.0 and 0.0 < row.packable < 1.0
     assert tight.packable < loose.packable
+
+
+def test_trace_writes_one_record_per_step(tmp_path: Path) -> None:
+    """`--trace FILE`: per case and manager, one record per scheduler step (queues,
+    preemptions, free memory; pinning for ours on VMM pages) — the diagnosis tool."""
+    from integrations.vllm.harness.side_by_side import main
+
+    out, trace = tmp_path / "rows.json", tmp_path / "trace.json"
+    args = ["--cases", "gemma2", "--requests", "8", "--managers", "vllm", "jenga-vmm"]
+    assert main([*args, "--json", str(out), "--trace", str(trace)]) == 0
+    rows = {r["manager"]: r for r in json.loads(out.read_text())["rows"]}
+    steps = json.loads(trace.read_text())
+    for manager, row in rows.items():
+        records = steps[f"gemma2/{manager}"]
+        assert len(records) == row["steps"]
+        assert sum(r["preempted"] for r in records) == row["preemptions"]
+        assert max(r["running"] for r in records) <= row["max_running"]
+    assert "packable" in steps["gemma2/jenga-vmm"][0]
+    assert "packable" not in steps["gemma2/vllm"][0]
