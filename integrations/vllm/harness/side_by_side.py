@@ -352,7 +352,12 @@ def _parser() -> argparse.ArgumentParser:
         "--topics", type=int, default=8, help="topic prefixes (256 tokens), one per request in N"
     )
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
-    parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
+    parser.add_argument(
+        "--order",
+        choices=("compact", "paper", "pinned"),
+        default=None,
+        help="allocation order of ours (default: the manager's, pinned on per_group VMM pages)",
+    )
     parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=max(2048, -(-longest // 1024) * 1024),
         max_num_seqs=256,
         max_num_batched_tokens=2048,
-        jenga_options={"order": args.order},
+        jenga_options={} if args.order is None else {"order": args.order},
     )
     traces: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -401,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         payload: dict[str, Any] = {
             "memory_mb": args.memory_mb,
-            "order": args.order,
+            "order": args.order or "default",
             "window": args.window,
             "workload": asdict(workload),
             "rows": [asdict(r) for r in rows],

@@ -131,20 +131,22 @@ def test_mamba_hybrids_hit_a_prefix_shorter_than_vllms_gpu_block(
     assert ours.avg_running > theirs.avg_running
 
 
-def test_chunk_pinning_is_measured_and_pinned_order_packs_tighter(model_dir: Path) -> None:
+def test_chunk_pinning_is_measured_and_the_default_order_packs_tighter(model_dir: Path) -> None:
     """The pinning columns (`harness/pinning.py`): fractions of mapped chunk-steps, only
-    for ours on VMM pages. Jamba at 64 requests in 256 MiB: with the pinned order (cached
-    blocks on pages live blocks pin anyway are reused before whole pages are evicted)
-    fewer chunks are pinned beyond what the live blocks need than with compact order."""
+    for ours on VMM pages. Jamba at 64 requests in 256 MiB: with the per_group default
+    (pinned order, LRU-fair: cached blocks on pages live blocks pin anyway are reused
+    before older whole pages are evicted) fewer chunks are pinned beyond what the live
+    blocks need than with compact order, and no fewer requests run or tokens hit."""
     workload = Workload(requests=64)
-    pinned = replace(SETUP, jenga_options={"order": "pinned"})
-    compact = _rows(model_dir, "jamba", workload, managers=("vllm", "jenga-vmm"))
-    tight = _rows(model_dir, "jamba", workload, pinned, managers=("jenga-vmm",))["jenga-vmm"]
-    assert (compact["vllm"].single_pinned, compact["vllm"].packable) == (0.0, 0.0)
-    loose = compact["jenga-vmm"]
+    compact = replace(SETUP, jenga_options={"order": "compact"})
+    rows = _rows(model_dir, "jamba", workload, managers=("vllm", "jenga-vmm"))
+    loose = _rows(model_dir, "jamba", workload, compact, managers=("jenga-vmm",))["jenga-vmm"]
+    assert (rows["vllm"].single_pinned, rows["vllm"].packable) == (0.0, 0.0)
+    tight = rows["jenga-vmm"]
     for row in (loose, tight):
         assert 0.0 < row.single_pinned < 1.0 and 0.0 < row.packable < 1.0
     assert tight.packable < loose.packable
+    assert tight.avg_running >= loose.avg_running and tight.hit_tokens >= loose.hit_tokens
 
 
 def test_trace_writes_one_record_per_step(tmp_path: Path) -> None:
