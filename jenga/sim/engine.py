@@ -26,8 +26,9 @@ Approach
 
     With ``prefill="separate"`` (vLLM 0.6 without chunked prefill, ``_schedule_default``)
     a step first tries to admit waiting requests, each charged its whole length against
-    the token budget even where a prefix hit spares the compute (0.6.3's budget); if any was admitted the step is prefill only, else every running
-    request decodes one token (preempting the newest when memory runs out).
+    the token budget even where a prefix hit spares the compute (0.6.3's budget); if
+    any was admitted the step is prefill only, else every running request decodes one
+    token (preempting the newest when memory runs out).
 
     Simulated time comes from `GPU.step_time_s` (a documented roofline) with the step's
     attention FLOPs (`models.ComputeShape`). Allocator CPU time is the measured wall time

@@ -6,11 +6,9 @@ from dataclasses import replace
 from statistics import fmean
 
 from jenga.sim.hardware import GiB
+from jenga.sim.metrics import summarize
 from jenga.sim.models import get_model
 from jenga.sim.protocol import RequestState
-from jenga.sim.workloads import Request
-
-from jenga.sim.metrics import summarize
 from jenga.sim.scenarios import (
     PAPER_ENGINE,
     build_trace,
@@ -18,6 +16,7 @@ from jenga.sim.scenarios import (
     make_allocator,
     run_scenario,
 )
+from jenga.sim.workloads import Request
 
 
 def test_fig17_trace_has_the_papers_arxiv_qa_lengths_and_arrives_as_one_batch():
