@@ -69,9 +69,10 @@ def test_jenga_serves_no_shorter_hit_once_an_articles_tail_is_evicted():
     (§5.2), and its tokens outside the window keep an older last-access time, "making
     them a higher priority for eviction" (§5.1, Fig. 10). So the out-of-window blocks go
     first (the whole hit survives), then the last window and the full-attention tail
-    together (same time, highest prefix length first): the first block cut from the
-    article's end leaves no window for any shorter prefix, while the full-attention
-    group still holds almost the whole article (`match_prefix_junction`)."""
+    together (same time, highest prefix length first): once the article's end is cut
+    (beyond the few out-of-window blocks left) no shorter prefix has its window, while
+    the full-attention group still holds almost the whole article
+    (`match_prefix_junction`)."""
     rng = random.Random(0)
     article = [rng.randrange(1, 30_000) for _ in range(60_000)]
     alloc = make_allocator("jenga_vmm", get_model("ministral-8b"), 40 * GiB, True)
