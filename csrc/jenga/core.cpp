@@ -48,6 +48,11 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
                                   str(blocks_per_page[g]) + " and " + str(units_per_page[g]));
     }
     groups_[g].blocks_per_page = blocks_per_page[g];
+    const auto d = static_cast<uint64_t>(blocks_per_page[g]);
+    int32_t l = 0;
+    while ((uint64_t{1} << l) < d) ++l;
+    groups_[g].page_magic = ((uint64_t{1} << (32 + l)) + d - 1) / d;
+    groups_[g].page_shift = 32 + l;
     groups_[g].units_per_page = units_per_page[g];
   }
   set_rules(rules);

@@ -153,6 +153,10 @@ struct PageAge {
 struct Group {
   int32_t blocks_per_page = 1;
   int32_t units_per_page = 1;
+  // block / blocks_per_page == (block * page_magic) >> page_shift for 0 <= block < 2^31:
+  // page_magic = ceil(2^(32 + l) / B), l = ceil(log2 B) (Granlund-Montgomery, N = 32).
+  uint64_t page_magic = uint64_t{1} << 32;
+  int32_t page_shift = 32;
   std::vector<Page> pages;
   std::vector<Block> blocks;
   std::vector<int32_t> free_page_ids;  // unmapped page indices below pages.size(), LIFO
@@ -331,7 +335,12 @@ class Core {
   }
 
   Group& grp(int32_t g) { return groups_[static_cast<size_t>(g)]; }
-  int32_t page_of(const Group& G, int32_t block) const { return block / G.blocks_per_page; }
+  // block / blocks_per_page by a multiply and a shift (a division per primitive was the
+  // largest single cost of a release): exact for 0 <= block < 2^31 (set in the constructor).
+  int32_t page_of(const Group& G, int32_t block) const {
+    return static_cast<int32_t>(
+        (static_cast<uint64_t>(static_cast<uint32_t>(block)) * G.page_magic) >> G.page_shift);
+  }
   int32_t num_used(const Group& G, int32_t page) const;
 
   bool allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now, Counters& c,
