@@ -25,9 +25,10 @@ Approach
            (`needs.step_needed_bytes`), decode batch, simulated time.
 
     With ``prefill="separate"`` (vLLM 0.6 without chunked prefill, ``_schedule_default``)
-    a step first tries to admit waiting requests, each with its whole prompt in the
-    token budget; if any was admitted the step is prefill only, else every running
-    request decodes one token (preempting the newest when memory runs out).
+    a step first tries to admit waiting requests, each charged its whole length against
+    the token budget even where a prefix hit spares the compute (0.6.3's budget); if
+    any was admitted the step is prefill only, else every running request decodes one
+    token (preempting the newest when memory runs out).
 
     Simulated time comes from `GPU.step_time_s` (a documented roofline) with the step's
     attention FLOPs (`models.ComputeShape`). Allocator CPU time is the measured wall time
@@ -204,6 +205,8 @@ class Engine:
             and waiting[0] is not self._refused
         ):
             s = waiting[0]
+            if self.config.prefill == "separate" and len(s.tokens) > budget:
+                break  # the whole prompt is charged, cached or not (see `_charge`)
             hit = self._admit(s)
             n_new = min(len(s.tokens) - hit, budget)
             if not self._try_admit(s, hit, n_new):
@@ -218,8 +221,16 @@ class Engine:
             waiting.popleft()
             running.append(s)
             scheduled.append((s, n_new))
-            budget -= n_new
+            budget -= self._charge(s, n_new)
         return scheduled
+
+    def _charge(self, s: RequestState, n_new: int) -> int:
+        """Token budget an admitted request takes. vLLM 0.6.3 without chunked prefill
+        charges a waiting request its whole length, prefix hit or not (`_schedule_prefills`:
+        ``assert num_new_tokens == num_prompt_tokens``; cached tokens left the budget only
+        with V1), so one step prefills at most ``max_num_batched_tokens`` prompt tokens.
+        Chunked prefill charges the tokens it computes."""
+        return len(s.tokens) if self.config.prefill == "separate" else n_new
 
     def _try_admit(self, s: RequestState, hit: int, n_new: int) -> bool:
         """Allocate an admitted request's first chunk or whole prompt (see the module note)."""

@@ -155,3 +155,24 @@ def test_separate_prefill_dynamic_share_runs_from_window_to_long():
     assert s.self_share_min == pytest.approx(0.25, abs=0.001)
     assert s.self_share_max == pytest.approx(9 * 100_003 / (9 * 100_003 + 27 * 32_768), abs=0.01)
     assert s.waste < 0.001
+
+
+def test_separate_prefill_charges_a_prefix_hit_its_whole_prompt():
+    """vLLM 0.6.3 without chunked prefill charges a waiting request its whole length
+    against ``max_num_batched_tokens`` (``assert num_new_tokens == num_prompt_tokens``),
+    prefix hit or not: b and c, two 3,064-token questions on a's cached 3,000-token
+    prefix, are admitted in two steps of 4,096 tokens, not together."""
+    article = tuple(range(3000))
+    trace = Trace(
+        "t",
+        (
+            Request("a", article, (7, 8)),
+            Request("b", article + tuple(range(10**6, 10**6 + 64)), (7, 8)),
+            Request("c", article + tuple(range(2 * 10**6, 2 * 10**6 + 64)), (7, 8)),
+        ),
+    )
+    result = run(trace, 2000 * LLAMA_BLOCK, max_num_batched_tokens=4096, prefill="separate")
+    assert result.hit_tokens == 2 * 2992  # 187 full blocks of a's prompt
+    # a's prefill; b's 72 uncached tokens alone; c's alone; then the decodes
+    assert result.timeline["batched_tokens"][:3] == [3000, 72, 72]
+    assert result.timeline["num_running"][:3] == [1, 2, 3]
