@@ -54,7 +54,10 @@ class AllocationRules:
     docs/jenga.md). ``reuse_window_releases`` (with demotion): under pressure (less than
     a quarter of the pool free), right after step 4 a group reuses its own demoted blocks
     on pages it still pins before mapping or evicting a page (on for vLLM's per-group
-    VMM pages; docs/vllm.md). Which groups release early follows from their policies
+    VMM pages; docs/vllm.md). ``pinned_lru_fair`` (pinned order only): the pinned step
+    takes a cached block of a page live blocks pin only when no wholly evictable page is
+    less recently used, else step 3 evicts that page first (on for vLLM's per-group VMM
+    pages; docs/jenga.md). Which groups release early follows from their policies
     (`Policy.releases_early`), so it is not a rule here.
     """
 
@@ -62,6 +65,7 @@ class AllocationRules:
     frugal_retry: bool = True
     demote_window_releases: bool = False
     reuse_window_releases: bool = False
+    pinned_lru_fair: bool = False
 
 
 _DEFAULT_RULES = AllocationRules()

@@ -271,6 +271,9 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
       const int32_t block = pinned_only ? frugal_lru_top(G) : lru_top(G);
       if (block < 0) return false;
       if (step == kEvictDemoted && !G.blocks[static_cast<size_t>(block)].demoted) return false;
+      if (step == kEvictPinned && rules_.pinned_lru_fair && !evictable_pages_.empty() &&
+          std::get<0>(*evictable_pages_.begin()) < G.lru.front().last_access)
+        return false;  // an older whole page goes first (step 3)
       prim_uncache(g, block);
       prim_use_limbo(g, block, now);
       out.push_back(block);

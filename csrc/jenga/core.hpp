@@ -190,6 +190,9 @@ enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
     "with demote_window_releases, while under 1/4 of the pool is free: right after step " \
     "4, a group reuses its own demoted (window-released) cached blocks on pages it pins " \
     "before mapping or evicting a page (counted as 5)")                                   \
+  X(bool, pinned_lru_fair, false,                                                         \
+    "with PINNED order, the pinned step takes its block only when no wholly evictable "   \
+    "page is less recently used (else step 3 evicts that page first)")                    \
   X(std::vector<bool>, early_release_groups, {},                                          \
     "one flag per group (empty: none): blocks cached by allocate()'s release lists of a " \
     "flagged group are early (ties: shortest prefix first)")

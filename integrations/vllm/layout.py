@@ -62,7 +62,12 @@ from jenga.pages import (
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError
 
 from integrations.kvcache.geometry import GroupGeometry
-from integrations.vllm.placement import GroupPlacement, PlacementError, place_group
+from integrations.vllm.placement import (
+    GroupPlacement,
+    PlacementError,
+    place_group,
+    pool_least_waste_chunks,
+)
 
 GEOMETRIES = ("per_group", "per_layer")
 """Where VMM pages place a group's blocks: one range per group, or one per layer."""
@@ -120,11 +125,14 @@ class JengaVllmOptions:
     in a lower tier and the group reuses those stranded in pages it still pins before
     mapping or evicting a page (`jenga.config.AllocationRules`); None: on with per_group
     VMM pages (a page holds many blocks there), off otherwise.
-    ``order``: "compact" (default: steps 1, 4, 2, 3, 5), "pinned" (compact plus step 5
-    on pinned pages before step 3) or "paper" (`jenga.allocator`);
-    compact keeps other prompts' cached pages alive where the paper order evicts whole
-    pages before using free slots in other requests' pages; pinned keeps more requests
-    running under memory pressure (both measured in `docs/vllm.md`). ``kv_tensors``:
+    ``order``: "compact" (steps 1, 4, 2, 3, 5), "pinned" (compact plus step 5 on pinned
+    pages before step 3) or "paper" (`jenga.allocator`); None: "pinned" with per_group VMM
+    pages, where its pinned step is LRU-fair (it takes a cached block of a page live
+    blocks pin only when no wholly evictable page is less recently used:
+    `AllocationRules.pinned_lru_fair`), "compact" otherwise. Compact keeps other
+    prompts' cached pages alive where the paper order evicts whole pages before using
+    free slots in other requests' pages; pinned keeps pages evictable and more requests
+    running under memory pressure (measured in `docs/vllm.md`). ``kv_tensors``:
     "vmm" makes the worker plugin put the KV cache on VMM ranges
     (`integrations.vllm.plugin`); "torch" leaves vLLM's. ``shared_pool``: with
     ``kv_tensors="vmm"``, draw the chunks from the shared pool of that name (`vmm-pool
@@ -136,7 +144,7 @@ class JengaVllmOptions:
     epsilon: float | None = None
     geometry: str = "per_group"
     reuse_window_releases: bool | None = None
-    order: str = "compact"
+    order: str | None = None
     kv_tensors: str = "torch"
     pages: str = "auto"
     junctions: bool = True
@@ -163,7 +171,7 @@ class JengaVllmOptions:
             raise InvalidOptions(f"epsilon must be in [0, 1), got {self.epsilon}")
         if self.geometry not in GEOMETRIES:
             raise InvalidOptions(f"geometry must be one of {GEOMETRIES}, got {self.geometry!r}")
-        if self.order not in tuple(AllocationOrder):
+        if self.order is not None and self.order not in tuple(AllocationOrder):
             raise InvalidOptions(
                 f"order must be one of {[str(o) for o in AllocationOrder]}, got {self.order!r}"
             )
@@ -176,11 +184,24 @@ class JengaVllmOptions:
         return 0.05 if self.geometry == "per_group" else 0.01
 
     @property
+    def per_group_vmm(self) -> bool:
+        """VMM pages in one range per group (the geometry several defaults follow)."""
+        return self.page_geometry == "vmm" and self.geometry == "per_group"
+
+    @property
     def window_reuse(self) -> bool:
         """`reuse_window_releases`, or its default (per_group VMM pages) when None."""
         if self.reuse_window_releases is not None:
             return self.reuse_window_releases
-        return self.page_geometry == "vmm" and self.geometry == "per_group"
+        return self.per_group_vmm
+
+    @property
+    def allocation_order(self) -> str:
+        """`order`, or its default when None: "pinned" on per_group VMM pages, else
+        "compact"."""
+        if self.order is not None:
+            return self.order
+        return "pinned" if self.per_group_vmm else "compact"
 
     @property
     def page_geometry(self) -> str:
@@ -405,7 +426,7 @@ def build_layout(
     if options.page_geometry == "vllm":
         table, total_units = _vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
     elif options.geometry == "per_group":
-        placements = tuple(_place(g, options) for g in kv_groups)
+        placements = tuple(_place(g, options, memory) for g in kv_groups)
         table = _group_page_table(model, placements, options)
         total_units = _check_room(table, memory, options)
     else:
@@ -442,12 +463,14 @@ def build_layout(
 
 
 def _rules(options: JengaVllmOptions) -> AllocationRules:
-    """The allocator's rules: the order, and window-release reuse (`window_reuse`)."""
+    """The allocator's rules: the order, window-release reuse (`window_reuse`) and, on
+    per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only)."""
     reuse = options.window_reuse
     return AllocationRules(
-        order=AllocationOrder(options.order),
+        order=AllocationOrder(options.allocation_order),
         demote_window_releases=reuse,
         reuse_window_releases=reuse,
+        pinned_lru_fair=options.per_group_vmm,
     )
 
 
@@ -485,13 +508,14 @@ def _vmm_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tupl
     return table, _check_room(table, memory, options)
 
 
-def _place(group: KVGroup, options: JengaVllmOptions) -> GroupPlacement:
+def _place(group: KVGroup, options: JengaVllmOptions, memory: int) -> GroupPlacement:
     try:
         return place_group(
             group.spec.page_bytes,
             group.num_layers,
             options.chunk_bytes,
             epsilon=options.page_epsilon,
+            least_waste_chunks=pool_least_waste_chunks(memory, options.chunk_bytes),
         )
     except PlacementError as exc:
         raise JengaVllmError(f"group {group.name!r}: {exc}") from exc

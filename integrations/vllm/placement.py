@@ -50,6 +50,16 @@ STRIDE_ALIGN = 512
 
 MAX_CHUNKS_PER_PAGE = 64
 
+POOL_PAGES_PER_LARGEST = 512
+"""A page may grow past the smallest within-epsilon one, to cut its waste, up to
+``pool chunks // POOL_PAGES_PER_LARGEST`` chunks (1/512 of the pool: at most one page
+per group pinned by a request's partly filled page costs that little of the pool)."""
+
+
+def pool_least_waste_chunks(pool_bytes: int, chunk_bytes: int) -> int:
+    """The largest page `place_group` may take to cut waste, for a pool of these bytes."""
+    return pool_bytes // chunk_bytes // POOL_PAGES_PER_LARGEST
+
 
 class PlacementError(ValueError):
     """No placement fits (a layer's block larger than the largest page allowed)."""
@@ -141,8 +151,16 @@ def place_group(
     epsilon: float,
     align: int = STRIDE_ALIGN,
     max_chunks: int = MAX_CHUNKS_PER_PAGE,
+    least_waste_chunks: int = 0,
 ) -> GroupPlacement:
-    """The smallest page (``k`` chunks) whose waste is ``<= epsilon``, else the least waste."""
+    """The smallest page (``k`` chunks) whose waste is ``<= epsilon``, else the least waste.
+
+    ``least_waste_chunks``: pages up to this many chunks are also tried, and the one with
+    the least waste wins (the smaller on a tie); the budget's share, see
+    `pool_least_waste_chunks`. Every wasted byte is a block the budget does not hold
+    (Gemma 2 9B at 40 GiB: pages of 4 chunks hold 15,360 blocks, exact pages of 21 chunks
+    15,600, vLLM's slots 15,602).
+    """
     if min(layer_bytes, num_layers, chunk_bytes) <= 0:
         raise PlacementError(
             f"non-positive geometry: layer block {layer_bytes} B, {num_layers} layers, "
@@ -157,10 +175,13 @@ def place_group(
         if blocks == 0:
             continue
         fit = GroupPlacement(layer_bytes, num_layers, chunk_bytes, k, page // m, blocks)
-        if fit.tail_bytes <= epsilon * page:
-            return fit
         if best is None or fit.tail_bytes / page < best.tail_bytes / best.page_bytes:
             best = fit
+        within = best.tail_bytes <= epsilon * best.page_bytes
+        if within and (k >= least_waste_chunks or best.tail_bytes == 0):
+            return best
+    if best is not None and best.tail_bytes <= epsilon * best.page_bytes:
+        return best
     if best is None:
         raise PlacementError(
             f"one block of {num_layers} layers x {layer_bytes} B does not fit in "

@@ -203,3 +203,23 @@ def test_the_allocator_config_switches_the_retry():
     single_pass = AllocationRules(frugal_retry=False)
     assert JengaAllocator(AllocatorConfig(groups, 4))._core.rules.frugal_retry
     assert not JengaAllocator(AllocatorConfig(groups, 4, single_pass))._core.rules.frugal_retry
+
+
+def test_lru_fair_pinned_step_lets_an_older_whole_page_go_first():
+    """`pinned_lru_fair`: the pinned step takes a cached block of a pinned page only when
+    no wholly evictable page is less recently used. The previous test's state with the
+    release times swapped: page 1 (released at 3) is older than block 1 (released at 4)."""
+    for fair, expected, evicted_pages in ((False, [1], 0), (True, [3], 1)):
+        rules = J.Rules(order=J.AllocationOrder.PINNED, pinned_lru_fair=fair)
+        core = J.Core([2], [1], 2, rules)
+        assert core.allocate(1, [2], 1) == [[0, 1]]
+        assert core.allocate(2, [2], 2) == [[2, 3]]
+        core.commit(0, [1, 2, 3], [11, 12, 13], [32, 16, 32])
+        core.release(0, [2, 3], 3)
+        core.release(0, [1], 4)
+        plan(core)
+        # plain pinned order reuses the more recent block 1; LRU-fair evicts page 1
+        assert core.allocate(3, [1], 5) == [expected]
+        assert core.counters()["pages.evicted"] == evicted_pages
+        assert core.lookup(0, [11, 12, 13]).tolist() == ([1, -1, -1] if fair else [-1, 2, 3])
+        core.check_invariants(True)

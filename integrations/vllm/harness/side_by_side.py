@@ -44,6 +44,7 @@ from typing import Any
 from vmm.bench.stats import percentile
 
 from integrations.vllm.harness import cases, replay
+from integrations.vllm.harness.pinning import PinningTally, chunk_pinning
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class Row:
     sched_cpu_p90_ms: float = 0.0  # p90 over reps
     cpu_vs_vllm: float = 0.0  # median over reps of sched_cpu_ms / vLLM's (0: no vLLM row)
     block_size: int = 16  # attention block (tokens) the manager ran with
+    single_pinned: float = 0.0  # ours on VMM: share of mapped chunk-steps on 1-live-block pages
+    packable: float = 0.0  # ours on VMM: share of mapped chunk-steps packing would free
 
 
 MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-layer")
@@ -108,6 +111,7 @@ def run_case(
     manager: str,
     setup: replay.SchedulerSetup,
     window: int = 64,
+    trace: list[dict[str, Any]] | None = None,
 ) -> Row:
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
@@ -125,7 +129,7 @@ def run_case(
     specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
-    peak = PeakCommitted(scheduler, manager)
+    peak = PeakCommitted(scheduler, manager, trace)
     prompts = workload.prompts()
     half = len(prompts) // 2
     outputs = [workload.output_tokens] * len(prompts)
@@ -139,19 +143,30 @@ def run_case(
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
     row = summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
-    return replace(row, block_size=setup.block_size)
+    pins = peak.pinning
+    return replace(
+        row,
+        block_size=setup.block_size,
+        single_pinned=pins.single_pinned_fraction,
+        packable=pins.packable_fraction,
+    )
 
 
 class PeakCommitted:
     """``after_step`` hook: the most physical bytes the run commits.
 
     Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
-    after each step, at its peak. vLLM's manager and ours on vLLM's tensors: the whole
-    KV buffer vLLM allocates up front.
+    after each step, at its peak, and the chunk pinning of every step (`pinning`).
+    vLLM's manager and ours on vLLM's tensors: the whole KV buffer vLLM allocates up
+    front (no pinning figures).
     """
 
-    def __init__(self, scheduler: Any, manager: str) -> None:
+    def __init__(
+        self, scheduler: Any, manager: str, trace: list[dict[str, Any]] | None = None
+    ) -> None:
         self.kv = scheduler.kv_cache_manager
+        self.trace = trace
+        self.pinning = PinningTally()
         self.on_vmm = manager.startswith("jenga-vmm")
         if self.on_vmm:
             self.bytes = 0
@@ -160,10 +175,37 @@ class PeakCommitted:
 
             self.bytes = kv_cache_memory_bytes(scheduler.kv_cache_config)
 
-    def __call__(self, _scheduler: Any, _out: Any) -> None:
+    def __call__(self, scheduler: Any, out: Any) -> None:
+        step: dict[str, Any] = {}
         if self.on_vmm:
-            used = self.kv.allocator.usage().used_units * self.kv.layout.options.chunk_bytes
-            self.bytes = max(self.bytes, used)
+            running = [r.request_id for r in scheduler.running]
+            mapped, single, packable = chunk_pinning(self.kv, running)
+            self.pinning.add(mapped, single, packable)
+            self.bytes = max(self.bytes, mapped * self.kv.layout.options.chunk_bytes)
+            step = {"mapped_chunks": mapped, "single_pinned": single, "packable": packable}
+        if self.trace is not None:
+            self.trace.append(_trace_step(scheduler, out) | step)
+
+
+def _trace_step(scheduler: Any, out: Any) -> dict[str, Any]:
+    """One step of ``--trace``: the scheduler's queues and the manager's free memory."""
+    step = {
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "preempted": len(out.preempted_req_ids or ()),
+        "admitted": len(out.scheduled_new_reqs),
+        "tokens": sum(out.num_scheduled_tokens.values()),
+    }
+    kv = scheduler.kv_cache_manager
+    if hasattr(kv, "allocator"):  # ours: free units (chunks or slots), blocks per group
+        use = kv.allocator.usage()
+        return step | {
+            "free_units": use.free_units,
+            "used_blocks": list(use.used_blocks),
+            "cached_blocks": list(use.cached_blocks),
+            "free_blocks": list(use.free_blocks),
+        }
+    return step | {"free_blocks": kv.block_pool.get_num_free_blocks()}  # vLLM: incl. cached
 
 
 def summarize(
@@ -203,6 +245,7 @@ def compare(
     managers: tuple[str, ...] = MANAGERS,
     window: int = 64,
     reps: int = 1,
+    traces: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[Row]:
     """One row per case and manager; with ``reps`` > 1 every case runs ``reps`` rounds,
     each round every manager once (the order rotating), and the CPU columns are the
@@ -224,6 +267,9 @@ def compare(
                         manager=manager,
                         setup=setup,
                         window=window,
+                        trace=None
+                        if traces is None or r
+                        else traces.setdefault(f"{case}/{manager}", []),
                     )
                 )
         rows += [_over_reps(got, runs.get("vllm")) for got in runs.values()]
@@ -260,6 +306,8 @@ def format_table(rows: list[Row]) -> str:
         "cpu ms",
         "cpu p90",
         "cpu/vllm",
+        "1-pinned",
+        "packable",
     )
     lines = ["  ".join(f"{h:>10}" for h in head)]
     for r in rows:
@@ -279,12 +327,14 @@ def format_table(rows: list[Row]) -> str:
             r.sched_cpu_ms,
             r.sched_cpu_p90_ms,
             r.cpu_vs_vllm,
+            r.single_pinned if r.manager.startswith("jenga-vmm") else "-",
+            r.packable if r.manager.startswith("jenga-vmm") else "-",
         )
         lines.append("  ".join(f"{c!s:>10}" for c in cells))
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--cases",
@@ -297,24 +347,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--question-tokens", type=int, default=200)
+    parser.add_argument("--system-tokens", type=int, default=512, help="shared by all")
+    parser.add_argument(
+        "--topics", type=int, default=8, help="topic prefixes (256 tokens), one per request in N"
+    )
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
-    parser.add_argument("--order", choices=("compact", "paper", "pinned"), default="compact")
+    parser.add_argument(
+        "--order",
+        choices=("compact", "paper", "pinned"),
+        default=None,
+        help="allocation order of ours (default: the manager's, pinned on per_group VMM pages)",
+    )
     parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write per-step records (queues, preemptions, free memory, pinning) here",
+    )
+    parser.add_argument(
         "--reps", type=int, default=1, help="rounds per case, managers alternating (CPU: median)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     workload = Workload(
-        requests=args.requests, output_tokens=args.output, question_tokens=args.question_tokens
+        requests=args.requests,
+        output_tokens=args.output,
+        question_tokens=args.question_tokens,
+        system_tokens=args.system_tokens,
+        topics=args.topics,
     )
     longest = workload.system_tokens + workload.topic_tokens + args.question_tokens + args.output
     setup = replay.SchedulerSetup(
         max_model_len=max(2048, -(-longest // 1024) * 1024),
         max_num_seqs=256,
         max_num_batched_tokens=2048,
-        jenga_options={"order": args.order},
+        jenga_options={} if args.order is None else {"order": args.order},
     )
+    traces: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
         rows = compare(
@@ -326,17 +400,20 @@ def main(argv: list[str] | None = None) -> int:
             tuple(args.managers),
             window=args.window,
             reps=args.reps,
+            traces=None if args.trace is None else traces,
         )
     print(format_table(rows))
     if args.json is not None:
         payload: dict[str, Any] = {
             "memory_mb": args.memory_mb,
-            "order": args.order,
+            "order": args.order or "default",
             "window": args.window,
             "workload": asdict(workload),
             "rows": [asdict(r) for r in rows],
         }
         args.json.write_text(json.dumps(payload, indent=2))
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(traces))
     return 0
 
 

@@ -138,3 +138,17 @@ def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:
     assert cache.mapped_bytes() == 0
     cache.close()
     cache.pool.close()
+
+
+def test_the_default_order_is_lru_fair_pinned_on_per_group_vmm_pages_only() -> None:
+    """`order=None`: pinned (with `pinned_lru_fair`) on per_group VMM pages, compact on
+    vLLM's tensors and per_layer ranges; an explicit order wins."""
+    assert JengaVllmOptions(kv_tensors="vmm").allocation_order == "pinned"
+    assert JengaVllmOptions().allocation_order == "compact"
+    assert JengaVllmOptions(kv_tensors="vmm", geometry="per_layer").allocation_order == "compact"
+    assert JengaVllmOptions(kv_tensors="vmm", order="compact").allocation_order == "compact"
+    from integrations.vllm.layout import _rules
+
+    rules = _rules(JengaVllmOptions(kv_tensors="vmm"))
+    assert (rules.order.value, rules.pinned_lru_fair) == ("pinned", True)
+    assert not _rules(JengaVllmOptions()).pinned_lru_fair

@@ -5,7 +5,12 @@ from __future__ import annotations
 from itertools import pairwise
 
 import pytest
-from integrations.vllm.placement import GroupPlacement, PlacementError, place_group
+from integrations.vllm.placement import (
+    GroupPlacement,
+    PlacementError,
+    place_group,
+    pool_least_waste_chunks,
+)
 
 KIB, MIB = 1 << 10, 1 << 20
 CHUNK = 2 * MIB
@@ -72,3 +77,32 @@ def test_least_waste_when_nothing_is_within_epsilon() -> None:
     assert not p.within_epsilon
     assert (p.chunks_per_page, p.stride, p.blocks_per_page) == (3, 384 * KIB, 5)
     assert p.tail_bytes == 6 * MIB - 5 * 3 * 300 * KIB
+
+
+@pytest.mark.parametrize(
+    ("pool_mib", "expect"),
+    [
+        # 40 GiB: pages up to 40 chunks may be taken to cut waste -> Gemma 2 9B's exact
+        # LCM (21 chunks, 16 blocks, no tail): 975 pages hold 15,600 blocks, not 15,360
+        (40960, (21, 16, 0)),
+        # 1 GiB: 1-chunk pages at most; the smallest page within epsilon stands
+        (1024, (4, 3, 128 * KIB)),
+    ],
+)
+def test_a_large_pool_buys_less_waste_with_larger_pages(
+    pool_mib: int, expect: tuple[int, int, int]
+) -> None:
+    limit = pool_least_waste_chunks(pool_mib * MIB, CHUNK)
+    p = place_group(128 * KIB, 21, CHUNK, epsilon=0.05, least_waste_chunks=limit)
+    assert (p.chunks_per_page, p.blocks_per_page, p.tail_bytes) == expect
+    pages = pool_mib * MIB // p.page_bytes
+    assert pages * p.blocks_per_page == {40960: 15600, 1024: 384}[pool_mib]
+
+
+def test_least_waste_search_keeps_the_smaller_page_on_a_tie_and_stops_at_zero() -> None:
+    # 4 layers x 64 KiB: 1 chunk has no tail, so a larger allowance changes nothing
+    p = place_group(64 * KIB, 4, CHUNK, epsilon=0.05, least_waste_chunks=40)
+    assert (p.chunks_per_page, p.tail_bytes) == (1, 0)
+    # Ministral 8B's 9-layer groups: exact at 9 chunks (32 blocks) when allowed
+    p = place_group(64 * KIB, 9, CHUNK, epsilon=0.05, least_waste_chunks=40)
+    assert (p.chunks_per_page, p.blocks_per_page, p.tail_bytes) == (9, 32, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -105,3 +106,76 @@ def test_reps_alternate_managers_and_report_thread_cpu(model_dir: Path) -> None:
     assert by["jenga"].steps == by["vllm"].steps
     with pytest.raises(ValueError, match="reps must be >= 1"):
         compare(model_dir, ["llama"], 256, Workload(requests=8), SETUP, ("vllm",), reps=0)
+
+
+@pytest.mark.parametrize(
+    ("case", "system_tokens"), [("qwen3-next-80b", 512), ("jamba-1.5-mini", 64)]
+)
+def test_mamba_hybrids_hit_a_prefix_shorter_than_vllms_gpu_block(
+    model_dir: Path, case: str, system_tokens: int
+) -> None:
+    """Issue 13's Mamba bar: vLLM at the block size its own config code picks on a GPU
+    (544 tokens for Qwen3-Next, 80 for Jamba; `cases.vllm_gpu_block_size`) cannot hit a
+    shared system prompt shorter than one block; ours, at 16-token blocks beside unpadded
+    states, hits it in every sibling and runs more requests per step."""
+    workload = Workload(
+        requests=16, system_tokens=system_tokens, topics=16, question_tokens=600, output_tokens=16
+    )
+    setup = replace(SETUP, max_model_len=4096)
+    rows = compare(model_dir, [case], 4096, workload, setup, ("vllm", "jenga-vmm"))
+    by = {r.manager: r for r in rows}
+    ours, theirs = by["jenga-vmm"], by["vllm"]
+    assert theirs.block_size > system_tokens and ours.block_size == 16
+    assert theirs.hit_tokens == 0
+    assert ours.hit_tokens >= (workload.requests - 2) * (system_tokens // 16 * 16)
+    assert ours.avg_running > theirs.avg_running
+
+
+def test_chunk_pinning_is_measured_and_the_default_order_packs_tighter(model_dir: Path) -> None:
+    """The pinning columns (`harness/pinning.py`): fractions of mapped chunk-steps, only
+    for ours on VMM pages. Jamba at 64 requests in 256 MiB: with the per_group default
+    (pinned order, LRU-fair: cached blocks on pages live blocks pin anyway are reused
+    before older whole pages are evicted) fewer chunks are pinned beyond what the live
+    blocks need than with compact order, and no fewer requests run or tokens hit."""
+    workload = Workload(requests=64)
+    compact = replace(SETUP, jenga_options={"order": "compact"})
+    rows = _rows(model_dir, "jamba", workload, managers=("vllm", "jenga-vmm"))
+    loose = _rows(model_dir, "jamba", workload, compact, managers=("jenga-vmm",))["jenga-vmm"]
+    assert (rows["vllm"].single_pinned, rows["vllm"].packable) == (0.0, 0.0)
+    tight = rows["jenga-vmm"]
+    for row in (loose, tight):
+        assert 0.0 < row.single_pinned < 1.0 and 0.0 < row.packable < 1.0
+    assert tight.packable < loose.packable
+    assert tight.avg_running >= loose.avg_running and tight.hit_tokens >= loose.hit_tokens
+
+
+def test_trace_writes_one_record_per_step(tmp_path: Path) -> None:
+    """`--trace FILE`: per case and manager, one record per scheduler step (queues,
+    preemptions, free memory; pinning for ours on VMM pages) — the diagnosis tool."""
+    from integrations.vllm.harness.side_by_side import main
+
+    out, trace = tmp_path / "rows.json", tmp_path / "trace.json"
+    args = ["--cases", "gemma2", "--requests", "8", "--managers", "vllm", "jenga-vmm"]
+    assert main([*args, "--json", str(out), "--trace", str(trace)]) == 0
+    rows = {r["manager"]: r for r in json.loads(out.read_text())["rows"]}
+    steps = json.loads(trace.read_text())
+    for manager, row in rows.items():
+        records = steps[f"gemma2/{manager}"]
+        assert len(records) == row["steps"]
+        assert sum(r["preempted"] for r in records) == row["preemptions"]
+        assert max(r["running"] for r in records) <= row["max_running"]
+    assert "packable" in steps["gemma2/jenga-vmm"][0]
+    assert "packable" not in steps["gemma2/vllm"][0]
+
+
+def test_gemma2_9b_at_40_gib_runs_and_hits_at_least_as_much_as_vllm(model_dir: Path) -> None:
+    """Issue 13's real-scale row that lost (40.45 vs 40.86 running): exact 21-chunk pages
+    (least waste in a large pool) and the LRU-fair pinned order bring it to vLLM's."""
+    workload = Workload(requests=256, question_tokens=2000)
+    setup = replace(SETUP, max_model_len=3072)
+    rows = compare(model_dir, ["gemma2-9b"], 40960, workload, setup, ("vllm", "jenga-vmm"))
+    by = {r.manager: r for r in rows}
+    ours, theirs = by["jenga-vmm"], by["vllm"]
+    assert ours.avg_running >= theirs.avg_running
+    assert ours.hit_tokens >= theirs.hit_tokens
+    assert ours.committed_bytes <= theirs.committed_bytes
