@@ -37,11 +37,19 @@ Approach
     C++ core's memory is not Python memory and is not in these figures.
 
     Block pool: per block allocate + free, ``n`` blocks per call, vs vLLM's `BlockPool`
-    (``get_new_blocks`` + ``free_blocks``): through the core's API (`jenga._core.Core`:
-    ``allocate_arrays`` + ``release`` + ``drain_plan``) and through
-    `jenga.allocator.JengaAllocator` (``add_request`` + ``allocate`` + ``free``: a request
-    per call), one full-attention group, each pool kept half full, interleaved rounds,
-    thread CPU.
+    (``get_new_blocks`` + ``free_blocks``). "The public API" is `jenga._core.Core`'s block
+    calls, one crossing each: ``allocate_blocks(group, n, owner, now)`` (a list of ids;
+    ``core``) or with ``out=`` a caller-owned int32 block table (``core_out``), then
+    ``release(group, ids, now)``; the core built with ``record_plan=False`` (vLLM owns
+    its KV tensors: no page is mapped, so no plan is kept or drained). Beside them, the
+    array API the allocator used before (``allocate_arrays`` + ``release`` +
+    ``drain_plan``, plans recorded; ``arrays``) and `jenga.allocator.JengaAllocator`
+    (``add_request`` + ``allocate`` + ``free``: a request per call). One full-attention
+    group of 32-block pages, each pool kept half full, every call a new owner (a new
+    page per call: the costliest case for a page-per-request allocator), interleaved
+    rounds, thread CPU. Core memory: ``Core.memory_bytes()`` (container capacities,
+    set nodes estimated) with the whole pool cached (committed, released), per cached
+    block.
 
 Limitations
     The "model" is a counter: no preemption (memory is sized so every request fits),
@@ -52,6 +60,7 @@ Limitations
 Usage::
 
     .venv-vllm-0.32.0/bin/python benchmarks/vllm_manager_cost.py --reps 3
+    .venv-vllm-0.32.0/bin/python benchmarks/vllm_manager_cost.py --pool-only --reps 5
 """
 
 from __future__ import annotations
@@ -350,7 +359,38 @@ def _jenga_alloc_free(pool: int, per_op: int) -> Callable[[int], None]:
     return op
 
 
-def _core_alloc_free(pool: int, per_op: int) -> Callable[[int], None]:
+def _core_alloc_free(pool: int, per_op: int, out: bool) -> Callable[[int], None]:
+    """The public block API: `Core.allocate_blocks` + `Core.release`, one call each.
+
+    No plan is recorded (``record_plan=False``: vLLM owns its KV tensors, nothing maps
+    pages). ``out``: the ids go to a caller-owned int32 block table (``out=``), else the
+    call returns a list.
+    """
+    core = _core.Core([32], [1], pool // 32, record_plan=False)
+    live = max(1, pool // (2 * per_op))
+    tables = [np.empty(per_op, np.int32) for _ in range(live + 1)] if out else []
+    held: deque[Any] = deque()
+    for owner in range(live):
+        got = core.allocate_blocks(0, per_op, owner, owner, tables[owner] if out else None)
+        held.append(tables[owner] if out else got)
+    state = [live]
+
+    def op(count: int) -> None:
+        for _ in range(count):
+            owner = state[0]
+            state[0] += 1
+            table = tables[owner % (live + 1)] if out else None
+            got = core.allocate_blocks(0, per_op, owner, owner, table)
+            if got is None:
+                raise RuntimeError("jenga core pool ran out")
+            held.append(table if out else got)
+            core.release(0, held.popleft(), owner)
+
+    return op
+
+
+def _core_arrays_alloc_free(pool: int, per_op: int) -> Callable[[int], None]:
+    """The array API the allocator used before: allocate_arrays + release + drain_plan."""
     core = _core.Core([32], [1], pool // 32)
     live: deque[Any] = deque()
     for owner in range(max(1, pool // (2 * per_op))):
@@ -387,16 +427,22 @@ def _vllm_alloc_free(pool: int, per_op: int) -> Callable[[int], None]:
 class PoolRow:
     blocks_per_call: int
     vllm_ns: float  # per block, median over rounds
-    core_ns: float  # jenga._core.Core: allocate_arrays + release + drain_plan
+    core_ns: float  # Core.allocate_blocks (a list) + release
+    core_out_ns: float  # Core.allocate_blocks(out=int32 table) + release
+    arrays_ns: float  # Core.allocate_arrays + release + drain_plan (the former API)
     allocator_ns: float  # JengaAllocator: add_request + allocate + free
     core_ratio: float  # core / vLLM, median of per-round ratios
+    core_out_ratio: float
+    arrays_ratio: float
     allocator_ratio: float
 
 
 def pool_bench(per_op: int, reps: int, ops: int, pool: int = 1 << 16) -> PoolRow:
     impls = {
         "vllm": _vllm_alloc_free(pool, per_op),
-        "core": _core_alloc_free(pool, per_op),
+        "core": _core_alloc_free(pool, per_op, out=False),
+        "core_out": _core_alloc_free(pool, per_op, out=True),
+        "arrays": _core_arrays_alloc_free(pool, per_op),
         "allocator": _jenga_alloc_free(pool, per_op),
     }
     for op in impls.values():
@@ -404,7 +450,7 @@ def pool_bench(per_op: int, reps: int, ops: int, pool: int = 1 << 16) -> PoolRow
     got: dict[str, list[float]] = {name: [] for name in impls}
     names = list(impls)
     for r in range(reps):
-        for name in (*names[r % 3 :], *names[: r % 3]):
+        for name in (*names[r % len(names) :], *names[: r % len(names)]):
             gc.collect()
             start = time.thread_time_ns()
             impls[name](ops)
@@ -414,14 +460,36 @@ def pool_bench(per_op: int, reps: int, ops: int, pool: int = 1 << 16) -> PoolRow
         pairs = zip(got[name], got["vllm"], strict=True)
         return round(statistics.median(j / v for j, v in pairs), 3)
 
+    def median(name: str) -> float:
+        return round(statistics.median(got[name]), 1)
+
     return PoolRow(
         per_op,
-        round(statistics.median(got["vllm"]), 1),
-        round(statistics.median(got["core"]), 1),
-        round(statistics.median(got["allocator"]), 1),
-        ratio("core"),
-        ratio("allocator"),
+        *(median(name) for name in names),
+        *(ratio(name) for name in names[1:]),
     )
+
+
+@dataclass(frozen=True)
+class CoreMemory:
+    cached_blocks: int
+    core_bytes: int  # Core.memory_bytes() with every block cached, no request live
+    bytes_per_cached_block: float
+
+
+def core_memory(pool: int = 1 << 16, per_request: int = 32) -> CoreMemory:
+    """The C++ core's bytes per cached block: the whole pool committed, then released."""
+    core = _core.Core([32], [1], pool // 32, record_plan=False)
+    rng = np.random.default_rng(0)
+    for owner in range(pool // per_request):
+        blocks = core.allocate_blocks(0, per_request, owner, owner)
+        assert blocks is not None
+        ids = rng.integers(0, 2**63, size=(per_request, 2), dtype=np.uint64)
+        core.commit_run(0, np.asarray(blocks, np.int32), ids, per_request, BLOCK_TOKENS)
+        core.release(0, blocks, owner)
+    cached = int(core.group_counts(0)[1])
+    total = int(core.memory_bytes())
+    return CoreMemory(cached, total, round(total / max(cached, 1), 1))
 
 
 # -- rounds and the table -----------------------------------------------------------------
@@ -489,7 +557,11 @@ def format_rows(rows: Sequence[Any]) -> str:
 
 
 def report(
-    args: argparse.Namespace, rows: list[Row], mems: list[Memory], pools: list[PoolRow]
+    args: argparse.Namespace,
+    rows: list[Row],
+    mems: list[Memory],
+    pools: list[PoolRow],
+    core_mem: CoreMemory | None = None,
 ) -> None:
     """The three tables on stdout; all of it as JSON with ``--json``."""
     print("\nscheduler-side CPU (thread time; ratio = median over rounds of manager / vllm)")
@@ -500,12 +572,16 @@ def report(
     if pools:
         print("\nallocate + free, ns per block (public API vs vLLM BlockPool)")
         print(format_rows(pools))
+    if core_mem is not None:
+        print("\nC++ core bytes per cached block (Core.memory_bytes(), whole pool cached)")
+        print(format_rows([core_mem]))
     if args.json is not None:
         payload = {
             "args": {k: str(v) for k, v in vars(args).items()},
             "rows": [asdict(r) for r in rows],
             "memory": [asdict(m) for m in mems],
             "pool": [asdict(p) for p in pools],
+            "core_memory": asdict(core_mem) if core_mem is not None else None,
         }
         args.json.write_text(json.dumps(payload, indent=2))
 
@@ -524,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--pool-ops", type=int, default=20000, help="0: skip the pool bench")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--pool-only", action="store_true", help="only the block-pool and core-memory tables"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if "vllm" not in args.managers:
@@ -534,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in args.cases
         for share in sharing
         for n in args.running
+        if not args.pool_only
     ]
     rows: list[Row] = []
     mems: list[Memory] = []
@@ -554,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pool_ops
         else []
     )
-    report(args, rows, mems, pools)
+    report(args, rows, mems, pools, core_memory() if args.pool_ops else None)
     return 0
 
 

@@ -76,6 +76,11 @@ class Rules:
         step order: PAPER 1, 2, 3, 4, 5; COMPACT 1, 4, 2, 3, 5; PINNED 1, 4, 2, then 5 on pages not wholly evictable, 3, 5
         """
     @property
+    def pinned_lru_fair(self) -> bool:
+        """
+        with PINNED order, the pinned step takes its block only when no wholly evictable page is less recently used (else step 3 evicts that page first)
+        """
+    @property
     def reuse_window_releases(self) -> bool:
         """
         with demote_window_releases, while under 1/4 of the pool is free: right after step 4, a group reuses its own demoted (window-released) cached blocks on pages it pins before mapping or evicting a page (counted as 5)
@@ -120,9 +125,10 @@ class Core:
         total_units: typing.SupportsInt | typing.SupportsIndex,
         rules: Rules = ...,
         short_key_bits: typing.SupportsInt | typing.SupportsIndex = 64,
+        record_plan: bool = True,
     ) -> None:
         """
-        short_key_bits < 64 keys the hash index by fewer bits of each identity (a test hook: collisions of the short key are then common, and must never be served)
+        short_key_bits < 64 keys the hash index by fewer bits of each identity (a test hook: collisions of the short key are then common, and must never be served); record_plan=False keeps no plan ops (nothing maps pages; drain_plan() is empty)
         """
     def acquire(
         self,
@@ -150,6 +156,17 @@ class Core:
     ) -> typing.Any:
         """
         allocate() taking and returning int32 arrays
+        """
+    def allocate_blocks(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        owner: typing.SupportsInt | typing.SupportsIndex,
+        now: typing.SupportsInt | typing.SupportsIndex,
+        out: typing.Any = None,
+    ) -> typing.Any:
+        """
+        allocate() of `count` blocks in one group: a list of block ids, or None (no room, nothing changed); with `out` (writable 1-D int32 buffer) the ids go to out[:count] and the call returns count
         """
     def block_info(
         self,
@@ -203,17 +220,26 @@ class Core:
         """
         Block id per identity (int32 array), -1 where absent or where the short key names another identity
         """
+    def memory_bytes(self) -> int:
+        """
+        Bytes the core holds (its containers' capacities; set nodes estimated)
+        """
     def page_eviction_order(self) -> list[tuple[int, int]]: ...
     def release(
         self,
         group: typing.SupportsInt | typing.SupportsIndex,
-        blocks: typing.Annotated[numpy.typing.ArrayLike, numpy.int32],
+        blocks: typing.Any,
         now: typing.SupportsInt | typing.SupportsIndex,
-    ) -> None: ...
+    ) -> None:
+        """
+        Drop one reference per block (a list/tuple of ints or a 1-D int32 array), last listed first; ValueError (nothing changed) if one is not in use
+        """
     @property
     def free_units(self) -> int: ...
     @property
     def num_groups(self) -> int: ...
+    @property
+    def record_plan(self) -> bool: ...
     @property
     def rules(self) -> Rules:
         """

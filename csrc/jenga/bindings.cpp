@@ -6,7 +6,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include "jenga/core.hpp"
@@ -304,11 +306,131 @@ py::object allocate_arrays(Core& core, int64_t owner, const std::vector<int32_t>
   return out;
 }
 
-void release_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
-  std::vector<int32_t> v = to_vector(blocks);
-  py::gil_scoped_release nogil;
+// Calls on fewer blocks keep the GIL: dropping and retaking it costs more than the work.
+// (Safe with the API mutex: no holder of the mutex ever waits for the GIL.)
+constexpr size_t kReleaseGilAt = 4096;
+
+// Block ids of a Python list or tuple of ints, or of anything numpy reads as 1-D int32;
+// a list or an int32 buffer is read without building an array.
+struct BlockIds {
+  const int32_t* data = nullptr;
+  size_t size = 0;
+  std::vector<int32_t>& scratch;
+  I32Array array;
+};
+
+int32_t block_id(PyObject* item, size_t i) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow != 0 || v < std::numeric_limits<int32_t>::min() ||
+      v > std::numeric_limits<int32_t>::max()) {
+    throw py::value_error("blocks[" + std::to_string(i) +
+                          "] = " + py::str(item).cast<std::string>() + " is not an int32 block id");
+  }
+  return static_cast<int32_t>(v);
+}
+
+// A 1-D, C-contiguous buffer of int32 (numpy int32, array.array('i')), read or written in
+// place; `ok` is false (no error set) for any other object.
+struct Int32Buffer {
+  Py_buffer view{};
+  bool ok = false;
+  Int32Buffer(PyObject* obj, bool writable) {
+    const int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (!PyObject_CheckBuffer(obj) || PyObject_GetBuffer(obj, &view, flags) != 0) {
+      PyErr_Clear();
+      return;
+    }
+    const char* f = view.format == nullptr ? "B" : view.format;
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') ++f;
+    ok = view.ndim == 1 && view.itemsize == 4 && (f[0] == 'i' || f[0] == 'l') && f[1] == 0;
+    if (!ok) PyBuffer_Release(&view);
+  }
+  ~Int32Buffer() {
+    if (ok) PyBuffer_Release(&view);
+  }
+  Int32Buffer(const Int32Buffer&) = delete;
+  Int32Buffer& operator=(const Int32Buffer&) = delete;
+  int32_t* data() const { return static_cast<int32_t*>(view.buf); }
+  size_t size() const { return static_cast<size_t>(view.shape[0]); }
+};
+
+void read_ids(BlockIds& ids, py::handle blocks) {
+  PyObject* obj = blocks.ptr();
+  const Int32Buffer buf(obj, false);
+  if (buf.ok) {  // copied: the buffer is released before the core runs
+    ids.scratch.assign(buf.data(), buf.data() + buf.size());
+    ids.data = ids.scratch.data();
+    ids.size = ids.scratch.size();
+    return;
+  }
+  if (PyList_Check(obj) || PyTuple_Check(obj)) {
+    const size_t n = static_cast<size_t>(PySequence_Fast_GET_SIZE(obj));
+    PyObject** items = PySequence_Fast_ITEMS(obj);
+    ids.scratch.resize(n);
+    for (size_t i = 0; i < n; ++i) ids.scratch[i] = block_id(items[i], i);
+    ids.data = ids.scratch.data();
+    ids.size = n;
+    return;
+  }
+  ids.array = I32Array::ensure(blocks);
+  if (!ids.array) throw py::error_already_set();
+  if (ids.array.ndim() != 1) {
+    throw py::value_error("blocks must be 1-D, got " + std::to_string(ids.array.ndim()));
+  }
+  ids.data = ids.array.data();
+  ids.size = static_cast<size_t>(ids.array.shape(0));
+}
+
+void release_array(Core& core, int32_t g, py::handle blocks, int64_t now) {
+  thread_local std::vector<int32_t> scratch;
+  BlockIds ids{nullptr, 0, scratch, {}};
+  read_ids(ids, blocks);
+  std::optional<py::gil_scoped_release> nogil;
+  if (ids.size >= kReleaseGilAt) nogil.emplace();
   const Lock lock(core.api_mutex());
-  core.release(g, v, now);
+  core.release(g, ids.data, ids.size, now);
+}
+
+// allocate() of `count` blocks in one group, the ids as a list of ints (None: no room,
+// nothing changed): one call, no array, the core's buffers reused.
+// With `out` (a writable 1-D int32 buffer, numpy or array.array, of at least `count`
+// entries) the ids go to out[:count] and the call returns count (None: no room, out
+// untouched).
+py::object allocate_blocks(Core& core, int32_t g, int32_t count, int64_t owner, int64_t now,
+                           py::handle out_buffer) {
+  thread_local std::vector<int32_t> got;
+  std::optional<Int32Buffer> dst;
+  if (!out_buffer.is_none()) {
+    dst.emplace(out_buffer.ptr(), true);
+    if (!dst->ok) {
+      throw py::type_error("out must be a writable, C-contiguous 1-D int32 buffer, got " +
+                           py::repr(out_buffer).cast<std::string>().substr(0, 80));
+    }
+    if (count > 0 && dst->size() < static_cast<size_t>(count)) {
+      throw py::value_error("out holds " + std::to_string(dst->size()) + " block ids, " +
+                            std::to_string(count) + " requested");
+    }
+  }
+  bool ok = false;
+  {
+    std::optional<py::gil_scoped_release> nogil;
+    if (count >= 0 && static_cast<size_t>(count) >= kReleaseGilAt) nogil.emplace();
+    const Lock lock(core.api_mutex());
+    ok = core.allocate_one(g, owner, count, now, got);
+  }
+  if (!ok) return py::none();
+  if (dst) {
+    std::copy(got.begin(), got.end(), dst->data());
+    return py::int_(got.size());
+  }
+  PyObject* out = PyList_New(static_cast<py::ssize_t>(got.size()));
+  if (out == nullptr) throw py::error_already_set();
+  for (size_t i = 0; i < got.size(); ++i) {
+    PyList_SET_ITEM(out, static_cast<py::ssize_t>(i), PyLong_FromLong(got[i]));
+  }
+  return py::reinterpret_steal<py::object>(out);
 }
 
 void acquire_array(Core& core, int32_t g, const I32Array& blocks, int64_t now) {
@@ -355,11 +477,13 @@ void register_jenga(py::module_ m) {
   register_identity(m);
   py::class_<Core>(m, "Core", "Two-level LCM allocator bookkeeping (see jenga/allocator.py)")
       .def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t,
-                    const jenga::Rules&, int32_t>(),
+                    const jenga::Rules&, int32_t, bool>(),
            py::arg("blocks_per_page"), py::arg("units_per_page"), py::arg("total_units"),
            py::arg_v("rules", jenga::Rules{}, "Rules()"), py::arg("short_key_bits") = 64,
+           py::arg("record_plan") = true,
            "short_key_bits < 64 keys the hash index by fewer bits of each identity (a test "
-           "hook: collisions of the short key are then common, and must never be served)")
+           "hook: collisions of the short key are then common, and must never be served); "
+           "record_plan=False keeps no plan ops (nothing maps pages; drain_plan() is empty)")
       .def("allocate", locked(&Core::allocate), py::arg("owner"), py::arg("counts"), py::arg("now"),
            py::arg("releases") = std::vector<std::vector<int32_t>>{}, Release())
       .def("allocate_arrays", &allocate_arrays, py::arg("owner"), py::arg("counts"), py::arg("now"),
@@ -368,7 +492,14 @@ void register_jenga(py::module_ m) {
       .def("evict_cached_pages", &Core::evict_cached_pages, py::arg("units"), Release(),
            "Evict whole evictable pages in step 3's order until `units` units are freed or "
            "none is left; returns the units freed (the unmaps are plan ops)")
-      .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
+      .def("allocate_blocks", &allocate_blocks, py::arg("group"), py::arg("count"),
+           py::arg("owner"), py::arg("now"), py::arg("out") = py::none(),
+           "allocate() of `count` blocks in one group: a list of block ids, or None (no room, "
+           "nothing changed); with `out` (writable 1-D int32 buffer) the ids go to "
+           "out[:count] and the call returns count")
+      .def("release", &release_array, py::arg("group"), py::arg("blocks"), py::arg("now"),
+           "Drop one reference per block (a list/tuple of ints or a 1-D int32 array), last "
+           "listed first; ValueError (nothing changed) if one is not in use")
       .def("acquire", &acquire_array, py::arg("group"), py::arg("blocks"), py::arg("now"))
       .def("commit", &commit, py::arg("group"), py::arg("blocks"), py::arg("hashes"),
            py::arg("prefix_lens"), "Enter the identities (n, 2) of USED blocks in the index")
@@ -400,7 +531,10 @@ void register_jenga(py::module_ m) {
            "(state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)")
       .def_property_readonly("total_units", locked(&Core::total_units))
       .def_property_readonly("free_units", locked(&Core::free_units))
-      .def_property_readonly("num_groups", &Core::num_groups);
+      .def_property_readonly("num_groups", &Core::num_groups)
+      .def_property_readonly("record_plan", &Core::record_plan)
+      .def("memory_bytes", locked(&Core::memory_bytes), Release(),
+           "Bytes the core holds (its containers' capacities; set nodes estimated)");
 }
 
 }  // namespace jvmm

@@ -24,8 +24,8 @@ void check_clock(int64_t now) {
 }  // namespace
 
 Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
-           int64_t total_units, const Rules& rules, int32_t short_key_bits)
-    : total_units_(total_units), free_units_(total_units) {
+           int64_t total_units, const Rules& rules, int32_t short_key_bits, bool record_plan)
+    : total_units_(total_units), free_units_(total_units), record_plan_(record_plan) {
   if (short_key_bits < 0 || short_key_bits > 64) {
     throw std::invalid_argument("short_key_bits must be in [0, 64], got " + str(short_key_bits));
   }
@@ -39,6 +39,8 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
     throw std::invalid_argument("total_units must be > 0, got " + str(total_units));
   }
   groups_.resize(blocks_per_page.size());
+  one_counts_.assign(groups_.size(), 0);
+  one_out_.resize(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (blocks_per_page[g] <= 0 || units_per_page[g] <= 0) {
       throw std::invalid_argument("group " + str(static_cast<int64_t>(g)) +
@@ -46,6 +48,11 @@ Core::Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_
                                   str(blocks_per_page[g]) + " and " + str(units_per_page[g]));
     }
     groups_[g].blocks_per_page = blocks_per_page[g];
+    const auto d = static_cast<uint64_t>(blocks_per_page[g]);
+    int32_t l = 0;
+    while ((uint64_t{1} << l) < d) ++l;
+    groups_[g].page_magic = ((uint64_t{1} << (32 + l)) + d - 1) / d;
+    groups_[g].page_shift = 32 + l;
     groups_[g].units_per_page = units_per_page[g];
   }
   set_rules(rules);
@@ -80,6 +87,32 @@ int32_t Core::num_used(const Group& G, int32_t page) const {
 std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     int64_t owner, const std::vector<int32_t>& counts, int64_t now,
     const std::vector<std::vector<int32_t>>& releases) {
+  std::vector<std::vector<int32_t>> out(groups_.size());
+  if (!allocate_into(owner, counts, now, releases, out)) return std::nullopt;
+  return out;
+}
+
+bool Core::allocate_one(int32_t g, int64_t owner, int32_t n, int64_t now,
+                        std::vector<int32_t>& out) {
+  group(g);  // throws std::out_of_range on a bad group
+  out.clear();
+  one_counts_[static_cast<size_t>(g)] = n;
+  bool ok = false;
+  try {
+    ok = allocate_into(owner, one_counts_, now, {}, one_out_);
+  } catch (...) {
+    one_counts_[static_cast<size_t>(g)] = 0;
+    throw;
+  }
+  one_counts_[static_cast<size_t>(g)] = 0;
+  if (ok) out.swap(one_out_[static_cast<size_t>(g)]);
+  return ok;
+}
+
+// allocate()'s transaction; out holds one vector per group (capacity reused).
+bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+                         const std::vector<std::vector<int32_t>>& releases,
+                         std::vector<std::vector<int32_t>>& out) {
   if (counts.size() != groups_.size()) {
     throw std::invalid_argument("need one count per group: got " + str(counts.size()) + " for " +
                                 str(groups_.size()) + " groups");
@@ -96,9 +129,8 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   }
   check_clock(now);
   for (size_t g = 0; g < releases.size(); ++g)
-    validate_release(static_cast<int32_t>(g), releases[g]);
+    validate_release(static_cast<int32_t>(g), releases[g].data(), releases[g].size());
   Counters c;
-  std::vector<std::vector<int32_t>> out(groups_.size());
   const size_t plan_mark = plan_.size();
   const Counters saved = counters_;
   undo_.clear();
@@ -132,7 +164,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
     counters_.alloc_calls += 1;
     counters_.alloc_failures += 1;
     counters_.frugal_retries += c.frugal_retries;
-    return std::nullopt;
+    return false;
   }
   logging_ = false;
   undo_.clear();
@@ -144,7 +176,7 @@ std::optional<std::vector<std::vector<int32_t>>> Core::allocate(
   counters_.remapped_units += c.remapped_units;
   counters_.frugal_retries += c.frugal_retries;
   counters_.alloc_calls += 1;
-  return out;
+  return true;
 }
 
 // Every group in order; false at the first group that cannot be served (out is reset).
@@ -265,7 +297,11 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
 int32_t Core::take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
                              std::vector<int32_t>& out) {
   const int32_t k = std::min(n, grp(g).pages[static_cast<size_t>(page)].num_free);
+  const bool deferred = defer_refresh_;  // one page: its evictable key once, at the end
+  defer_refresh_ = true;
   for (int32_t i = 0; i < k; ++i) out.push_back(prim_take(g, page, now));
+  defer_refresh_ = deferred;
+  if (!deferred) refresh_page(g, page);
   return k;
 }
 
@@ -276,15 +312,7 @@ bool Core::evict_pages_for(int32_t g, Counters& c, int32_t& reused_units) {
   const int64_t need = grp(g).units_per_page;
   if (free_units_ >= need || free_units_ + evictable_page_units_ < need) return false;
   const int64_t before = free_units_;
-  while (free_units_ < need) {
-    const PageKey victim = *evictable_pages_.begin();
-    const int32_t h = std::get<2>(victim);
-    const int32_t page = std::get<3>(victim);
-    c.blocks_evicted += grp(h).pages[static_cast<size_t>(page)].num_cached;
-    evict_page(h, page);
-    c.pages_evicted += 1;
-    c.pages_unmapped += 1;
-  }
+  while (free_units_ < need) evict_lru_page(c);
   reused_units = static_cast<int32_t>(std::min<int64_t>(need, free_units_ - before));
   return true;
 }
@@ -297,15 +325,7 @@ int64_t Core::evict_cached_pages(int64_t units) {
   undo_.clear();
   logging_ = true;
   try {
-    while (free_units_ - before < units && !evictable_pages_.empty()) {
-      const PageKey victim = *evictable_pages_.begin();
-      const int32_t h = std::get<2>(victim);
-      const int32_t page = std::get<3>(victim);
-      c.blocks_evicted += grp(h).pages[static_cast<size_t>(page)].num_cached;
-      evict_page(h, page);
-      c.pages_evicted += 1;
-      c.pages_unmapped += 1;
-    }
+    while (free_units_ - before < units && !evictable_pages_.empty()) evict_lru_page(c);
   } catch (...) {
     rollback(0, plan_mark);
     logging_ = false;
@@ -317,6 +337,16 @@ int64_t Core::evict_cached_pages(int64_t units) {
   counters_.pages_unmapped += c.pages_unmapped;
   counters_.blocks_evicted += c.blocks_evicted;
   return free_units_ - before;
+}
+
+void Core::evict_lru_page(Counters& c) {
+  const PageKey victim = *evictable_pages_.begin();
+  const int32_t g = std::get<2>(victim);
+  const int32_t page = std::get<3>(victim);
+  c.blocks_evicted += grp(g).pages[static_cast<size_t>(page)].num_cached;
+  evict_page(g, page);
+  c.pages_evicted += 1;
+  c.pages_unmapped += 1;
 }
 
 void Core::evict_page(int32_t g, int32_t page) {
@@ -345,11 +375,11 @@ void Core::evict_page(int32_t g, int32_t page) {
 
 // Throws (nothing changed) unless every listed block is USED with enough references for
 // the number of times it is listed.
-void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
+void Core::validate_release(int32_t g, const int32_t* blocks, size_t n) {
   Group& G = grp((group(g), g));
   const int64_t limit = static_cast<int64_t>(G.blocks.size());
   size_t done = 0;
-  for (; done < blocks.size(); ++done) {
+  for (; done < n; ++done) {
     const int32_t b = blocks[done];
     if (b < 0 || b >= limit || G.blocks[static_cast<size_t>(b)].state != State::kUsed ||
         G.blocks[static_cast<size_t>(b)].refcount <= 0) {
@@ -358,7 +388,7 @@ void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
     G.blocks[static_cast<size_t>(b)].refcount -= 1;
   }
   for (size_t i = 0; i < done; ++i) G.blocks[static_cast<size_t>(blocks[i])].refcount += 1;
-  if (done != blocks.size()) {
+  if (done != n) {
     throw std::invalid_argument("group " + str(g) + ": block " + str(blocks[done]) +
                                 " is not in use (release of a free, cached or unknown block; " +
                                 str(limit) + " block ids exist)");
@@ -366,11 +396,26 @@ void Core::validate_release(int32_t g, const std::vector<int32_t>& blocks) {
 }
 
 void Core::release(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {
+  release(g, blocks.data(), blocks.size(), now);
+}
+
+void Core::release(int32_t g, const int32_t* blocks, size_t n, int64_t now) {
   check_clock(now);
-  validate_release(g, blocks);
+  validate_release(g, blocks, n);
   // Tail first: a request's later blocks carry longer prefixes, so with one release time
   // they come out evicted-first; pushing them last-to-first keeps each heap push O(1).
-  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) prim_release(g, *it, now, false);
+  // A page's evictable key is refreshed once per run of its blocks (not once per block).
+  const Group& G = grp(g);
+  defer_refresh_ = true;
+  int32_t run = -1;
+  for (size_t i = n; i-- > 0;) {
+    const int32_t page = page_of(G, blocks[i]);
+    if (page != run && run >= 0) refresh_page(g, run);
+    run = page;
+    prim_release(g, blocks[i], now, false);
+  }
+  defer_refresh_ = false;
+  if (run >= 0) refresh_page(g, run);
 }
 
 void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {

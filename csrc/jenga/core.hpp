@@ -153,6 +153,10 @@ struct PageAge {
 struct Group {
   int32_t blocks_per_page = 1;
   int32_t units_per_page = 1;
+  // block / blocks_per_page == (block * page_magic) >> page_shift for 0 <= block < 2^31:
+  // page_magic = ceil(2^(32 + l) / B), l = ceil(log2 B) (Granlund-Montgomery, N = 32).
+  uint64_t page_magic = uint64_t{1} << 32;
+  int32_t page_shift = 32;
   std::vector<Page> pages;
   std::vector<Block> blocks;
   std::vector<int32_t> free_page_ids;  // unmapped page indices below pages.size(), LIFO
@@ -232,7 +236,8 @@ struct Counters {
 class Core {
  public:
   Core(const std::vector<int32_t>& blocks_per_page, const std::vector<int32_t>& units_per_page,
-       int64_t total_units, const Rules& rules = Rules{}, int32_t short_key_bits = 64);
+       int64_t total_units, const Rules& rules = Rules{}, int32_t short_key_bits = 64,
+       bool record_plan = true);
 
   // Held by the bindings across every public call (after the GIL is released), so threads
   // sharing one Core never interleave inside its tables. The core itself never locks it.
@@ -244,10 +249,15 @@ class Core {
   std::optional<std::vector<std::vector<int32_t>>> allocate(
       int64_t owner, const std::vector<int32_t>& counts, int64_t now,
       const std::vector<std::vector<int32_t>>& releases);
+  // allocate() of n blocks in group g alone (the other groups none, nothing released),
+  // without per-call containers: out is cleared, then receives the ids. False: no room,
+  // nothing changed (out empty). Throws std::invalid_argument on a bad group or n < 0.
+  bool allocate_one(int32_t g, int64_t owner, int32_t n, int64_t now, std::vector<int32_t>& out);
   // Drop one reference per listed block, last listed first; blocks reaching 0 become CACHED
   // (hashed) or FREE, and pages left all FREE are unmapped.
   // Throws std::invalid_argument (nothing changed) if a block is not USED.
   void release(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
+  void release(int32_t group, const int32_t* blocks, size_t n, int64_t now);
   // Evict whole evictable pages (step 3's order: LRU by newest access, ties as there) until
   // at least `units` units were freed or none is left; their cached blocks leave the index
   // and the pages are unmapped (plan ops). Returns the units freed. All or nothing: a
@@ -269,8 +279,10 @@ class Core {
   // The index key of an identity.
   uint64_t short_key(const Identity& id) const { return id.lo & short_key_mask_; }
   int32_t short_key_bits() const { return short_key_bits_; }
-  // The plan ops emitted since the last drain.
+  // The plan ops emitted since the last drain (none are kept when record_plan is false:
+  // nothing maps pages, e.g. an engine that owns its KV tensors whole).
   std::vector<PlanOp> drain_plan();
+  bool record_plan() const { return record_plan_; }
   size_t num_plan_ops() const { return plan_.size(); }
 
   // Replace the rules whole. An empty early_release_groups means none; otherwise it needs
@@ -289,6 +301,9 @@ class Core {
   std::vector<std::pair<int32_t, int32_t>> page_eviction_order() const;
   // Throws std::logic_error naming the first disagreement.
   void check_invariants(bool expensive) const;
+  // Bytes the core holds: itself and its containers' capacities (std::set nodes counted
+  // as their payload plus a 32-byte node header; allocator slack not counted).
+  int64_t memory_bytes() const;
 
  private:
   enum class UndoKind : uint8_t {
@@ -310,8 +325,25 @@ class Core {
     Identity hash;
   };
 
+  // Append an undo record in place (a record built on the stack and copied costs a
+  // store-forwarding stall per primitive); returns it (hash zero).
+  Undo& log_undo(UndoKind kind, int32_t g, int32_t id, int64_t a, int64_t b) {
+    Undo& u = undo_.emplace_back();
+    u.kind = kind;
+    u.group = g;
+    u.id = id;
+    u.a = a;
+    u.b = b;
+    return u;
+  }
+
   Group& grp(int32_t g) { return groups_[static_cast<size_t>(g)]; }
-  int32_t page_of(const Group& G, int32_t block) const { return block / G.blocks_per_page; }
+  // block / blocks_per_page by a multiply and a shift (a division per primitive was the
+  // largest single cost of a release): exact for 0 <= block < 2^31 (set in the constructor).
+  int32_t page_of(const Group& G, int32_t block) const {
+    return static_cast<int32_t>(
+        (static_cast<uint64_t>(static_cast<uint32_t>(block)) * G.page_magic) >> G.page_shift);
+  }
   int32_t num_used(const Group& G, int32_t page) const;
 
   bool allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now, Counters& c,
@@ -335,6 +367,11 @@ class Core {
   int32_t take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
                          std::vector<int32_t>& out);
   bool evict_pages_for(int32_t g, Counters& c, int32_t& reused_units);
+  // Evict the head of evictable_pages_ (step 3's order), counted in c.
+  void evict_lru_page(Counters& c);
+  bool allocate_into(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+                     const std::vector<std::vector<int32_t>>& releases,
+                     std::vector<std::vector<int32_t>>& out);
   void evict_page(int32_t g, int32_t page);
   // Enter block's identity in G's index; false (nothing changed) when its short key is
   // taken, counting a collision when another identity holds it.
@@ -348,7 +385,7 @@ class Core {
   void prim_push_free(int32_t g, int32_t block);
   void prim_use_limbo(int32_t g, int32_t block, int64_t now);
   void prim_release(int32_t g, int32_t block, int64_t now, bool early);
-  void validate_release(int32_t g, const std::vector<int32_t>& blocks);
+  void validate_release(int32_t g, const int32_t* blocks, size_t n);
   void rollback(size_t undo_mark, size_t plan_mark);
   void undo_one(const Undo& u);
 
@@ -377,6 +414,9 @@ class Core {
   uint64_t next_stamp_ = 0;
   std::vector<Undo> undo_;
   bool logging_ = false;
+  bool record_plan_ = true;
+  std::vector<int32_t> one_counts_;            // allocate_one: reused per call
+  std::vector<std::vector<int32_t>> one_out_;  // allocate_one: reused per call
   bool defer_refresh_ = false;
   bool frugal_ = false;
   Rules rules_;

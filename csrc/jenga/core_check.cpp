@@ -142,4 +142,19 @@ void Core::check_page(int32_t g, int32_t p, const std::vector<char>& in_lru,
   tally.cached += n_cached;
 }
 
+int64_t Core::memory_bytes() const {
+  constexpr size_t kNodeHeader = 32;  // a std::set node: color, parent, left, right
+  auto bytes = [](const auto& v) { return v.capacity() * sizeof(v[0]); };
+  size_t total = sizeof(Core) + bytes(groups_) + bytes(plan_) + bytes(undo_) + bytes(lru_aside_) +
+                 bytes(frugal_reserve_) + bytes(one_counts_) + bytes(one_out_) +
+                 evictable_pages_.size() * (sizeof(PageKey) + kNodeHeader);
+  for (const auto& v : one_out_) total += bytes(v);
+  for (const Group& G : groups_) {
+    total += bytes(G.pages) + bytes(G.blocks) + bytes(G.free_page_ids) + bytes(G.lru) +
+             G.hash_to_block.memory_bytes() +
+             G.pages_with_free.size() * (sizeof(std::pair<int64_t, int32_t>) + kNodeHeader);
+  }
+  return static_cast<int64_t>(total);
+}
+
 }  // namespace jvmm::jenga

@@ -27,12 +27,12 @@ int32_t Core::prim_take(int32_t g, int32_t page, int64_t now) {
   P.num_free -= 1;
   G.num_free_blocks -= 1;
   if (P.num_free == 0) remove_from_free_set(G, page);
-  if (logging_) undo_.push_back({UndoKind::kTake, g, b, k.last_access, k.shared, {}});
+  if (logging_) log_undo(UndoKind::kTake, g, b, k.last_access, k.shared);
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
   k.shared = false;
-  refresh_page(g, page);
+  if (!defer_refresh_) refresh_page(g, page);
   return b;
 }
 
@@ -63,8 +63,8 @@ int32_t Core::prim_map(int32_t g, int64_t owner, int32_t reused_units) {
   G.num_free_blocks += B;
   free_units_ -= G.units_per_page;
   add_to_free_set(G, page);
-  plan_.push_back({OpKind::kMap, g, page, reused_units});
-  if (logging_) undo_.push_back({UndoKind::kMap, g, page, extended, 0, {}});
+  if (record_plan_) plan_.push_back({OpKind::kMap, g, page, reused_units});
+  if (logging_) log_undo(UndoKind::kMap, g, page, extended, 0);
   return page;
 }
 
@@ -78,15 +78,15 @@ void Core::prim_unmap(int32_t g, int32_t page) {
   G.num_mapped_pages -= 1;
   G.num_free_blocks -= G.blocks_per_page;
   free_units_ += G.units_per_page;
-  plan_.push_back({OpKind::kUnmap, g, page, 0});
-  if (logging_) undo_.push_back({UndoKind::kUnmap, g, page, P.owner, 0, {}});
+  if (record_plan_) plan_.push_back({OpKind::kUnmap, g, page, 0});
+  if (logging_) log_undo(UndoKind::kUnmap, g, page, P.owner, 0);
 }
 
 void Core::prim_uncache(int32_t g, int32_t block) {
   Group& G = grp(g);
   Block& k = G.blocks[static_cast<size_t>(block)];
   if (logging_) {
-    undo_.push_back({UndoKind::kUncache, g, block, k.last_access, k.prefix_len, k.hash});
+    log_undo(UndoKind::kUncache, g, block, k.last_access, k.prefix_len).hash = k.hash;
   }
   lru_remove(G, block);
   G.hash_to_block.erase(short_key(k.hash));
@@ -108,13 +108,13 @@ void Core::prim_push_free(int32_t g, int32_t block) {
   P.num_free += 1;
   G.num_free_blocks += 1;
   if (P.num_free == 1) add_to_free_set(G, page);
-  if (logging_) undo_.push_back({UndoKind::kPushFree, g, block, 0, 0, {}});
+  if (logging_) log_undo(UndoKind::kPushFree, g, block, 0, 0);
   if (!defer_refresh_) refresh_page(g, page);
 }
 
 void Core::prim_use_limbo(int32_t g, int32_t block, int64_t now) {
   Block& k = grp(g).blocks[static_cast<size_t>(block)];
-  if (logging_) undo_.push_back({UndoKind::kUseLimbo, g, block, k.last_access, k.shared, {}});
+  if (logging_) log_undo(UndoKind::kUseLimbo, g, block, k.last_access, k.shared);
   k.state = State::kUsed;
   k.refcount = 1;
   k.last_access = now;
@@ -129,7 +129,7 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Block& k = G.blocks[static_cast<size_t>(block)];
   if (logging_) {
     const int64_t flags = (k.early ? 1 : 0) | (k.demoted ? 2 : 0);
-    undo_.push_back({UndoKind::kDecRef, g, block, k.last_access, flags, {}});
+    log_undo(UndoKind::kDecRef, g, block, k.last_access, flags);
   }
   k.refcount -= 1;
   if (k.refcount > 0) return;
@@ -140,12 +140,12 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   k.demoted = early && rules_.demote_window_releases && !k.shared;
   counters_.blocks_released += 1;
   if (k.hashed) {
-    if (logging_) undo_.push_back({UndoKind::kToCached, g, block, 0, 0, {}});
+    if (logging_) log_undo(UndoKind::kToCached, g, block, 0, 0);
     k.state = State::kCached;
     lru_insert(G, block);
     P.num_cached += 1;
     G.num_cached_blocks += 1;
-    refresh_page(g, page);
+    if (!defer_refresh_) refresh_page(g, page);
     return;
   }
   k.state = State::kLimbo;

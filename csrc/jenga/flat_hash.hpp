@@ -20,6 +20,7 @@ class FlatHashMap {
   size_t home(uint64_t key) const { return static_cast<size_t>((key * kFib) >> shift_); }
 
   size_t size() const { return size_; }
+  size_t memory_bytes() const { return slots_.capacity() * sizeof(Slot); }
 
   // Value for key, or -1.
   int32_t find(uint64_t key) const {

@@ -53,3 +53,34 @@ def test_threads_allocating_and_releasing_on_one_core_keep_its_invariants() -> N
     run_threads(work, THREADS)
     core.check_invariants(True)
     assert core.free_units == TOTAL - sum(n for n, *_ in (core.group_counts(g) for g in (0, 1)))
+
+
+def test_gil_holding_block_calls_beside_gil_releasing_ones_neither_deadlock_nor_corrupt() -> None:
+    """`allocate_blocks` / `release` on few blocks wait for the API mutex with the GIL
+    held; the mutex's holders (GIL released) never wait for the GIL, so this finishes."""
+    core = _core.Core([16, 8], [1, 1], TOTAL)
+    clock = iter(range(1, 10**9))
+
+    def work(owner: int) -> None:
+        rnd = random.Random(owner)
+        held: list[list[int]] = [[], []]
+        for _ in range(STEPS):
+            g = rnd.randrange(2)
+            if rnd.random() < 0.55:
+                if owner % 2:
+                    got = core.allocate_blocks(g, rnd.randint(0, 40), owner, next(clock))
+                else:
+                    counts = [0, 0]
+                    counts[g] = rnd.randint(0, 40)
+                    both = core.allocate(owner, counts, next(clock))
+                    got = None if both is None else both[g]
+                held[g].extend(got or [])
+            elif held[g]:
+                core.release(g, held[g], next(clock))
+                held[g] = []
+        for g in (0, 1):
+            core.release(g, held[g], next(clock))
+
+    run_threads(work, THREADS)
+    core.check_invariants(True)
+    assert core.free_units == TOTAL
