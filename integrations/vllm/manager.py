@@ -482,11 +482,17 @@ class JengaKVCacheManager:
             self._tokens_known[rid] = upto
         limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
         computed = max(0, min(num_computed_tokens, limit))
-        added = self.allocator.cache(rid, computed, digests=_digests(request))
+        digests = _digests(request)
+        added = self.allocator.cache(rid, computed, digests=digests)
         if added and self.identity.events_on:
             self._record(request, computed)
         if self._cache_step:
-            self._next_cache[rid] = (computed // self._cache_step + 1) * self._cache_step
+            # a block is named only once its digest exists: with lookahead hashes the
+            # digests lag the computed tokens, so the next call must look again
+            hashed = getattr(request, "block_hashes", None) is not None
+            named = len(digests) * self.hash_block_size if hashed else computed
+            upto = min(computed, named)
+            self._next_cache[rid] = (upto // self._cache_step + 1) * self._cache_step
 
     def _record(self, request: Request, computed: int) -> None:
         """Hand the registry the blocks this request just entered in the index (complete
