@@ -174,19 +174,28 @@ def test_bytes_survive_other_blocks_remaps_and_evictions(
     scheduler = replay.make_scheduler(config, kv_config, jenga=True)
     manager: JengaKVCacheManager = scheduler.kv_cache_manager
     assert manager.layout.options.geometry == "per_group"
-    cache, pool, backend = _cache(kv_config, manager.layout)
-    checker = BytesChecker(cache, manager.layout, setup.block_size)
-    prompts = Workload(requests=16, output_tokens=16).prompts()
-    for wave, part in (("a", prompts[:8]), ("b", prompts[8:])):
-        requests = replay.make_requests(part, [16] * len(part), setup.block_size, prefix=wave)
-        report = replay.replay(scheduler, requests, after_step=checker)
+    checker = _replay_two_waves(scheduler, kv_config, setup.block_size, requests=16)
+    assert checker.peak <= manager.layout.memory_bytes
+
+
+def _replay_two_waves(scheduler: Any, kv_config: Any, block_size: int, requests: int) -> Any:
+    """Two waves of prompts (the second sharing the first's system prompt), every step's
+    live blocks written and read back through vLLM's views over the manager's VMM ranges."""
+    layout = scheduler.kv_cache_manager.layout
+    cache, pool, backend = _cache(kv_config, layout)
+    checker = BytesChecker(cache, layout, block_size)
+    prompts = Workload(requests=requests, output_tokens=16).prompts()
+    half = requests // 2
+    for wave, part in (("a", prompts[:half]), ("b", prompts[half:])):
+        batch = replay.make_requests(part, [16] * len(part), block_size, prefix=wave)
+        report = replay.replay(scheduler, batch, after_step=checker)
     assert report.prefix_hit_tokens > 0
     assert checker.verified > 1000  # older blocks and other requests' prefix hits read back
     assert checker.unmapped_pages > 0  # pages were evicted / freed and their chunks reused
-    assert checker.peak <= manager.layout.memory_bytes
-    assert backend.physical_bytes() <= manager.layout.memory_bytes
+    assert backend.physical_bytes() <= layout.memory_bytes
     cache.close()
     pool.close()
+    return checker
 
 
 def _twenty_one_layer_groups() -> dict[str, Any]:
@@ -222,15 +231,4 @@ def test_bytes_survive_on_exact_one_chunk_per_layer_pages(model_dir: Path) -> No
     places = [g.placement for g in manager.layout.groups]
     assert [(p.num_layers, p.chunks_per_page, p.tail_bytes) for p in places] == [(21, 21, 0)] * 2
     assert all(p.layer_stride == CHUNK for p in places)
-    cache, pool, backend = _cache(kv_config, manager.layout)
-    checker = BytesChecker(cache, manager.layout, setup.block_size)
-    prompts = Workload(requests=32, output_tokens=16).prompts()
-    for wave, part in (("a", prompts[:16]), ("b", prompts[16:])):
-        requests = replay.make_requests(part, [16] * len(part), setup.block_size, prefix=wave)
-        report = replay.replay(scheduler, requests, after_step=checker)
-    assert report.prefix_hit_tokens > 0
-    assert checker.verified > 1000
-    assert checker.unmapped_pages > 0
-    assert backend.physical_bytes() <= manager.layout.memory_bytes
-    cache.close()
-    pool.close()
+    _replay_two_waves(scheduler, kv_config, setup.block_size, requests=32)
