@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -143,10 +144,10 @@ class LiveRequest:
         for g, policy in enumerate(policies):
             n, first = len(self.tables[g]), self.first_live[g]
             if first < n:
-                released = functools.partial(_first_live_within, policy, images, first)
-                quiet = _last_length(policy.last_length_first_live(first), released, cur, quiet)
-            covered = functools.partial(_blocks_within, policy, images, n)
-            held = _last_length(policy.last_length_held(n), covered, cur, held)
+                limit = policy.last_length_first_live(first)
+                quiet = _last_length(limit, _first_live_within, (policy, images, first), cur, quiet)
+            limit = policy.last_length_held(n)
+            held = _last_length(limit, _blocks_within, (policy, images, n), cur, held)
         self.quiet_until, self.held_until = quiet, held
 
     def identities(self, tokens_per_block: int, start: int, stop: int) -> np.ndarray:
@@ -210,12 +211,15 @@ def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageS
     return spans
 
 
-def _last_length(limit: int | None, pred: Callable[[int], bool], cur: int, hi: int) -> int:
+def _last_length(
+    limit: int | None, pred: Callable[..., bool], args: tuple[Any, ...], cur: int, hi: int
+) -> int:
     """min(``hi``, the last length >= ``cur - 1`` a nondecreasing-in-length condition
     holds at): the policy's closed form ``limit`` when it has one, else a galloping
-    search of ``pred`` over ``[cur, hi]``."""
+    search of ``pred(*args, length)`` over ``[cur, hi]`` (the partial is built only
+    then: this runs on every allocation that moves a window)."""
     if limit is None:
-        return min(hi, _last_true(pred, cur, hi))
+        return min(hi, _last_true(functools.partial(pred, *args), cur, hi))
     return min(hi, limit if limit >= cur else cur - 1)
 
 

@@ -482,15 +482,14 @@ class JengaKVCacheManager:
             self._tokens_known[rid] = upto
         limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
         computed = max(0, min(num_computed_tokens, limit))
-        digests = _digests(request)
-        added = self.allocator.cache(rid, computed, digests=digests)
+        hashes: Sequence[bytes] | None = getattr(request, "block_hashes", None)
+        added = self.allocator.cache(rid, computed, digests=() if hashes is None else hashes)
         if added and self.identity.events_on:
             self._record(request, computed)
         if self._cache_step:
             # a block is named only once its digest exists: with lookahead hashes the
             # digests lag the computed tokens, so the next call must look again
-            hashed = getattr(request, "block_hashes", None) is not None
-            named = len(digests) * self.hash_block_size if hashed else computed
+            named = computed if hashes is None else len(hashes) * self.hash_block_size
             upto = min(computed, named)
             self._next_cache[rid] = (upto // self._cache_step + 1) * self._cache_step
 
