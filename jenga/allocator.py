@@ -398,8 +398,7 @@ class JengaAllocator:
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(request_id, "after allocate", new)
         upto = _release_length(request_id, old, release_upto)
-        if old <= req.quiet_until and new <= req.held_until:
-            req.num_tokens = new  # every slot is held and nothing leaves any window
+        if req.grow_held(new):  # every slot is held and nothing leaves any window
             return self.no_blocks, self.no_blocks, _EMPTY_PLAN, new
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
@@ -705,6 +704,12 @@ class JengaAllocator:
     def num_tokens(self, request_id: Hashable) -> int:
         """Tokens with allocated slots."""
         return self._request(request_id).num_tokens
+
+    def live_request(self, request_id: Hashable) -> LiveRequest:
+        """The allocator's record of a live request, for an engine's per-step fast path
+        (`LiveRequest.grow_held`); valid until the request is freed. Raises
+        `UnknownRequest` / `DoubleFree`."""
+        return self._request(request_id)
 
     def eviction_order(self, group: int | str) -> list[int]:
         """Cached blocks of ``group`` in the order step 5 would evict them."""

@@ -113,6 +113,16 @@ class LiveRequest:
     digests: Sequence[bytes] | None = None
     digest_block_size: int = 0
 
+    def grow_held(self, length: int) -> bool:
+        """`JengaAllocator.allocate`'s fast path as one method: True (and the request now
+        has ``length`` tokens, if more) when every slot up to ``length`` is held and no
+        block leaves any window; False (nothing changed) when the allocator must look."""
+        if self.num_tokens <= self.quiet_until and length <= self.held_until:
+            if length > self.num_tokens:
+                self.num_tokens = length
+            return True
+        return False
+
     def skipped(self, g: int, policy: Policy, length: int) -> tuple[np.ndarray, int]:
         """Group g's blocks the request no longer reads at ``length`` (a state kind:
         non-NULL only) and its first live index once they are released."""

@@ -76,7 +76,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
+from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, LiveRequest, PrefixMatch
 from jenga.plan import OP_UNMAP, MappingPlan, plan_from_keys
 from jenga.specs import Kind
 
@@ -126,10 +126,18 @@ class JengaKVCacheManager:
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._tokens_known: dict[Hashable, int] = {}
+        self._live: dict[Hashable, LiveRequest] = {}  # the allocator's record, by request
         self._block_objects: list[dict[int, KVCacheBlock]] = [{} for _ in layout.groups]
         self._null_blocks = tuple(
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
+        # VMM ranges: allocator block b of group g is always vLLM id `vllm_id(b)`, so its
+        # object sits at index b (the last entry, NULL_BLOCK = -1, is the null block)
+        static = layout.options.page_geometry != "vllm"
+        self._static_objects: list[list[KVCacheBlock | None]] = [
+            [None] * g.capacity + [null] if static else []
+            for g, null in zip(layout.groups, self._null_blocks, strict=True)
+        ]
         self._plans: list[MappingPlan] = []
         # encoder-decoder: the encoder input is not in the decoder prompt (cross groups)
         self._encoder_side = any(g.kind is Kind.CROSS_ATTENTION for g in layout.groups)
@@ -308,6 +316,22 @@ class JengaKVCacheManager:
         released again, and a running request keeps what it had except the blocks it no
         longer reads (out of its window, old Mamba states), released as vLLM does.
         """
+        live = self._live.get(request.request_id)
+        if live is not None and not (
+            num_new_computed_tokens
+            or num_external_computed_tokens
+            or delay_cache_blocks
+            or num_encoder_tokens
+            or full_sequence_must_fit
+            or reserved_blocks
+        ):  # a running request's plain step: most calls are decodes within held blocks
+            computed = request.num_computed_tokens
+            target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+            if num_new_tokens > 0 and live.grow_held(target):
+                upto = computed + num_new_tokens
+                if self.enable_caching and upto >= self._next_cache[request.request_id]:
+                    self._cache(request, min(upto, request.num_tokens))
+                return self.empty_kv_cache_blocks
         if num_external_computed_tokens or delay_cache_blocks:
             raise UnsupportedFeature("external (connector) KV tokens are not supported")
         if num_encoder_tokens and not self._encoder_side:
@@ -431,6 +455,8 @@ class JengaKVCacheManager:
                 f"tokens but the allocator's hit is {hit}"
             )
         self._tokens_known[rid] = len(tokens)
+        self._live[rid] = self.allocator.live_request(rid)
+        self._next_cache[rid] = 0
         if self.identity.events_on:
             self._recorded[rid] = [
                 sum(1 for b in self.allocator.block_table(rid, g) if b != NULL_BLOCK)
@@ -462,6 +488,7 @@ class JengaKVCacheManager:
     def _release(self, rid: Hashable) -> None:
         self.allocator.free(rid)  # its plan ops went to `_apply_plan_keys`
         del self._tokens_known[rid]
+        del self._live[rid]
         self._recorded.pop(rid, None)
         self._next_cache.pop(rid, None)
 
@@ -594,27 +621,39 @@ class JengaKVCacheManager:
     def _blocks_of(self, tables: Any) -> KVCacheBlocks:
         if not any(tables):
             return self.empty_kv_cache_blocks
+        if self._slots is None:
+            return self.create_kv_cache_blocks(
+                tuple(self._row_of(g, ids) for g, ids in enumerate(tables))
+            )
         out: list[list[KVCacheBlock]] = []
         for g, ids in enumerate(tables):
             interned = self._block_objects[g]
-            slot_of = self._slots.slot_of[g] if self._slots is not None else None
-            group = self.layout.groups[g]
-            spread = group.vllm_id if group.spread_ids else None  # per_group VMM pages
+            slot_of = self._slots.slot_of[g]
+            null = self._null_blocks[g]
             row = []
             for b in ids:
                 if b == NULL_BLOCK:
-                    row.append(self._null_blocks[g])
+                    row.append(null)
                     continue
-                if slot_of is not None:
-                    b = slot_of[b]  # one block per page: the page's vLLM slot
-                elif spread is not None:
-                    b = spread(b)
+                b = slot_of[b]  # one block per page: the page's vLLM slot
                 blk = interned.get(b)
                 if blk is None:
                     blk = interned[b] = KVCacheBlock(b)
                 row.append(blk)
             out.append(row)
         return self.create_kv_cache_blocks(tuple(out))
+
+    def _row_of(self, g: int, ids: Sequence[int]) -> list[KVCacheBlock]:
+        """Group ``g``'s blocks on VMM ranges, where an allocator block's vLLM id never
+        changes: one list lookup per block, objects made on first use."""
+        objects = self._static_objects[g]
+        row = [objects[b] for b in ids]
+        if None in row:
+            group = self.layout.groups[g]
+            for i, b in enumerate(ids):
+                if row[i] is None:
+                    row[i] = objects[b] = KVCacheBlock(group.vllm_id(b))
+        return row  # type: ignore[return-value]
 
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:

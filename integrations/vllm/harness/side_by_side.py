@@ -8,8 +8,10 @@ running requests per step, preemptions, prefix-hit tokens of first admissions (v
 column "resumed"), and the mean wall time per step of vLLM's ``schedule`` +
 ``update_from_output`` (column "sched ms": the manager's cost rides in both; the
 harness's own checks run outside it) and their thread CPU time per step ("cpu ms", the
-median over ``--reps`` rounds that alternate the managers' order; "cpu p90"; "cpu/vllm":
-the median over rounds of the ratio to vLLM's manager in the same round).
+median over ``--reps`` timed rounds that alternate the managers' order; "cpu p90";
+"cpu/vllm": the median over rounds of the ratio to vLLM's manager in the same round).
+With ``--reps`` > 1 a checked round comes first (no live block shared after every step,
+chunk pinning, ``--trace``) and the timed rounds run the scheduler alone (see `compare`).
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
 vLLM's shared slots, ``pages="vllm"``), ``jenga-vmm`` (ours on VMM ranges, one per
@@ -112,7 +114,11 @@ def run_case(
     setup: replay.SchedulerSetup,
     window: int = 64,
     trace: list[dict[str, Any]] | None = None,
+    checked: bool = True,
 ) -> Row:
+    """One run. ``checked``: after every step check that no live block is shared and
+    measure chunk pinning (outside the timed calls); False runs the scheduler alone, as
+    an engine does (the pinning and committed columns are then left at 0)."""
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
     start = time.perf_counter()
@@ -137,7 +143,10 @@ def run_case(
         replay.make_requests(prompts[:half], outputs[:half], setup.block_size, prefix="a"),
         replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
     ]
-    reports = [replay.replay(scheduler, wave, after_step=peak) for wave in waves]
+    reports = [
+        replay.replay(scheduler, wave, after_step=peak if checked else None, check_blocks=checked)
+        for wave in waves
+    ]
     for report in reports:
         wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
         if wrong:
@@ -247,15 +256,22 @@ def compare(
     reps: int = 1,
     traces: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[Row]:
-    """One row per case and manager; with ``reps`` > 1 every case runs ``reps`` rounds,
-    each round every manager once (the order rotating), and the CPU columns are the
-    median / p90 over rounds and the median of each round's ratio to vLLM's."""
+    """One row per case and manager. The first round checks every step (no live block
+    shared, chunk pinning, ``traces``); with ``reps`` > 1, ``reps`` timed rounds follow
+    that run the scheduler alone, each round every manager once (the order rotating),
+    and the CPU columns are the median / p90 over the timed rounds and the median of
+    each round's ratio to vLLM's. The checks run between ``schedule`` and
+    ``update_from_output``, outside the timed calls, but they evict the scheduler's
+    working set from the CPU caches and slow the timed calls after them (ours more: its
+    ``get_blocks`` builds the tables the check reads), so they are kept out of the
+    timed rounds; with ``reps`` = 1 the one round is both."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     rows = []
+    rounds = reps + 1 if reps > 1 else 1
     for case in case_names:
         runs: dict[str, list[Row]] = {m: [] for m in managers}
-        for r in range(reps):
+        for r in range(rounds):
             k = r % len(managers)
             for manager in (*managers[k:], *managers[:k]):
                 runs[manager].append(
@@ -270,6 +286,7 @@ def compare(
                         trace=None
                         if traces is None or r
                         else traces.setdefault(f"{case}/{manager}", []),
+                        checked=r == 0,
                     )
                 )
         rows += [_over_reps(got, runs.get("vllm")) for got in runs.values()]
@@ -277,9 +294,12 @@ def compare(
 
 
 def _over_reps(got: list[Row], vllm: list[Row] | None) -> Row:
-    """The first round's row with the CPU columns taken over every round."""
-    cpu = [r.sched_cpu_ms for r in got]
-    ratios = [r.sched_cpu_ms / v.sched_cpu_ms for r, v in zip(got, vllm or (), strict=False)]
+    """The first (checked) round's row with the CPU columns taken over the timed rounds
+    (the rounds after it; the first one when it is the only one)."""
+    timed = got[1:] or got
+    cpu = [r.sched_cpu_ms for r in timed]
+    base = (vllm[1:] or vllm) if vllm else ()
+    ratios = [r.sched_cpu_ms / v.sched_cpu_ms for r, v in zip(timed, base, strict=False)]
     p90 = percentile(sorted(cpu), 90.0)
     return replace(
         got[0],
@@ -367,7 +387,11 @@ def _parser() -> argparse.ArgumentParser:
         help="write per-step records (queues, preemptions, free memory, pinning) here",
     )
     parser.add_argument(
-        "--reps", type=int, default=1, help="rounds per case, managers alternating (CPU: median)"
+        "--reps",
+        type=int,
+        default=1,
+        help="timed rounds per case, managers alternating (CPU: median); > 1 adds a "
+        "checked round first",
     )
     return parser
 

@@ -108,6 +108,24 @@ def test_reps_alternate_managers_and_report_thread_cpu(model_dir: Path) -> None:
         compare(model_dir, ["llama"], 256, Workload(requests=8), SETUP, ("vllm",), reps=0)
 
 
+def test_timed_rounds_run_the_scheduler_alone(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--reps 2`: a checked round, then two timed rounds without the per-step checks
+    (they would evict the scheduler's working set between the timed calls)."""
+    checks = []
+    check = replay.check_no_shared_live_blocks
+    monkeypatch.setattr(
+        replay, "check_no_shared_live_blocks", lambda s: checks.append(1) or check(s)
+    )
+    rows = compare(
+        model_dir, ["llama"], 256, Workload(requests=8), SETUP, ("vllm", "jenga-vmm"), reps=2
+    )
+    assert len(checks) == sum(r.steps for r in rows)  # the first round's steps only
+    by = {r.manager: r for r in rows}
+    assert by["jenga-vmm"].committed_bytes > 0  # measured in the checked round
+
+
 @pytest.mark.parametrize(
     ("case", "system_tokens"), [("qwen3-next-80b", 512), ("jamba-1.5-mini", 64)]
 )
