@@ -33,8 +33,12 @@ Approach
     and gone, divided by the cached blocks (vLLM: blocks with a hash; jenga: the
     allocator's cached blocks). Allocations made by vLLM's `Request` itself (its token
     list, its block hashes) and by this driver are excluded, as are the objects created
-    before the measurement (the `Request` s, vLLM's preallocated `KVCacheBlock` s). The
-    C++ core's memory is not Python memory and is not in these figures.
+    before the measurement (the `Request` s, the `KVCacheBlock` s both managers make up
+    front: vLLM's `BlockPool` one per block, ours one per slot or per VMM block id).
+    ``fixed MiB``: Python bytes held once the scheduler is built, before any request
+    (those block objects, the configs). ``core B``: ours, the C++ core's bytes
+    (`JengaAllocator.core_memory_bytes`) per cached block at the same moment as
+    ``block B``; a block costs ours ``block B + core B``.
 
     Block pool: per block allocate + free, ``n`` blocks per call, vs vLLM's `BlockPool`
     (``get_new_blocks`` + ``free_blocks``). "The public API" is `jenga._core.Core`'s block
@@ -298,17 +302,23 @@ class Memory:
     manager: str
     request_bytes: float  # Python bytes held per live request
     cached_block_bytes: float  # Python bytes held per cached block, no request live
+    core_block_bytes: float  # ours: the C++ core's bytes per cached block, same moment
     cached_blocks: int
+    fixed_mib: float  # Python bytes the manager holds before any request (block objects)
 
 
 def measure_memory(model_dir: Path, trace: Trace, manager: str, memory: int) -> Memory:
     """tracemalloc deltas: ``running`` live requests, then every request freed."""
     one = replace(trace, requests_per_slot=1)
-    mgr, requests = build(model_dir, one, manager, memory)
-    drive = Driver(mgr, requests, one.running, CASE_KINDS[trace.case] == "mamba")
     gc.collect()
     tracemalloc.start(32)
     try:
+        empty = _traced_bytes(tracemalloc.take_snapshot())
+        mgr, requests = build(model_dir, one, manager, memory)
+        gc.collect()
+        fixed = _traced_bytes(tracemalloc.take_snapshot()) - empty
+        drive = Driver(mgr, requests, one.running, CASE_KINDS[trace.case] == "mamba")
+        gc.collect()
         base = _traced_bytes(tracemalloc.take_snapshot())
         drive.step()  # admits every slot's request
         for _ in range(one.output // 2 + 2):  # prefills end, half the output is decoded
@@ -322,6 +332,7 @@ def measure_memory(model_dir: Path, trace: Trace, manager: str, memory: int) -> 
     finally:
         tracemalloc.stop()
     cached = cached_blocks(mgr)
+    core = mgr.allocator.core_memory_bytes() if hasattr(mgr, "allocator") else 0
     return Memory(
         trace.case,
         trace.shared,
@@ -329,7 +340,9 @@ def measure_memory(model_dir: Path, trace: Trace, manager: str, memory: int) -> 
         manager,
         round(live / one.running, 1),
         round(kept / max(cached, 1), 1),
+        round(core / max(cached, 1), 1),
         cached,
+        round(fixed / (1 << 20), 2),
     )
 
 

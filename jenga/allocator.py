@@ -705,6 +705,10 @@ class JengaAllocator:
         """Tokens with allocated slots."""
         return self._request(request_id).num_tokens
 
+    def core_memory_bytes(self) -> int:
+        """Bytes the C++ core holds (container capacities; not Python memory)."""
+        return int(self._core.memory_bytes())
+
     def live_request(self, request_id: Hashable) -> LiveRequest:
         """The allocator's record of a live request, for an engine's per-step fast path
         (`LiveRequest.grow_held`); valid until the request is freed. Raises

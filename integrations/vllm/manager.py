@@ -127,17 +127,10 @@ class JengaKVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._tokens_known: dict[Hashable, int] = {}
         self._live: dict[Hashable, LiveRequest] = {}  # the allocator's record, by request
-        self._block_objects: list[dict[int, KVCacheBlock]] = [{} for _ in layout.groups]
         self._null_blocks = tuple(
             KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
         )
-        # VMM ranges: allocator block b of group g is always vLLM id `vllm_id(b)`, so its
-        # object sits at index b (the last entry, NULL_BLOCK = -1, is the null block)
-        static = layout.options.page_geometry != "vllm"
-        self._static_objects: list[list[KVCacheBlock | None]] = [
-            [None] * g.capacity + [null] if static else []
-            for g, null in zip(layout.groups, self._null_blocks, strict=True)
-        ]
+        self._block_objects = self._new_block_objects()
         self._plans: list[MappingPlan] = []
         # encoder-decoder: the encoder input is not in the decoder prompt (cross groups)
         self._encoder_side = any(g.kind is Kind.CROSS_ATTENTION for g in layout.groups)
@@ -408,7 +401,8 @@ class JengaKVCacheManager:
         """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None."""
         if self.layout.options.page_geometry != "vllm":
             return None
-        return SharedSlots(len(self.layout.groups), self.layout.groups[0].capacity)
+        slots = self.layout.groups[0].capacity
+        return SharedSlots(len(self.layout.groups), slots, num_pages=slots)
 
     def _new_allocator(self) -> JengaAllocator:
         """The layout's allocator, naming text blocks by vLLM's own digests (one per
@@ -618,42 +612,34 @@ class JengaKVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
+    def _new_block_objects(self) -> list[list[KVCacheBlock]]:
+        """Every block object up front, as vLLM's `BlockPool` makes them (the objects
+        cost memory once, not per cached block). vLLM's tensors: one per slot, shared by
+        all groups (index = slot). VMM ranges: per group one per allocator block, whose
+        vLLM id never changes (index = allocator block; the last entry, at
+        ``NULL_BLOCK`` = -1, is the group's null block)."""
+        if self.layout.options.page_geometry == "vllm":
+            return [[KVCacheBlock(i) for i in range(self.layout.groups[0].capacity)]]
+        return [
+            [KVCacheBlock(g.vllm_id(b)) for b in range(g.capacity)] + [null]
+            for g, null in zip(self.layout.groups, self._null_blocks, strict=True)
+        ]
+
     def _blocks_of(self, tables: Any) -> KVCacheBlocks:
         if not any(tables):
             return self.empty_kv_cache_blocks
+        objects = self._block_objects
         if self._slots is None:
             return self.create_kv_cache_blocks(
-                tuple(self._row_of(g, ids) for g, ids in enumerate(tables))
+                tuple([objects[g][b] for b in ids] for g, ids in enumerate(tables))
             )
+        slot_objects = objects[0]
         out: list[list[KVCacheBlock]] = []
         for g, ids in enumerate(tables):
-            interned = self._block_objects[g]
-            slot_of = self._slots.slot_of[g]
+            slot_of = self._slots.slot_of[g]  # one block per page: the page's vLLM slot
             null = self._null_blocks[g]
-            row = []
-            for b in ids:
-                if b == NULL_BLOCK:
-                    row.append(null)
-                    continue
-                b = slot_of[b]  # one block per page: the page's vLLM slot
-                blk = interned.get(b)
-                if blk is None:
-                    blk = interned[b] = KVCacheBlock(b)
-                row.append(blk)
-            out.append(row)
+            out.append([null if b == NULL_BLOCK else slot_objects[slot_of[b]] for b in ids])
         return self.create_kv_cache_blocks(tuple(out))
-
-    def _row_of(self, g: int, ids: Sequence[int]) -> list[KVCacheBlock]:
-        """Group ``g``'s blocks on VMM ranges, where an allocator block's vLLM id never
-        changes: one list lookup per block, objects made on first use."""
-        objects = self._static_objects[g]
-        row = [objects[b] for b in ids]
-        if None in row:
-            group = self.layout.groups[g]
-            for i, b in enumerate(ids):
-                if row[i] is None:
-                    row[i] = objects[b] = KVCacheBlock(group.vllm_id(b))
-        return row  # type: ignore[return-value]
 
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:

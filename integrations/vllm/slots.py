@@ -16,12 +16,14 @@ Approach
     Slot 0 is never handed out: it is the null block, as in vLLM's `BlockPool`.
 
 Limitations
-    One block per large page (the "vllm" geometry has no other); the translation is a
-    Python dict lookup per block id.
+    One block per large page (the "vllm" geometry has no other). The tables are flat
+    int32 arrays sized up front (pages per group, slots), so a mapped page costs no
+    Python object; a page id beyond a table grows it.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 
 from jenga.plan import OP_MAP, MapPage, MappingPlan, plan_from_keys
@@ -34,114 +36,132 @@ class SlotError(RuntimeError):
 class SharedSlots:
     """Which vLLM block slot backs each mapped (group, page).
 
-    Invariant: ``slot_of[g]`` maps disjoint sets of slots in ``1 .. num_slots - 1``;
-    together with ``free`` they partition that range.
+    ``slot_of[g][page]`` is the page's slot (0: unmapped; slot 0 is the null block and
+    never handed out); ``group_of[slot]`` / ``page_of[slot]`` the reverse (-1: free).
+    Invariant: the mapped slots of all groups and ``free`` partition ``1 .. num_slots - 1``.
     """
 
-    def __init__(self, num_groups: int, num_slots: int) -> None:
+    def __init__(self, num_groups: int, num_slots: int, num_pages: int = 0) -> None:
         if num_slots < 2:
             raise SlotError(f"need at least 2 slots (one is the null block), got {num_slots}")
         self.num_slots = num_slots
-        self.slot_of: list[dict[int, int]] = [{} for _ in range(num_groups)]
-        self.page_of: dict[int, tuple[int, int]] = {}  # slot -> (group, page)
+        self.slot_of = [array("i", bytes(4 * num_pages)) for _ in range(num_groups)]
+        self.group_of = array("i", [-1]) * num_slots
+        self.page_of = array("i", [-1]) * num_slots
+        self.num_mapped = 0
         # a stack: pop() hands out the lowest slot first, remaps reuse the slot just freed
         self.free: list[int] = list(range(num_slots - 1, 0, -1))
 
+    def _table(self, group: int, page: int) -> array:
+        """Group ``group``'s page → slot table, grown to hold ``page``."""
+        table = self.slot_of[group]
+        if page >= len(table):
+            table.extend(bytes(4 * (page + 1 - len(table))))  # type: ignore[arg-type]
+        return table
+
+    def _map(self, group: int, page: int) -> int:
+        """Give a free slot to the unmapped ``(group, page)``; 0 when none is free."""
+        if not self.free:
+            return 0
+        slot = self._table(group, page)[page] = self.free.pop()
+        self.group_of[slot], self.page_of[slot] = group, page
+        self.num_mapped += 1
+        return slot
+
+    def _unmap(self, group: int, page: int) -> int:
+        """Take back the slot of the mapped ``(group, page)``; 0 when it has none."""
+        table = self.slot_of[group]
+        slot = table[page] if page < len(table) else 0
+        if slot:
+            table[page] = 0
+            self.group_of[slot] = self.page_of[slot] = -1
+            self.free.append(slot)
+            self.num_mapped -= 1
+        return slot
+
+    def _mapped(self, group: int, page: int) -> bool:
+        table = self.slot_of[group]
+        return page < len(table) and table[page] != 0
+
     def apply(self, plan: MappingPlan) -> None:
         """Replay one plan's ops in order; on a bad op nothing has changed."""
-        done: list[tuple[int, int, int, bool]] = []  # (group, page, slot, was_map)
+        done: list[tuple[int, int, bool]] = []  # (group, page, was_map)
         try:
             for op in plan.ops:
-                pages = self.slot_of[op.group]
                 if isinstance(op, MapPage):
-                    if op.page in pages:
+                    if self._mapped(op.group, op.page):
                         raise SlotError(f"group {op.group} page {op.page} is already mapped")
-                    if not self.free:
+                    if not self._map(op.group, op.page):
                         raise SlotError(
                             f"no free block slot for group {op.group} page {op.page}: all "
                             f"{self.num_slots - 1} slots are mapped"
                         )
-                    slot = pages[op.page] = self.free.pop()
-                    self.page_of[slot] = (op.group, op.page)
-                    done.append((op.group, op.page, slot, True))
-                else:
-                    slot = pages.pop(op.page, -1)
-                    if slot < 0:
-                        raise SlotError(f"group {op.group} page {op.page} is not mapped")
-                    self.free.append(slot)
-                    del self.page_of[slot]
-                    done.append((op.group, op.page, slot, False))
+                elif not self._unmap(op.group, op.page):
+                    raise SlotError(f"group {op.group} page {op.page} is not mapped")
+                done.append((op.group, op.page, isinstance(op, MapPage)))
         except SlotError:
-            for group, page, slot, was_map in reversed(done):
-                if was_map:
-                    del self.slot_of[group][page]
-                    del self.page_of[slot]
-                    self.free.append(slot)
-                else:
-                    self.free.pop()
-                    self.slot_of[group][page] = slot
-                    self.page_of[slot] = (group, page)
+            self._undo(done)
             raise
+
+    def _undo(self, done: list[tuple[int, int, bool]]) -> None:
+        """Reverse applied ops, last first: the free stack ends as it was."""
+        for group, page, was_map in reversed(done):
+            if was_map:
+                self._unmap(group, page)
+            else:  # the slot it gave back is on top of the stack
+                slot = self.free.pop()
+                self._table(group, page)[page] = slot
+                self.group_of[slot], self.page_of[slot] = group, page
+                self.num_mapped += 1
 
     def apply_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
         """`apply` on the core's raw ops ``(kind, group, page, reused)`` (`jenga.plan.
         plan_from_keys`), no plan objects built; on a bad op nothing has changed."""
-        free, slot_of, page_of = self.free, self.slot_of, self.page_of
-        done = 0
+        done: list[tuple[int, int, bool]] = []
         for kind, group, page, _ in keys:
-            pages = slot_of[group]
             if kind == OP_MAP:
-                if page in pages or not free:
+                if self._mapped(group, page) or not self._map(group, page):
                     break
-                slot = pages[page] = free.pop()
-                page_of[slot] = (group, page)
-            else:
-                slot = pages.pop(page, -1)
-                if slot < 0:
-                    break
-                free.append(slot)
-                del page_of[slot]
-            done += 1
+            elif not self._unmap(group, page):
+                break
+            done.append((group, page, kind == OP_MAP))
         else:
             return
-        self._undo_keys(keys[:done])
+        self._undo(done)
         self.apply(plan_from_keys(keys))  # raises the SlotError, changing nothing
-
-    def _undo_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
-        for kind, group, page, _ in reversed(keys):
-            if kind == OP_MAP:
-                slot = self.slot_of[group].pop(page)
-                del self.page_of[slot]
-                self.free.append(slot)
-            else:
-                slot = self.free.pop()
-                self.slot_of[group][page] = slot
-                self.page_of[slot] = (group, page)
 
     def ids(self, group: int, pages: Iterable[int]) -> list[int]:
         """vLLM block ids of these allocator page ids of one group."""
-        table = self.slot_of[group]
-        try:
-            return [table[p] for p in pages]
-        except KeyError as exc:
-            raise SlotError(f"group {group} page {exc.args[0]} has no slot") from None
+        out = []
+        for p in pages:
+            if not self._mapped(group, p):
+                raise SlotError(f"group {group} page {p} has no slot")
+            out.append(self.slot_of[group][p])
+        return out
 
     def page(self, group: int, slot: int) -> int:
         """The allocator page of ``group`` that vLLM block id ``slot`` backs."""
-        owner = self.page_of.get(slot)
-        if owner is None or owner[0] != group:
-            raise SlotError(f"block slot {slot} does not back a page of group {group}: {owner}")
-        return owner[1]
+        owner = self.group_of[slot] if 0 < slot < self.num_slots else -1
+        if owner != group:
+            found = None if owner < 0 else (owner, self.page_of[slot])
+            raise SlotError(f"block slot {slot} does not back a page of group {group}: {found}")
+        return self.page_of[slot]
 
-    @property
-    def num_mapped(self) -> int:
-        return sum(len(m) for m in self.slot_of)
+    def state(self) -> tuple[list[dict[int, int]], list[int]]:
+        """(per group: page -> slot of the mapped pages, the free stack), for comparisons."""
+        tables = [{p: s for p, s in enumerate(t) if s} for t in self.slot_of]
+        return tables, list(self.free)
 
     def check_invariants(self) -> None:
-        used = [s for m in self.slot_of for s in m.values()]
-        every = sorted(used + self.free)
+        tables, free = self.state()
+        used = [s for t in tables for s in t.values()]
+        every = sorted(used + free)
         assert every == list(range(1, self.num_slots)), "slots are lost or doubly owned"
-        assert len(self.page_of) == len(used)
-        for g, table in enumerate(self.slot_of):
+        assert self.num_mapped == len(used)
+        for g, table in enumerate(tables):
             for page, slot in table.items():
-                assert self.page_of[slot] == (g, page), f"slot {slot}: reverse map is stale"
+                assert (self.group_of[slot], self.page_of[slot]) == (g, page), (
+                    f"slot {slot}: reverse map is stale"
+                )
+        for slot in free:
+            assert self.group_of[slot] == -1, f"free slot {slot} still names a page"

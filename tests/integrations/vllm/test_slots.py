@@ -28,7 +28,7 @@ def test_a_remap_reuses_the_slot_just_evicted() -> None:
 def test_a_bad_plan_changes_nothing() -> None:
     slots = SharedSlots(num_groups=2, num_slots=3)
     slots.apply(MappingPlan((MapPage(0, 0),)))
-    before = ([dict(m) for m in slots.slot_of], list(slots.free), dict(slots.page_of))
+    before = slots.state()
     over = MappingPlan((UnmapPage(0, 0), MapPage(1, 0), MapPage(1, 1), MapPage(1, 2)))
     with pytest.raises(SlotError, match=r"no free block slot for group 1 page 2: all 2 slots"):
         slots.apply(over)
@@ -36,7 +36,7 @@ def test_a_bad_plan_changes_nothing() -> None:
         slots.apply(MappingPlan((MapPage(1, 1), UnmapPage(1, 9))))
     with pytest.raises(SlotError, match=r"group 0 page 0 is already mapped"):
         slots.apply(MappingPlan((MapPage(0, 0),)))
-    assert ([dict(m) for m in slots.slot_of], list(slots.free), dict(slots.page_of)) == before
+    assert slots.state() == before
     slots.check_invariants()
     with pytest.raises(SlotError, match=r"group 1 page 7 has no slot"):
         slots.ids(1, [7])
