@@ -143,7 +143,13 @@ bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int6
   }
   const size_t released_undo = undo_.size();
   const size_t plan_released = plan_.size();
+  // nothing to undo can be needed: no release to roll back, no group can be refused
+  const bool sure = releases.empty() && surely_fits(counts);
+  logging_ = !sure;
   bool ok = allocate_groups(owner, counts, now, c, out);
+  if (!ok && sure) {
+    throw std::logic_error("allocation refused although surely_fits held (core bug)");
+  }
   if (!ok) {
     // Undo the groups (not the releases), then retry frugally if the bound allows it.
     rollback(released_undo, plan_released);
@@ -296,13 +302,56 @@ bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now,
 
 int32_t Core::take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
                              std::vector<int32_t>& out) {
-  const int32_t k = std::min(n, grp(g).pages[static_cast<size_t>(page)].num_free);
+  Group& G = grp(g);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  const int32_t k = std::min(n, P.num_free);
   const bool deferred = defer_refresh_;  // one page: its evictable key once, at the end
   defer_refresh_ = true;
-  for (int32_t i = 0; i < k; ++i) out.push_back(prim_take(g, page, now));
+  if (logging_) {
+    for (int32_t i = 0; i < k; ++i) out.push_back(prim_take(g, page, now));
+  } else {  // prim_take's work inline, the chain walked with the arrays hoisted
+    Block* const all = G.blocks.data();
+    const int32_t base = page * G.blocks_per_page;
+    int32_t head = P.free_head;
+    for (int32_t i = 0; i < k; ++i) {
+      const int32_t b = base + head;
+      Block& blk = all[b];
+      head = blk.next_free;
+      blk.next_free = -1;
+      blk.state = State::kUsed;
+      blk.refcount = 1;
+      blk.last_access = now;
+      blk.shared = false;
+      out.push_back(b);
+    }
+    P.free_head = head;
+    P.num_free -= k;
+    G.num_free_blocks -= k;
+    if (P.num_free == 0) remove_from_free_set(G, page);
+  }
   defer_refresh_ = deferred;
+  // a page just mapped enters the free set only if this run leaves it a free block
+  if (P.num_free > 0) add_to_free_set(G, page);
   if (!deferred) refresh_page(g, page);
   return k;
+}
+
+bool Core::surely_fits(const std::vector<int32_t>& counts) const {
+  int64_t units = 0;
+  int busy = 0;
+  for (size_t g = 0; g < counts.size(); ++g) {
+    if (counts[g] == 0) continue;
+    busy += 1;
+    const Group& G = groups_[g];
+    const int64_t shortfall = int64_t{counts[g]} - G.num_free_blocks;
+    if (shortfall > 0) {
+      units += (shortfall + G.blocks_per_page - 1) / G.blocks_per_page * G.units_per_page;
+    }
+  }
+  // paper order maps new pages before taking others' free blocks: one group may then
+  // use more units than its shortfall, so only a single group is certain
+  if (busy > 1 && rules_.order == AllocationOrder::kPaper) return false;
+  return units <= free_units_;
 }
 
 // Step 3: evict whole evictable pages (any group, LRU by newest access, ties: longest
@@ -405,17 +454,48 @@ void Core::release(int32_t g, const int32_t* blocks, size_t n, int64_t now) {
   // Tail first: a request's later blocks carry longer prefixes, so with one release time
   // they come out evicted-first; pushing them last-to-first keeps each heap push O(1).
   // A page's evictable key is refreshed once per run of its blocks (not once per block).
-  const Group& G = grp(g);
+  // Free-set membership too: a run that frees a whole page unmaps it without entering it.
+  // Outside a transaction nothing is logged, so prim_release's work is done here inline:
+  // one pass, the group's arrays hoisted (prim_release is the logging path).
+  if (logging_) throw std::logic_error("release() inside an allocate transaction");
+  Group& G = grp(g);
+  const int32_t B = G.blocks_per_page;
+  Block* const all = G.blocks.data();
   defer_refresh_ = true;
+  defer_free_set_ = true;
   int32_t run = -1;
   for (size_t i = n; i-- > 0;) {
-    const int32_t page = page_of(G, blocks[i]);
-    if (page != run && run >= 0) refresh_page(g, run);
+    const int32_t b = blocks[i];
+    const int32_t page = page_of(G, b);
+    if (page != run && run >= 0) settle_page(g, run);
     run = page;
-    prim_release(g, blocks[i], now, false);
+    Block& k = all[b];
+    if (--k.refcount > 0) continue;
+    Page& P = G.pages[static_cast<size_t>(page)];
+    k.last_access = now;
+    k.early = false;
+    k.demoted = false;
+    counters_.blocks_released += 1;
+    if (k.hashed) {
+      k.state = State::kCached;
+      lru_insert(G, b);
+      P.num_cached += 1;
+      G.num_cached_blocks += 1;
+      continue;
+    }
+    k.state = State::kFree;  // prim_push_free (its free-set entry: settle_page)
+    k.next_free = P.free_head;
+    P.free_head = b - page * B;
+    P.num_free += 1;
+    G.num_free_blocks += 1;
+    if (P.num_free == B) {
+      prim_unmap(g, page);
+      counters_.pages_unmapped += 1;
+    }
   }
   defer_refresh_ = false;
-  if (run >= 0) refresh_page(g, run);
+  defer_free_set_ = false;
+  if (run >= 0) settle_page(g, run);
 }
 
 void Core::acquire(int32_t g, const std::vector<int32_t>& blocks, int64_t now) {

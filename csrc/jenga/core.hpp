@@ -78,15 +78,18 @@ struct Page {
   int32_t free_head = -1;  // slot index, -1 = none
   bool mapped = false;
   bool in_evictable = false;
-  int64_t evict_key = 0;  // newest last_access of its cached blocks while in_evictable
-  int64_t evict_tie = 0;  // -(longest prefix_len among the cached blocks of that access)
+  bool in_free_set = false;  // in its group's pages_with_free
+  int64_t evict_key = 0;     // newest last_access of its cached blocks while in_evictable
+  int64_t evict_tie = 0;     // -(longest prefix_len among the cached blocks of that access)
 };
 
 // FREE: on its page's free chain. USED: refcount > 0. CACHED: refcount 0, hashed, in the
 // LRU set. LIMBO: between an eviction and its reuse, inside one primitive sequence only.
 enum class State : uint8_t { kFree = 0, kUsed = 1, kCached = 2, kLimbo = 3 };
 
-struct Block {
+// One cache line per block (64 bytes either way; aligned, a take or release touches one
+// line instead of the two an unaligned block straddles).
+struct alignas(64) Block {
   State state = State::kFree;
   int32_t refcount = 0;
   int32_t next_free = -1;  // slot index within the page
@@ -397,6 +400,12 @@ class Core {
   void set_page_evictable(int32_t g, int32_t page, bool evictable);
   void remove_from_free_set(Group& G, int32_t page);
   void add_to_free_set(Group& G, int32_t page);
+  // A page after a run of takes / releases: in the free set iff mapped with a free block,
+  // evictable key refreshed.
+  void settle_page(int32_t g, int32_t page);
+  // True when allocating counts (no releases) cannot fail: every group's shortfall
+  // beyond its free blocks fits in free units as new pages (no step can then refuse).
+  bool surely_fits(const std::vector<int32_t>& counts) const;
 
   struct PageTally {
     int64_t mapped = 0, cached = 0, free_blocks = 0, evictable = 0;
@@ -418,6 +427,7 @@ class Core {
   std::vector<int32_t> one_counts_;            // allocate_one: reused per call
   std::vector<std::vector<int32_t>> one_out_;  // allocate_one: reused per call
   bool defer_refresh_ = false;
+  bool defer_free_set_ = false;  // release(): free-set membership settled once per run
   bool frugal_ = false;
   Rules rules_;
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside

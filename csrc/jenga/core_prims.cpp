@@ -61,8 +61,7 @@ int32_t Core::prim_map(int32_t g, int64_t owner, int32_t reused_units) {
   P.owner = owner;
   G.num_mapped_pages += 1;
   G.num_free_blocks += B;
-  free_units_ -= G.units_per_page;
-  add_to_free_set(G, page);
+  free_units_ -= G.units_per_page;  // free-set membership: take_from_page settles it
   if (record_plan_) plan_.push_back({OpKind::kMap, g, page, reused_units});
   if (logging_) log_undo(UndoKind::kMap, g, page, extended, 0);
   return page;
@@ -107,7 +106,7 @@ void Core::prim_push_free(int32_t g, int32_t block) {
   P.free_head = block - page * G.blocks_per_page;
   P.num_free += 1;
   G.num_free_blocks += 1;
-  if (P.num_free == 1) add_to_free_set(G, page);
+  if (P.num_free == 1 && !defer_free_set_) add_to_free_set(G, page);
   if (logging_) log_undo(UndoKind::kPushFree, g, block, 0, 0);
   if (!defer_refresh_) refresh_page(g, page);
 }
@@ -347,11 +346,24 @@ void Core::set_page_evictable(int32_t g, int32_t page, bool evictable) {
 }
 
 void Core::remove_from_free_set(Group& G, int32_t page) {
-  G.pages_with_free.erase({G.pages[static_cast<size_t>(page)].owner, page});
+  Page& P = G.pages[static_cast<size_t>(page)];
+  if (!P.in_free_set) return;
+  G.pages_with_free.erase({P.owner, page});
+  P.in_free_set = false;
 }
 
 void Core::add_to_free_set(Group& G, int32_t page) {
-  G.pages_with_free.insert({G.pages[static_cast<size_t>(page)].owner, page});
+  Page& P = G.pages[static_cast<size_t>(page)];
+  if (P.in_free_set) return;
+  G.pages_with_free.insert({P.owner, page});
+  P.in_free_set = true;
+}
+
+void Core::settle_page(int32_t g, int32_t page) {
+  Group& G = grp(g);
+  const Page& P = G.pages[static_cast<size_t>(page)];
+  if (P.mapped && P.num_free > 0) add_to_free_set(G, page);
+  refresh_page(g, page);
 }
 
 }  // namespace jvmm::jenga
