@@ -35,7 +35,10 @@ Approach
     list, its block hashes) and by this driver are excluded, as are the objects created
     before the measurement (the `Request` s, the `KVCacheBlock` s both managers make up
     front: vLLM's `BlockPool` one per block, ours one per slot or per VMM block id).
-    ``fixed MiB``: Python bytes held once the scheduler is built, before any request
+    ``objects B``: the part of ``req B`` that is block objects ours makes on first use on
+    VMM ranges (one per block id, kept for the pool's life; vLLM makes all of its objects
+    up front, before the measurement). ``fixed MiB``: Python bytes held once the
+    scheduler is built, before any request
     (those block objects, the configs, the `Request` s). ``core B``: ours, the C++ core's bytes
     (`JengaAllocator.core_memory_bytes`) per cached block at the same moment as
     ``block B``; a block costs ours ``block B + core B``.
@@ -84,6 +87,7 @@ from typing import Any
 
 import numpy as np
 from integrations.vllm.harness import cases, replay
+from integrations.vllm.manager import JengaKVCacheManager
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.specs import Kind
 from vllm.v1.core.block_pool import BlockPool
@@ -288,6 +292,20 @@ def _traced_bytes(snapshot: tracemalloc.Snapshot) -> int:
     return sum(s.size for s in snapshot.filter_traces(_NOT_MANAGER).statistics("filename"))
 
 
+def _first_use_bytes(snapshot: tracemalloc.Snapshot) -> int:
+    """Bytes of the block objects our manager made on first use (VMM ranges): per block,
+    not per request, though the requests of the measurement are the first to use them
+    (vLLM's `BlockPool` makes all of its objects before the measurement)."""
+    code = JengaKVCacheManager._new_block_object.__code__
+    lines = {line for _, _, line in code.co_lines() if line is not None}
+    file = code.co_filename
+    return sum(
+        t.size
+        for t in snapshot.traces
+        if any(f.filename == file and f.lineno in lines for f in t.traceback)
+    )
+
+
 def cached_blocks(manager: Any) -> int:
     if hasattr(manager, "allocator"):
         return int(sum(manager.allocator.usage().cached_blocks))
@@ -301,6 +319,7 @@ class Memory:
     running: int
     manager: str
     request_bytes: float  # Python bytes held per live request
+    objects_bytes: float  # of which: block objects made on first use (ours on VMM ranges)
     cached_block_bytes: float  # Python bytes held per cached block, no request live
     core_block_bytes: float  # ours: the C++ core's bytes per cached block, same moment
     cached_blocks: int
@@ -328,7 +347,9 @@ def measure_memory(model_dir: Path, trace: Trace, manager: str, memory: int) -> 
         for _ in range(one.output // 2 + 2):  # prefills end, half the output is decoded
             drive.step(admit=False)
         gc.collect()
-        live = _traced_bytes(tracemalloc.take_snapshot()) - base
+        snapshot = tracemalloc.take_snapshot()
+        live = _traced_bytes(snapshot) - base
+        objects = _first_use_bytes(snapshot)
         drive.finish(list(drive.running))
         del drive
         gc.collect()
@@ -343,6 +364,7 @@ def measure_memory(model_dir: Path, trace: Trace, manager: str, memory: int) -> 
         trace.running,
         manager,
         round(live / one.running, 1),
+        round(objects / one.running, 1),
         round(kept / max(cached, 1), 1),
         round(core / max(cached, 1), 1),
         cached,

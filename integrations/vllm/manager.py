@@ -612,34 +612,50 @@ class JengaKVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
-    def _new_block_objects(self) -> list[list[KVCacheBlock]]:
-        """Every block object up front, as vLLM's `BlockPool` makes them (the objects
-        cost memory once, not per cached block). vLLM's tensors: one per slot, shared by
-        all groups (index = slot). VMM ranges: per group one per allocator block, whose
-        vLLM id never changes (index = allocator block; the last entry, at
+    def _new_block_objects(self) -> list[list[KVCacheBlock | None]]:
+        """Interned block objects, so the scheduler sees one object per block id.
+
+        vLLM's tensors: every slot's object up front, as vLLM's `BlockPool` makes them
+        (one list shared by all groups, index = slot). VMM ranges: per group a list
+        indexed by allocator block (whose vLLM id never changes), objects made on first
+        use (a group's ids span the whole pool, most never used; the last entry, at
         ``NULL_BLOCK`` = -1, is the group's null block)."""
         if self.layout.options.page_geometry == "vllm":
             return [[KVCacheBlock(i) for i in range(self.layout.groups[0].capacity)]]
         return [
-            [KVCacheBlock(g.vllm_id(b)) for b in range(g.capacity)] + [null]
+            [None] * g.capacity + [null]
             for g, null in zip(self.layout.groups, self._null_blocks, strict=True)
         ]
 
     def _blocks_of(self, tables: Any) -> KVCacheBlocks:
         if not any(tables):
             return self.empty_kv_cache_blocks
-        objects = self._block_objects
         if self._slots is None:
             return self.create_kv_cache_blocks(
-                tuple([objects[g][b] for b in ids] for g, ids in enumerate(tables))
+                tuple(self._row_of(g, ids) for g, ids in enumerate(tables))
             )
-        slot_objects = objects[0]
-        out: list[list[KVCacheBlock]] = []
+        slot_objects = self._block_objects[0]
+        out: list[list[KVCacheBlock | None]] = []
         for g, ids in enumerate(tables):
             slot_of = self._slots.slot_of[g]  # one block per page: the page's vLLM slot
             null = self._null_blocks[g]
             out.append([null if b == NULL_BLOCK else slot_objects[slot_of[b]] for b in ids])
-        return self.create_kv_cache_blocks(tuple(out))
+        return self.create_kv_cache_blocks(tuple(out))  # type: ignore[arg-type]
+
+    def _row_of(self, g: int, ids: Sequence[int]) -> list[KVCacheBlock]:
+        """Group ``g``'s blocks on VMM ranges: one list lookup per block."""
+        objects = self._block_objects[g]
+        row = [objects[b] for b in ids]
+        if None in row:
+            for i, b in enumerate(ids):
+                if row[i] is None:
+                    row[i] = objects[b] = self._new_block_object(g, b)
+        return row  # type: ignore[return-value]
+
+    def _new_block_object(self, g: int, block: int) -> KVCacheBlock:
+        """The object of allocator block ``block`` of group ``g`` on VMM ranges, made on
+        first use and kept (`_row_of`; the memory benchmark counts these apart)."""
+        return KVCacheBlock(self.layout.groups[g].vllm_id(block))
 
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:
