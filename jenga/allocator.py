@@ -119,6 +119,7 @@ from jenga.requests import (
     LiveRequest,
     PrefixMatch,
     checked_images,
+    release_length,
 )
 
 _EMPTY_PLAN = MappingPlan()
@@ -397,7 +398,7 @@ class JengaAllocator:
             )
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(request_id, "after allocate", new)
-        upto = _release_length(request_id, old, release_upto)
+        upto = release_length(request_id, old, release_upto)
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return self.no_blocks, self.no_blocks, _EMPTY_PLAN, new
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
@@ -437,7 +438,7 @@ class JengaAllocator:
         `InvalidSize` (``release_upto < 0``).
         """
         req = self._request(request_id)
-        upto = _release_length(request_id, req.num_tokens, release_upto)
+        upto = release_length(request_id, req.num_tokens, release_upto)
         skipped = [req.skipped(g, p, upto) for g, p in enumerate(self.policies)]
         releases = [release for release, _ in skipped]
         if not any(len(r) for r in releases):
@@ -706,13 +707,10 @@ class JengaAllocator:
         return self._request(request_id).num_tokens
 
     def core_memory_bytes(self) -> int:
-        """Bytes the C++ core holds (container capacities; not Python memory)."""
-        return int(self._core.memory_bytes())
+        return int(self._core.memory_bytes())  # C++ container capacities, not Python's
 
     def live_request(self, request_id: Hashable) -> LiveRequest:
-        """The allocator's record of a live request, for an engine's per-step fast path
-        (`LiveRequest.grow_held`); valid until the request is freed. Raises
-        `UnknownRequest` / `DoubleFree`."""
+        """The record of a live request (for `LiveRequest.grow_held`), until it is freed."""
         return self._request(request_id)
 
     def eviction_order(self, group: int | str) -> list[int]:
@@ -785,16 +783,6 @@ class JengaAllocator:
             assert used == len(refs), (
                 f"group {g}: core has {used} used blocks, live tables hold {len(refs)}"
             )
-
-
-def _release_length(request_id: Hashable, num_tokens: int, release_upto: int | None) -> int:
-    """The length whose out-of-window blocks a call releases: ``release_upto`` capped at
-    the request's ``num_tokens`` (all of them when None)."""
-    if release_upto is None:
-        return num_tokens
-    if release_upto < 0:
-        raise InvalidSize(f"request {request_id!r}: release_upto must be >= 0, got {release_upto}")
-    return min(release_upto, num_tokens)
 
 
 def _core_rules(rules: AllocationRules, policies: Sequence[Policy]) -> _core.Rules:

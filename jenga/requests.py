@@ -26,7 +26,7 @@ Limitations
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,3 +261,13 @@ def _first_live_within(policy: Policy, images: Sequence[ImageSpan], first: int, 
 
 def _blocks_within(policy: Policy, images: Sequence[ImageSpan], n: int, L: int) -> bool:
     return policy.num_blocks(L, images) <= n
+
+
+def release_length(request_id: Hashable, num_tokens: int, release_upto: int | None) -> int:
+    """The length whose out-of-window blocks a call releases: ``release_upto`` capped at
+    the request's ``num_tokens`` (all of them when None)."""
+    if release_upto is None:
+        return num_tokens
+    if release_upto < 0:
+        raise InvalidSize(f"request {request_id!r}: release_upto must be >= 0, got {release_upto}")
+    return min(release_upto, num_tokens)

@@ -307,33 +307,17 @@ class JengaKVCacheManager:
 
         All-or-nothing for the new slots: on None, a request admitted by this call is
         released again, and a running request keeps what it had except the blocks it no
-        longer reads (out of its window, old Mamba states), released as vLLM does.
-        """
+        longer reads (out of its window, old Mamba states), released as vLLM does."""
         live = self._live.get(request.request_id)
-        if live is not None and not (
-            num_new_computed_tokens
-            or num_external_computed_tokens
-            or delay_cache_blocks
-            or num_encoder_tokens
-            or full_sequence_must_fit
-            or reserved_blocks
-        ):  # a running request's plain step: most calls are decodes within held blocks
-            computed = request.num_computed_tokens
-            target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-            if num_new_tokens > 0 and live.grow_held(target):
-                upto = computed + num_new_tokens
-                if self.enable_caching and upto >= self._next_cache[request.request_id]:
-                    self._cache(request, min(upto, request.num_tokens))
-                return self.empty_kv_cache_blocks
-        if num_external_computed_tokens or delay_cache_blocks:
-            raise UnsupportedFeature("external (connector) KV tokens are not supported")
-        if num_encoder_tokens and not self._encoder_side:
-            raise JengaVllmError(
-                f"request {request.request_id!r}: {num_encoder_tokens} encoder tokens, but the "
-                "KV-cache config has no cross-attention group to hold them"
-            )
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
-            raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
+        extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
+        extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
+        held = live is not None and not extra  # most calls: decodes within held blocks
+        if held and self._step_within_held(live, request, num_new_tokens, num_lookahead_tokens):
+            return self.empty_kv_cache_blocks
+        external = bool(num_external_computed_tokens or delay_cache_blocks)
+        self._check_call(
+            request, num_new_tokens, num_new_computed_tokens, external, num_encoder_tokens
+        )
         rid = request.request_id
         admitted = rid not in self._tokens_known
         if admitted:
@@ -365,6 +349,36 @@ class JengaKVCacheManager:
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         return self._blocks_of(new_blocks)
+
+    def _check_call(
+        self, request: Request, new: int, new_computed: int, external: bool, encoder: int
+    ) -> None:
+        """`allocate_slots`' refusals: connector tokens, encoder tokens without a
+        cross-attention group, a call with no tokens at all."""
+        if external:
+            raise UnsupportedFeature("external (connector) KV tokens are not supported")
+        if encoder and not self._encoder_side:
+            raise JengaVllmError(
+                f"request {request.request_id!r}: {encoder} encoder tokens, but the "
+                "KV-cache config has no cross-attention group to hold them"
+            )
+        if new == 0 and new_computed == 0:
+            raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
+
+    def _step_within_held(
+        self, live: LiveRequest, request: Request, num_new_tokens: int, lookahead: int
+    ) -> bool:
+        """A running request's plain step answered from the allocator's record: True (the
+        step is done, caching included) when its slots are held and nothing leaves a
+        window; False (nothing changed) when `allocate_slots` must do the full work."""
+        computed = request.num_computed_tokens
+        target = min(computed + num_new_tokens + lookahead, self.max_model_len)
+        if num_new_tokens <= 0 or not live.grow_held(target):
+            return False
+        upto = computed + num_new_tokens
+        if self.enable_caching and upto >= self._next_cache[request.request_id]:
+            self._cache(request, min(upto, request.num_tokens))
+        return True
 
     def _reserves_room(self, rid: str, target: int, reserved_blocks: int) -> bool:
         """Whether ``target`` tokens fit with ``reserved_blocks`` vLLM block slots left
