@@ -72,8 +72,10 @@ Limitations
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
+from itertools import repeat
 from typing import Any
 
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, LiveRequest, PrefixMatch
@@ -660,7 +662,7 @@ class JengaKVCacheManager:
         """Group ``g``'s blocks on VMM ranges: one list lookup per block."""
         objects = self._block_objects[g]
         row = [objects[b] for b in ids]
-        if None in row:
+        if not all(map(operator.is_not, row, repeat(None))):  # `in` would call __eq__
             for i, b in enumerate(ids):
                 if row[i] is None:
                     row[i] = objects[b] = self._new_block_object(g, b)
