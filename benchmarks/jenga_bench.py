@@ -155,7 +155,7 @@ def api_match(pool: int, per_op: int, ops: int) -> list[int]:
     alloc.free("warm")
 
     def op(i: int) -> None:
-        assert alloc.match_prefix(prompt) == per_op * BLOCK_TOKENS
+        assert alloc.prefix_match(prompt).hit == per_op * BLOCK_TOKENS
 
     return time_calls(op, ops)
 

@@ -20,6 +20,7 @@ from jenga.allocator import JengaAllocator, Usage
 from jenga.config import AllocationOrder, AllocationRules, AllocatorConfig, GroupConfig
 from jenga.errors import (
     AllocatorError,
+    CapacityInUse,
     DoubleFree,
     DuplicateRequest,
     InvalidInput,
@@ -52,6 +53,7 @@ __all__ = [
     "AllocationRules",
     "AllocatorConfig",
     "AllocatorError",
+    "CapacityInUse",
     "BlockIdentity",
     "DoubleFree",
     "DuplicateRequest",

@@ -234,6 +234,10 @@ class Core:
         """
         Drop one reference per block (a list/tuple of ints or a 1-D int32 array), last listed first; ValueError (nothing changed) if one is not in use
         """
+    def set_total_units(self, units: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Grow or shrink the pool to `units` units; a shrink takes free units only (ValueError, nothing changed, when fewer are free)
+        """
     @property
     def free_units(self) -> int: ...
     @property

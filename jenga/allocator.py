@@ -85,7 +85,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -99,6 +99,7 @@ from jenga.config import AllocationRules, AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
 from jenga.errors import (
     MAX_TOKENS,
+    CapacityInUse,
     DoubleFree,
     DuplicateRequest,
     InvalidSize,
@@ -202,11 +203,7 @@ class JengaAllocator:
         self._clock = 0
         self._epoch = 0  # advanced by every call that may evict (stale `PrefixMatch`)
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
-        self.no_blocks = tuple(() for _ in config.groups)  # what `grow` gives when none is new
-        self.plan_sink: Callable[[list[tuple[int, int, int, int]]], None] | None = None
-        """When set, every call hands it the core's plan ops as ``(kind, group, page,
-        reused_units)`` tuples (`jenga.plan.plan_from_keys`) and returns an empty plan: an
-        engine that only replays ops into its own tables builds no plan objects."""
+        self.no_blocks = tuple(() for _ in config.groups)  # per group: no new block
         self._text_only = not any(p.reads_images for p in self.policies)
 
     @property
@@ -368,27 +365,6 @@ class JengaAllocator:
         when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
         (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
         """
-        got = self._grow(request_id, num_new_tokens, release_upto)
-        if got is None:
-            return None
-        blocks, released, plan, new = got
-        return Allocation(blocks, released, plan, new)
-
-    def grow(
-        self, request_id: Hashable, num_new_tokens: int, *, release_upto: int | None = None
-    ) -> tuple[tuple[int, ...], ...] | None:
-        """`allocate` for an engine that set `plan_sink`: per group the new block ids only
-        (the plan went to the sink, no `Allocation` is built), None for "no room".
-        Raises as `allocate` does, and `AllocatorError` when no `plan_sink` is set."""
-        if self.plan_sink is None:
-            raise AllocatorError("grow() hands plans to plan_sink; set one or use allocate()")
-        got = self._grow(request_id, num_new_tokens, release_upto)
-        return None if got is None else got[0]
-
-    def _grow(
-        self, request_id: Hashable, num_new_tokens: int, release_upto: int | None
-    ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], MappingPlan, int] | None:
-        """`allocate`'s work: (new blocks, released blocks, plan, new length) or None."""
         req = self._request(request_id)
         if type(num_new_tokens) is not int:  # the message is built only when needed
             num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
@@ -400,13 +376,13 @@ class JengaAllocator:
         self._check_length(request_id, "after allocate", new)
         upto = release_length(request_id, old, release_upto)
         if req.grow_held(new):  # every slot is held and nothing leaves any window
-            return self.no_blocks, self.no_blocks, _EMPTY_PLAN, new
+            return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
         if not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
-            return self.no_blocks, self.no_blocks, _EMPTY_PLAN, new
+            return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         self._epoch += 1
         got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
@@ -424,7 +400,7 @@ class JengaAllocator:
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
-        return tuple(tuple(b.tolist()) for b in got), released, plan, new
+        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None
@@ -572,65 +548,74 @@ class JengaAllocator:
         self._core.evict_cached_pages(num_units)
         return self._drain_plan()
 
+    # -- capacity ---------------------------------------------------------------------
+    @property
+    def total_units(self) -> int:
+        """Units in the pool now. The allocator owns this count: `set_total_units` moves
+        it (``config.total_units`` follows), everything else reads it."""
+        return int(self._core.total_units)
+
+    def units_needed(self, request_id: Hashable, num_new_tokens: int) -> int:
+        """Most units ``allocate(request_id, num_new_tokens)`` can newly map: per group,
+        the large pages its new blocks would fill if no page held a free block for them
+        (0 when every slot is held). What a gate in front of the pool (a shared pool's
+        lease) must secure first. No state changes; raises as `allocate` does."""
+        req = self._request(request_id)
+        n = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
+        if n <= 0:
+            raise InvalidSize(f"request {request_id!r}: num_new_tokens must be > 0, got {n}")
+        old, new = req.num_tokens, req.num_tokens + n
+        self._check_length(request_id, "after allocate", new)
+        if old <= req.quiet_until and new <= req.held_until:
+            return 0
+        counts = self._group_needs(req, old, new, old)[3]
+        return sum(
+            -(-count // g.blocks_per_large_page) * g.units_per_large_page
+            for count, g in zip(counts, self.config.groups, strict=True)
+        )
+
+    def set_total_units(self, units: int) -> MappingPlan:
+        """Grow or shrink the pool to ``units`` units; returns the plan of the evictions a
+        shrink needed (empty otherwise).
+
+        A shrink takes free units first, then evicts whole evictable cached pages in the
+        order step 3 evicts them (`evict_cached`). When even those would not free enough,
+        it raises `CapacityInUse` naming the units live requests hold, having changed
+        nothing. Raises `InvalidSize` (``units <= 0``), `PageTooLarge` (a group's large
+        page would not fit). The caller owns the memory behind the units: it maps no more
+        than ``units`` at once after this returns.
+        """
+        units = as_count(units, "total_units")
+        if units <= 0:
+            raise InvalidSize(f"total_units must be > 0, got {units}")
+        for g in self.config.groups:
+            if g.units_per_large_page > units:
+                raise PageTooLarge(
+                    f"group {g.name!r}: a large page costs {g.units_per_large_page} units, "
+                    f"the pool would hold {units}"
+                )
+        total, free = int(self._core.total_units), int(self._core.free_units)
+        short = total - units - free
+        plan = _EMPTY_PLAN
+        if short > 0:
+            evictable = int(self._core.counters()["units.evictable.current"])
+            if evictable < short:
+                in_use = total - free - evictable
+                raise CapacityInUse(
+                    f"cannot shrink from {total} to {units} units: {total - free} are mapped, "
+                    f"{in_use} of them by live requests ({evictable} on evictable cached "
+                    f"pages, {free} free); nothing was changed"
+                )
+            plan = self.evict_cached(short)
+        self._core.set_total_units(units)
+        self.config = dataclasses.replace(self.config, total_units=units)
+        return plan
+
     def _drain_plan(self) -> MappingPlan:
         keys = self._core.drain_plan()  # one call; empty when no op is pending
-        if not keys:
-            return _EMPTY_PLAN
-        if self.plan_sink is not None:
-            self.plan_sink(keys)
-            return _EMPTY_PLAN
-        return plan_from_keys(keys)
+        return plan_from_keys(keys) if keys else _EMPTY_PLAN
 
     # -- prefix matching --------------------------------------------------------------
-    def match_prefix(
-        self,
-        prompt: Sequence[int] | np.ndarray,
-        *,
-        images: Sequence[ImageSpan] = (),
-        salt: int = 0,
-        digests: Sequence[bytes] | None = None,
-    ) -> int:
-        """Length of the longest cached prefix a new request with this prompt would hit."""
-        if len(prompt) == 0:
-            return 0
-        req = self._lookup_request(prompt, images, salt, digests)
-        return self._match(req)[0]
-
-    def match_prefix_junction(
-        self,
-        prompt: Sequence[int] | np.ndarray,
-        *,
-        images: Sequence[ImageSpan] = (),
-        salt: int = 0,
-        digests: Sequence[bytes] | None = None,
-    ) -> tuple[int, int]:
-        """(hit, junction): `match_prefix`, and the longest prefix valid in any one group.
-
-        ``junction > hit`` means some group (typically full attention) already caches a
-        longer shared prefix than a sparse group (Mamba state, window) can serve. An
-        engine that ends a chunk exactly there gets that group's entry cached too, so the
-        next request sharing the prefix hits all of it (vLLM's shared-prefix boundary,
-        after Marconi). No state changes.
-        """
-        if len(prompt) == 0:
-            return 0, 0
-        req = self._lookup_request(prompt, images, salt, digests)
-        hit, _, junction = self._match(req)
-        return hit, junction
-
-    def _lookup_request(
-        self,
-        prompt: Sequence[int] | np.ndarray,
-        images: Sequence[ImageSpan],
-        salt: int,
-        digests: Sequence[bytes] | None,
-    ) -> LiveRequest:
-        """An unregistered request for a lookup (``digests``: as `add_request` takes them)."""
-        if digests is not None or self.config.identity.digest_block_size is not None:
-            return self._new_live("(prefix match)", prompt, images, salt, digests)
-        spans = checked_images(images, len(prompt))
-        return LiveRequest(-1, TokenBuffer(prompt), spans, as_count(salt, "salt"), self._hasher)
-
     def prefix_match(
         self,
         prompt: Sequence[int] | np.ndarray,
@@ -640,17 +625,28 @@ class JengaAllocator:
         request_id: Hashable = "(prefix match)",
         digests: Sequence[bytes] | None = None,
     ) -> PrefixMatch:
-        """`match_prefix_junction` plus the hit's block tables, reusable by `add_request`
-        (``match=``) so an engine that looks up and then admits hashes and matches once.
-        No state changes. Raises `InvalidInput` / `InvalidSize` as `add_request` does
-        (``request_id`` names the request in their messages; ``digests`` as there)."""
+        """The one prefix lookup: what a new request with this prompt would hit.
+
+        ``hit``: the longest cached prefix valid in every group; ``junction``: the longest
+        valid in any one group (``junction > hit`` means some group, typically full
+        attention, already caches a longer shared prefix than a sparse group such as a
+        Mamba state or a window can serve; an engine that ends a chunk exactly there gets
+        that group's entry cached too, so the next request sharing the prefix hits all of
+        it: vLLM's shared-prefix boundary, after Marconi); ``tables``: the hit's blocks per
+        group. `add_request` adopts the match (``match=``) while no call that can evict ran
+        since, so an engine that looks up and then admits hashes and matches once. No state
+        changes; an empty prompt hits nothing. Raises `InvalidInput` / `InvalidSize` as
+        `add_request` does (``request_id`` names the request in their messages; ``digests``
+        as there)."""
+        if len(prompt) == 0:
+            return PrefixMatch(0, 0, [], self._epoch, None)
         req = self._new_live(request_id, prompt, images, salt, digests)
         hit, tables, junction = self._match(req)
         return PrefixMatch(hit, junction, tables, self._epoch, req)
 
     def _match(self, req: LiveRequest) -> tuple[int, list[list[int]], int]:
         """The hit length, per group the block table a request with that hit starts with,
-        and the longest prefix valid in any single group (see `match_prefix_junction`).
+        and the longest prefix valid in any single group (see `prefix_match`).
 
         The hit is the longest p < len(prompt), a multiple of every text group's block size,
         valid in every group (`Policy.valid_prefix_mask`, the vectorized `possible_prefix`).
@@ -723,10 +719,10 @@ class JengaAllocator:
 
     def usage(self) -> Usage:
         counts = [self._core.group_counts(g) for g in range(self.num_groups)]
-        free = int(self._core.free_units)
+        free, total = int(self._core.free_units), int(self._core.total_units)
         return Usage(
-            total_units=self.config.total_units,
-            used_units=self.config.total_units - free,
+            total_units=total,
+            used_units=total - free,
             free_units=free,
             mapped_pages=tuple(int(c[0]) for c in counts),
             used_blocks=tuple(int(c[3]) for c in counts),

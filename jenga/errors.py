@@ -55,6 +55,10 @@ class PageTooLarge(AllocatorError, ValueError):
     """A group's large page costs more units than the whole pool holds."""
 
 
+class CapacityInUse(AllocatorError, ValueError):
+    """A shrink below the units live requests hold (nothing was changed)."""
+
+
 def as_count(value: object, what: str) -> int:
     """`value` as an int (`operator.index`: numpy ints pass; floats, strings, bools do not)."""
     if isinstance(value, bool):

@@ -48,6 +48,23 @@ from jenga.policies import policy_for
 from jenga.specs import KVGroup, LayerSpec, ModelSpec, SpecError
 
 DEFAULT_CHUNK_BYTES = 2 << 20
+
+
+def capacity_units(budget_bytes: int, unit_bytes: int) -> int:
+    """Units (chunks under VMM) a KV budget of ``budget_bytes`` buys: ``budget // unit``.
+
+    The one derivation of capacity: the KV cache, the mini engine, the HF cache, the vLLM
+    plugin and a shared-pool tenant all size the allocator through it, and the allocator
+    owns the count from then on (`JengaAllocator.set_total_units` moves it). Raises
+    SpecError when the budget buys no unit.
+    """
+    _check_positive(budget_bytes=budget_bytes, unit_bytes=unit_bytes)
+    units = budget_bytes // unit_bytes
+    if units <= 0:
+        raise SpecError(f"a budget of {budget_bytes} B buys no {unit_bytes}-byte unit")
+    return units
+
+
 STATIC_STRATEGIES = ("lcm", "max", "gcd")
 VMM_LAYOUTS = ("per_layer", "per_group")
 _STATIC_MODE_OF_STRATEGY = {"lcm": "static", "max": "max", "gcd": "gcd"}

@@ -25,6 +25,7 @@ Limitations
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -48,17 +49,60 @@ class UnmapPage:
 PlanOp = MapPage | UnmapPage
 
 
-@dataclass(frozen=True, slots=True)
 class MappingPlan:
-    """An ordered list of page ops; apply in order. Empty when physical needs did not change."""
+    """An ordered list of page ops; apply in order.
 
-    ops: tuple[PlanOp, ...] = ()
+    Empty when physical needs did not change. `reset` plans come from `MappingPlan.reset`
+    only: "unmap every page of every group first" (an engine dropping its whole cache), so
+    no empty plan ever means anything but "nothing to do".
+
+    The allocator hands out plans built from the core's raw ``(kind, group, page,
+    reused_units)`` keys (`plan_from_keys`); the op objects are made on first use of
+    `ops`, so an engine that replays `keys` into its own tables builds none.
+    """
+
+    __slots__ = ("_keys", "_ops", "reset")
+
+    def __init__(self, ops: Sequence[PlanOp] = (), *, reset: bool = False) -> None:
+        self._ops: tuple[PlanOp, ...] | None = tuple(ops)
+        self._keys: list[tuple[int, int, int, int]] | None = None
+        self.reset = reset
+
+    @classmethod
+    def unmap_all(cls) -> MappingPlan:
+        """The plan that unmaps every page of every group (the engine's cache is reset)."""
+        return cls(reset=True)
+
+    @property
+    def ops(self) -> tuple[PlanOp, ...]:
+        if self._ops is None:
+            assert self._keys is not None
+            self._ops = _ops_of_keys(self._keys)
+        return self._ops
+
+    @property
+    def keys(self) -> list[tuple[int, int, int, int]]:
+        """The ops as ``(kind, group, page, reused_units)`` tuples, kind `OP_MAP` or `OP_UNMAP`."""
+        if self._keys is None:
+            self._keys = [_key_of(op) for op in self.ops]
+        return self._keys
 
     def __len__(self) -> int:
-        return len(self.ops)
+        return len(self._keys) if self._ops is None else len(self._ops)  # type: ignore[arg-type]
 
     def __bool__(self) -> bool:
-        return bool(self.ops)
+        return self.reset or len(self) > 0
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MappingPlan):
+            return NotImplemented
+        return self.reset == other.reset and self.ops == other.ops
+
+    def __hash__(self) -> int:
+        return hash((self.reset, self.ops))
+
+    def __repr__(self) -> str:
+        return f"MappingPlan({self.ops!r}{', reset=True' if self.reset else ''})"
 
     @property
     def num_maps(self) -> int:
@@ -76,20 +120,6 @@ class MappingPlan:
 
 OP_MAP = 0
 OP_UNMAP = 1
-
-
-def page_slots(page: int, chunks_per_range: int) -> range:
-    """Chunk slots that large page ``page`` occupies in each of its group's virtual ranges.
-
-    Page p of a group whose large page is k chunks per range covers slots
-    ``[p*k, (p+1)*k)`` of every range of the group (per_layer layout, `jenga.pages`):
-    a `MapPage` maps those slots in all of the group's ranges, an `UnmapPage` unmaps them.
-    """
-    if page < 0 or chunks_per_range <= 0:
-        raise ValueError(
-            f"page must be >= 0 and chunks_per_range > 0, got {page}, {chunks_per_range}"
-        )
-    return range(page * chunks_per_range, (page + 1) * chunks_per_range)
 
 
 _OPS_CACHED_MAX = 1 << 16
@@ -111,10 +141,22 @@ def _make_op(key: tuple[int, int, int, int]) -> PlanOp:
     return op
 
 
-def plan_from_keys(keys: list[tuple[int, int, int, int]]) -> MappingPlan:
-    """Build a plan from the core's `drain_plan`: ``(kind, group, page, reused)`` tuples,
-    kind `OP_MAP` or `OP_UNMAP`."""
+def _key_of(op: PlanOp) -> tuple[int, int, int, int]:
+    if isinstance(op, MapPage):
+        return (OP_MAP, op.group, op.page, op.reused_units)
+    return (OP_UNMAP, op.group, op.page, 0)
+
+
+def _ops_of_keys(keys: list[tuple[int, int, int, int]]) -> tuple[PlanOp, ...]:
     found: list[PlanOp | None] = list(map(_op_cache.get, keys))  # ops are truthy, misses None
     if all(found):
-        return MappingPlan(tuple(found))  # type: ignore[arg-type]  # no None left
-    return MappingPlan(tuple(op or _make_op(key) for op, key in zip(found, keys, strict=True)))
+        return tuple(found)  # type: ignore[arg-type]  # no None left
+    return tuple(op or _make_op(key) for op, key in zip(found, keys, strict=True))
+
+
+def plan_from_keys(keys: list[tuple[int, int, int, int]]) -> MappingPlan:
+    """A plan over the core's `drain_plan`: ``(kind, group, page, reused)`` tuples, kind
+    `OP_MAP` or `OP_UNMAP` (ops are built when first read)."""
+    plan = MappingPlan.__new__(MappingPlan)
+    plan._keys, plan._ops, plan.reset = keys, None, False
+    return plan

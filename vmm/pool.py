@@ -117,6 +117,16 @@ class ChunkPool:
         self.top_up()
 
     @locked
+    def release_free(self) -> int:
+        """Release every free (created, unmapped) chunk to the backend; the budget stays.
+        Returns how many were released."""
+        self.ledger.check_usable()
+        count = self.ledger.num_free
+        if count:
+            self.ledger.release_free(count)
+        return count
+
+    @locked
     def top_up(self) -> int:
         """Create chunks until `reserve_ahead` are free (within budget); returns how many."""
         self.ledger.check_usable()

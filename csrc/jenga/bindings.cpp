@@ -492,6 +492,9 @@ void register_jenga(py::module_ m) {
       .def("evict_cached_pages", &Core::evict_cached_pages, py::arg("units"), Release(),
            "Evict whole evictable pages in step 3's order until `units` units are freed or "
            "none is left; returns the units freed (the unmaps are plan ops)")
+      .def("set_total_units", locked(&Core::set_total_units), py::arg("units"), Release(),
+           "Grow or shrink the pool to `units` units; a shrink takes free units only "
+           "(ValueError, nothing changed, when fewer are free)")
       .def("allocate_blocks", &allocate_blocks, py::arg("group"), py::arg("count"),
            py::arg("owner"), py::arg("now"), py::arg("out") = py::none(),
            "allocate() of `count` blocks in one group: a list of block ids, or None (no room, "

@@ -631,4 +631,16 @@ std::vector<std::pair<int32_t, int32_t>> Core::page_eviction_order() const {
   return out;
 }
 
+void Core::set_total_units(int64_t units) {
+  if (units <= 0) throw std::invalid_argument("total_units must be > 0, got " + str(units));
+  const int64_t in_use = total_units_ - free_units_;
+  if (units < in_use) {
+    throw std::invalid_argument("cannot shrink to " + str(units) + " units: " + str(in_use) +
+                                " are mapped (" + str(evictable_page_units_) +
+                                " of them on evictable pages)");
+  }
+  free_units_ += units - total_units_;
+  total_units_ = units;
+}
+
 }  // namespace jvmm::jenga

@@ -266,6 +266,10 @@ class Core {
   // and the pages are unmapped (plan ops). Returns the units freed. All or nothing: a
   // failure midway rolls every eviction back. Throws std::invalid_argument if units < 0.
   int64_t evict_cached_pages(int64_t units);
+  // Grow or shrink the pool to `units` units (> 0). A shrink takes free units only: it
+  // throws std::invalid_argument (nothing changed) when fewer than `total - units` are
+  // free; the caller evicts cached pages first (evict_cached_pages).
+  void set_total_units(int64_t units);
   // Take one reference per listed block (a prefix hit). Blocks must be USED or CACHED.
   void acquire(int32_t group, const std::vector<int32_t>& blocks, int64_t now);
   // Enter hashes of USED blocks; a hash already indexed is skipped. Returns entries added.

@@ -266,7 +266,7 @@ class MiniEngine:
         """`kv.allocate`, or None ("no room") when a shared pool cannot lend the chunks."""
         if self.gate is None:
             return self.kv.allocate(request_id, n)
-        if not self.gate.allow(n):
+        if not self.gate.allow(request_id, n):
             return None
         try:
             return self.kv.allocate(request_id, n)

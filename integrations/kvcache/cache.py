@@ -50,7 +50,7 @@ from jenga.allocator import (
     ImageSpan,
     JengaAllocator,
 )
-from jenga.pages import PageTable, vmm_page_table
+from jenga.pages import PageTable, capacity_units, vmm_page_table
 from jenga.plan import MapPage
 from jenga.plan import MappingPlan as PagePlan
 from jenga.specs import Kind, ModelSpec
@@ -89,6 +89,9 @@ class KVCacheConfig:
     #: stray read never faults); None: whenever the backend has a zero chunk
     zero_backed: bool | None = None
     layout: str = "per_layer"  # or "per_group" (one range per group, strided layer views)
+    #: the most bytes `KVCache.set_capacity` may grow to (virtual ranges are reserved for
+    #: it, at no physical cost); None: the pool's budget when the cache is made
+    max_bytes: int | None = None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -138,7 +141,15 @@ class KVCache:
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.model = model
         self.pool = pool
-        total_units = pool.budget_bytes // pool.granularity
+        total_units = capacity_units(pool.budget_bytes, pool.granularity)
+        max_bytes = self.config.max_bytes
+        self.max_units = (
+            total_units if max_bytes is None else capacity_units(max_bytes, pool.granularity)
+        )
+        if self.max_units < total_units:
+            raise LayoutError(
+                f"max_bytes {max_bytes} is below the pool's budget of {pool.budget_bytes} B"
+            )
         self.page_table: PageTable = vmm_page_table(
             model,
             chunk_bytes=pool.granularity,
@@ -152,7 +163,7 @@ class KVCache:
         )
         self.geometries = tuple(
             GroupGeometry.from_row(
-                i, g, self.page_table.group(g.name), pool.granularity, total_units
+                i, g, self.page_table.group(g.name), pool.granularity, self.max_units
             )
             for i, g in enumerate(model.groups)
         )
@@ -469,15 +480,46 @@ class KVCache:
             out[f"kv.bytes.mapped.{geo.name}"] = len(pages) * geo.page_bytes * geo.num_ranges
         return out
 
+    # ---- capacity ------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of chunks the cache may map now (the allocator's units x chunk size)."""
+        return self.allocator.total_units * self.pool.granularity
+
+    @_one_thread
+    def set_capacity(self, budget_bytes: int) -> int:
+        """Grow or shrink the cache at run time: the pool's budget and the allocator's
+        units move together. Returns the chunks a shrink unmapped (cached pages evicted).
+
+        Growing raises the pool's budget, then the allocator's units, up to ``max_bytes``
+        (`KVCacheConfig`; the ranges were reserved for it). Shrinking evicts cached pages
+        first (step 3's order), then lowers both; below the chunks live requests hold it
+        raises `jenga.errors.CapacityInUse` with nothing changed. Raises `LayoutError`
+        above ``max_bytes``, `vmm.BudgetError` when the pool refuses.
+        """
+        self._check_usable()
+        gran = self.pool.granularity
+        units = capacity_units(as_index(budget_bytes, "budget_bytes"), gran)
+        if units > self.max_units:
+            raise LayoutError(
+                f"capacity {units * gran} B is above the {self.max_units * gran} B this cache "
+                "reserved (KVCacheConfig.max_bytes)"
+            )
+        if units >= self.allocator.total_units:
+            self.pool.set_budget(units * gran)
+            self.allocator.set_total_units(units)
+            return 0
+        plan = self.allocator.set_total_units(units)  # CapacityInUse: nothing changed
+        self._apply(plan)
+        self.pool.set_budget(units * gran)
+        groups = self.allocator.config.groups
+        return sum(groups[op.group].units_per_large_page for op in plan.ops)
+
     @_one_thread
     def release_free_chunks(self) -> int:
-        """Hand every free (unmapped) chunk back to the OS/device; returns how many."""
-        pool = self.pool
-        before = pool.num_created
-        budget = pool.budget_bytes
-        pool.set_budget(pool.num_mapped * pool.granularity)
-        pool.set_budget(budget)
-        return before - pool.num_created
+        """Hand every free (unmapped) chunk back to the OS/device; returns how many. The
+        capacity stays: a later allocation creates chunks again."""
+        return self.pool.release_free()
 
     def check_invariants(self, *, expensive: bool = False) -> None:
         """Raise AssertionError if mapped slots and the allocator's pages disagree."""

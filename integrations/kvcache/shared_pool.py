@@ -12,10 +12,9 @@ when the owner refuses.
 
 Approach
 --------
-Bound on the chunks one ``allocate(n tokens)`` maps, per group g:
-``(ceil((ceil(n / tokens_per_block) + 1) / blocks_per_page) + 1) * units_per_page``
-(the new blocks, one straddled block, one partly filled page). `after_step` moves chunks
-the pool keeps free into the tenant's lease (`KVCache.release_free_chunks`), from where
+The allocator answers how many chunks one allocation can map
+(`JengaAllocator.units_needed`: the large pages its new blocks would fill). `after_step`
+moves chunks the pool keeps free into the tenant's lease (`KVCache.release_free_chunks`), from where
 the owner can reclaim them at any time, and reports cached / mapped bytes.
 
 A reclaim that asks for more chunks than the lease holds runs `on_reclaim` (the tenant's
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Hashable
 from typing import Any
 
 from integrations.kvcache.cache import KVCache
@@ -48,29 +48,17 @@ class SharedPoolGate:
         self.tenant = tenant
         self.report_every = report_every
         self._last_report = 0.0
-        groups = kv.allocator.config.groups
-        self._groups = [
-            (g.tokens_per_block, g.blocks_per_large_page, g.units_per_large_page) for g in groups
-        ]
         self.refused = 0
         self.lock = threading.Lock()  # held by the engine for each step
         self.evicted_chunks = 0  # chunks of cached pages given up to the owner's reclaims
         tenant.reclaim_handler = self.on_reclaim
 
-    def units_bound(self, num_new_tokens: int) -> int:
-        """Most chunks one allocation of `num_new_tokens` tokens can map."""
-        total = 0
-        for tokens_per_block, blocks_per_page, units_per_page in self._groups:
-            blocks = -(-num_new_tokens // tokens_per_block) + 1
-            total += (-(-blocks // blocks_per_page) + 1) * units_per_page
-        return total
-
-    def allow(self, num_new_tokens: int) -> bool:
+    def allow(self, request_id: Hashable, num_new_tokens: int) -> bool:
         """Whether the allocation may run: the lease (+ the pool's free chunks) covers its
         bound, after asking the owner if needed, and evicting this engine's own cached
         pages if the owner refuses. The lease stays pinned (safe from the owner's reclaim)
         until `done`."""
-        need = self.units_bound(num_new_tokens)
+        need = self.kv.allocator.units_needed(request_id, num_new_tokens)
         ok = bool(self.tenant.ensure_free(need, self.kv.pool.num_free))
         short = need - self.tenant.lease_chunks - self.kv.pool.num_free
         if not ok and short > 0 and self.kv.evict_cached(short):

@@ -63,7 +63,7 @@ class ApiMachine(RuleBasedStateMachine):
     def add(self, which: int, tail: list[int], image: bool) -> None:
         prompt = PREFIXES[which] + tail
         images = [IMAGE] if image and len(prompt) >= IMAGE.end else []
-        expected = self.alloc.match_prefix(prompt, images=images)
+        expected = self.alloc.prefix_match(prompt, images=images).hit
         hit = self.alloc.add_request(self.next_id, prompt, images=images)
         assert hit == expected
         assert 0 <= hit < len(prompt) and hit % 4 == 0  # lcm of the text block sizes

@@ -50,8 +50,8 @@ def test_pages_go_in_step_3_order_until_the_units_are_free() -> None:
     assert _unmaps(plan) == order[:2]
     assert alloc.usage().free_units == free + 3
     assert alloc.page_eviction_order() == order[2:]
-    assert alloc.match_prefix([*OLD, 1]) == 8  # old's tail blocks left the index
-    assert alloc.match_prefix([*NEW, 1]) == 8  # new's pages are untouched
+    assert alloc.prefix_match([*OLD, 1]).hit == 8  # old's tail blocks left the index
+    assert alloc.prefix_match([*NEW, 1]).hit == 8  # new's pages are untouched
     assert alloc.stats()["pages.evicted"] == 2
     alloc.check_invariants(expensive=True)
 
@@ -66,8 +66,8 @@ def test_everything_evictable_goes_and_live_pages_stay() -> None:
     assert use.free_units == 24 - 3 and use.cached_blocks == (0, 0)
     assert use.mapped_pages == (1, 1) and use.used_blocks == (2, 2)
     assert [alloc.block_table("live", g) for g in range(2)] == live_tables
-    assert alloc.match_prefix([*OLD, 1]) == 0 and alloc.match_prefix([*NEW, 1]) == 0
-    assert alloc.match_prefix([*LIVE, 1]) == 8  # live's blocks are committed, in use
+    assert alloc.prefix_match([*OLD, 1]).hit == 0 and alloc.prefix_match([*NEW, 1]).hit == 0
+    assert alloc.prefix_match([*LIVE, 1]).hit == 8  # live's blocks are committed, in use
     assert not alloc.evict_cached(5)  # nothing left: an empty plan
     alloc.check_invariants(expensive=True)
 
@@ -91,5 +91,5 @@ def test_cached_blocks_on_a_page_pinned_by_a_live_block_stay() -> None:
     plan = alloc.evict_cached(1000)
     assert not set(pinned) & set(_unmaps(plan))
     assert alloc.usage().cached_blocks == (1, 1)
-    assert alloc.match_prefix([*OLD[:4], 1]) == 4  # block 0 still cached (and in use)
+    assert alloc.prefix_match([*OLD[:4], 1]).hit == 4  # block 0 still cached (and in use)
     alloc.check_invariants(expensive=True)

@@ -49,8 +49,8 @@ def test_step_end_states_are_the_cached_checkpoints():
     assert alloc.allocate("a", 32) is not None and alloc.allocate("a", 32) is not None
     assert alloc.cache("a", 64) == 4 + 2  # 4 attention blocks, states after 32 and 64
     alloc.free("a")
-    assert alloc.match_prefix([*prompt, 7]) == 64
-    assert alloc.match_prefix(prompt[:48] + [9] * 17) == 32  # 16 and 48 never existed
+    assert alloc.prefix_match([*prompt, 7]).hit == 64
+    assert alloc.prefix_match(prompt[:48] + [9] * 17).hit == 32  # 16 and 48 never existed
     alloc.check_invariants(expensive=True)
 
 

@@ -140,9 +140,9 @@ def test_hit_is_longest_prefix_valid_in_every_group():
     assert alloc.allocate("a", 10) is not None
     assert alloc.cache("a", 10) == 20
     alloc.free("a")
-    assert alloc.match_prefix(prompt) == 9  # capped: one token is always computed
-    assert alloc.match_prefix([*prompt, 1, 2]) == 10
-    assert alloc.match_prefix([*prompt[:5], 0, 0]) == 5
+    assert alloc.prefix_match(prompt).hit == 9  # capped: one token is always computed
+    assert alloc.prefix_match([*prompt, 1, 2]).hit == 10
+    assert alloc.prefix_match([*prompt[:5], 0, 0]).hit == 5
     assert alloc.add_request("b", [*prompt, 1]) == 10
     # the window group takes only the blocks the next token reads: [8, 10)
     assert alloc.block_table("b", "swa") == [-1] * 8 + [8, 9]

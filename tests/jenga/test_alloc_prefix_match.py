@@ -1,11 +1,11 @@
-"""Issue 14's allocator-side cuts: one prefix lookup per admission (`prefix_match` adopted
-by `add_request`), plan ops handed to a `plan_sink`, and `grow` (new ids, no Allocation)."""
+"""One prefix lookup per admission (`prefix_match` adopted by `add_request`), plans whose
+raw keys and ops agree, and allocations within held blocks that build nothing."""
 
 from __future__ import annotations
 
 import pytest
-from jenga.allocator import AllocatorConfig, AllocatorError, GroupConfig, InvalidInput
-from jenga.plan import plan_from_keys
+from jenga.allocator import AllocatorConfig, GroupConfig, InvalidInput
+from jenga.plan import MappingPlan, plan_from_keys
 from jenga.specs import Kind
 
 from jenga import JengaAllocator
@@ -29,8 +29,8 @@ def _alloc() -> JengaAllocator:
 def test_an_adopted_match_claims_exactly_what_a_fresh_lookup_claims():
     fresh, reused = _alloc(), _alloc()
     prompt = [*PROMPT, 99, 98, 97]
-    match = reused.prefix_match(prompt)
-    assert (match.hit, match.junction) == fresh.match_prefix_junction(prompt)
+    match, looked_up = reused.prefix_match(prompt), fresh.prefix_match(prompt)
+    assert (match.hit, match.junction) == (looked_up.hit, looked_up.junction)
     assert reused.add_request("b", prompt, match=match) == fresh.add_request("b", prompt)
     assert match.request is None  # adopted, hashes and all: it cannot be adopted twice
     for g in range(2):
@@ -47,7 +47,7 @@ def test_a_match_is_not_adopted_after_a_call_that_may_evict():
     match = alloc.prefix_match([*PROMPT, 5])
     alloc.add_request("c", [7] * 24, use_cache=False)
     assert alloc.allocate("c", 24) is not None  # evicts cached pages: the match is stale
-    now = alloc.match_prefix([*PROMPT, 5])
+    now = alloc.prefix_match([*PROMPT, 5]).hit
     assert now < match.hit  # adopting the stale match would claim evicted blocks
     assert alloc.add_request("b", [*PROMPT, 5], match=match) == now
     assert match.request is not None  # looked up again instead
@@ -62,32 +62,37 @@ def test_a_match_of_another_prompt_is_refused():
     assert alloc.stats()["requests.live"] == 0
 
 
-def test_a_plan_sink_gets_the_ops_the_plans_would_hold():
-    plain, sunk = _alloc(), _alloc()
+def test_a_plan_read_by_keys_holds_the_ops_read_by_objects():
+    by_keys, by_ops = _alloc(), _alloc()
     keys: list[tuple[int, int, int, int]] = []
-    sunk.plan_sink = keys.extend
     plans = []
-    for alloc in (plain, sunk):
+    for alloc in (by_keys, by_ops):
         alloc.add_request("b", [3] * 12, use_cache=False)
         got = alloc.allocate("b", 12)
         assert got is not None
-        plans.append(got.plan)
-        plans.append(alloc.free("b"))
-    assert not plans[2] and not plans[3]  # with a sink, calls return empty plans
+        freed = alloc.free("b")
+        if alloc is by_keys:  # an engine replaying keys into its own tables builds no op
+            keys += got.plan.keys + freed.keys
+        else:
+            plans += [got.plan, freed]
     assert plan_from_keys(keys).ops == plans[0].ops + plans[1].ops
+    assert plans[0].keys + plans[1].keys == keys
     assert plans[0].ops  # the trace maps pages at all
 
 
-def test_grow_returns_the_new_ids_and_needs_a_sink():
+def test_allocate_returns_the_new_ids_and_nothing_within_held_blocks():
     alloc = _alloc()
-    alloc.add_request("b", [3] * 4, use_cache=False)
-    with pytest.raises(AllocatorError, match="plan_sink"):
-        alloc.grow("b", 4)
-    keys: list[tuple[int, int, int, int]] = []
-    alloc.plan_sink = keys.extend
-    got = alloc.grow("b", 4)
-    assert got is not None and [list(ids) for ids in got] == [
+    alloc.add_request("b", [3] * 3, use_cache=False)
+    got = alloc.allocate("b", 3)
+    assert got is not None and [list(ids) for ids in got.new_blocks] == [
         alloc.block_table("b", g) for g in range(2)
     ]
-    assert alloc.grow("b", 1) is not None  # the next token fits the held blocks
+    held = alloc.allocate("b", 1)  # the 4th token fits the held 4-token blocks
+    assert held is not None and held.new_blocks == alloc.no_blocks and not held.plan
     alloc.check_invariants(expensive=True)
+
+
+def test_the_unmap_all_plan_is_the_only_plan_that_resets():
+    assert not MappingPlan() and len(MappingPlan()) == 0
+    reset = MappingPlan.unmap_all()
+    assert reset and reset.reset and len(reset) == 0 and reset != MappingPlan()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
-from jenga.plan import MapPage, MappingPlan, UnmapPage, page_slots
+from jenga.plan import MapPage, MappingPlan, UnmapPage
 from jenga.specs import Kind
 
 from jenga import _core as J
@@ -154,13 +154,6 @@ def test_free_returns_plan_of_emptied_pages_and_keeps_hashed_blocks():
     assert (use.cached_blocks, use.free_blocks, use.used_units) == ((2,), (0,), 1)
     with pytest.raises(ValueError, match="not in use"):
         alloc._core.release(0, [0], 99)
-
-
-def test_page_slots_name_the_chunks_a_plan_op_touches():
-    assert page_slots(0, 5) == range(0, 5)
-    assert page_slots(3, 5) == range(15, 20)
-    with pytest.raises(ValueError, match="got -1, 5"):
-        page_slots(-1, 5)
 
 
 def test_step3_ties_evict_the_longest_prefix_first_across_groups():

@@ -96,7 +96,7 @@ def test_step3_with_demotion_evicts_early_pages_and_keeps_the_finished_prompt():
     assert got is not None
     unmapped = [op for op in got.plan.ops if isinstance(op, UnmapPage)]
     assert unmapped == [UnmapPage(1, 0), UnmapPage(1, 1), UnmapPage(1, 2)]
-    assert alloc.match_prefix([*B_PROMPT, 1]) == 8  # b's prompt is still whole
+    assert alloc.prefix_match([*B_PROMPT, 1]).hit == 8  # b's prompt is still whole
     alloc.check_invariants(expensive=True)
 
 
@@ -108,7 +108,7 @@ def test_step3_without_demotion_evicts_the_older_finished_prompt():
     assert got is not None
     unmapped = [op for op in got.plan.ops if isinstance(op, UnmapPage)]
     assert unmapped == [UnmapPage(0, 9), UnmapPage(1, 9), UnmapPage(0, 8)]
-    assert alloc.match_prefix([*B_PROMPT, 1]) == 0
+    assert alloc.prefix_match([*B_PROMPT, 1]).hit == 0
 
 
 def test_failed_allocate_rolls_back_early_releases():

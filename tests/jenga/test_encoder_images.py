@@ -40,9 +40,9 @@ def test_image_committed_and_hit_as_a_unit_keyed_by_its_hash():
     alloc.allocate("a", len(prompt))
     assert alloc.cache("a", len(prompt)) == 3 + 3  # 3 self blocks (12 > 12 tokens: 3) + 3 image
     alloc.free("a")
-    assert alloc.match_prefix(prompt, images=[image]) == 8  # capped below 12: 2 blocks
+    assert alloc.prefix_match(prompt, images=[image]).hit == 8  # capped below 12: 2 blocks
     other = ImageSpan(0, 10, 4343, in_text=False)
-    assert alloc.match_prefix(prompt, images=[other]) == 0  # another image: nothing
+    assert alloc.prefix_match(prompt, images=[other]).hit == 0  # another image: nothing
     assert alloc.add_request("b", prompt, images=[image]) == 8
     assert (alloc.block_table("b", "self"), alloc.block_table("b", "cross")) == ([0, 1], [0, 1, 2])
     alloc.check_invariants(expensive=True)

@@ -93,7 +93,7 @@ def test_allocator_never_serves_a_short_key_collision(bits: int):
     stems = [[rng.randrange(4) for _ in range(6)] for _ in range(3)]
     for i in range(60):
         prompt = rng.choice(stems)[: rng.randrange(7)] + [rng.randrange(4) for _ in range(8)]
-        hit = alloc.match_prefix(prompt)
+        hit = alloc.prefix_match(prompt).hit
         true = max((_common_prefix(prompt, c) for c in cached), default=0)
         assert hit <= true, (i, prompt, hit, true)
         rid = f"r{i}"
@@ -118,8 +118,8 @@ def test_allocator_with_full_short_keys_hits_as_before(algorithm: str):
     assert alloc.allocate("a", 9) is not None
     alloc.cache("a", 9)
     alloc.free("a")
-    assert alloc.match_prefix(prompt) == 8
-    assert alloc.match_prefix([*prompt[:4], 99, 99, 99]) == 4
+    assert alloc.prefix_match(prompt).hit == 8
+    assert alloc.prefix_match([*prompt[:4], 99, 99, 99]).hit == 4
     stats = alloc.stats()
     assert stats["prefix.identity_collisions"] == stats["prefix.identity_mismatches"] == 0
 
@@ -153,15 +153,15 @@ def test_caller_digests_name_blocks_and_hits_stop_where_they_end() -> None:
     assert alloc.add_request("a", prompt, digests=digests) == 0
     assert alloc.allocate("a", 17) is not None
     assert alloc.cache("a", 17) == 8 + 4
-    assert alloc.match_prefix(prompt, digests=digests) == 16
-    assert alloc.match_prefix(prompt, digests=digests[:5]) == 8  # wide: 2 blocks named
-    assert alloc.match_prefix(prompt, digests=digests[:3]) == 4
+    assert alloc.prefix_match(prompt, digests=digests).hit == 16
+    assert alloc.prefix_match(prompt, digests=digests[:5]).hit == 8  # wide: 2 blocks named
+    assert alloc.prefix_match(prompt, digests=digests[:3]).hit == 4
     forged = list(digests)
     forged[5] = bytes(32)  # never committed: the hit stops before it
-    assert alloc.match_prefix(prompt, digests=forged) == 8
+    assert alloc.prefix_match(prompt, digests=forged).hit == 8
     salted = _digest_chain(prompt, 2, salt=b"lora-1")  # same tokens, another identity
-    assert alloc.match_prefix(prompt, digests=salted) == 0
-    assert alloc.match_prefix(prompt) == 0  # no digests: nothing named
+    assert alloc.prefix_match(prompt, digests=salted).hit == 0
+    assert alloc.prefix_match(prompt).hit == 0  # no digests: nothing named
     alloc.check_invariants(True)
 
 
@@ -172,7 +172,7 @@ def test_caller_digests_colliding_in_the_short_key_are_never_served() -> None:
     assert alloc.allocate("a", 9) is not None
     assert alloc.cache("a", 8) == 2  # one block per group: the rest collide in the index
     before = alloc.stats()["prefix.identity_mismatches"]
-    assert alloc.match_prefix(prompt, digests=_digest_chain(prompt, 2, salt=b"x")) == 0
+    assert alloc.prefix_match(prompt, digests=_digest_chain(prompt, 2, salt=b"x")).hit == 0
     assert alloc.stats()["prefix.identity_mismatches"] >= before + 2  # found, refused
 
 
@@ -186,7 +186,7 @@ def test_caller_digests_commit_only_blocks_whose_digest_exists() -> None:
     digests.extend(_digest_chain(prompt, 2)[:3])
     assert alloc.cache("a", 12) == 3 + 1  # 3 small blocks, 1 wide one
     assert alloc.cache("a", 12, digests=_digest_chain(prompt, 2)) == 3 + 2
-    assert alloc.match_prefix([*prompt, 0], digests=_digest_chain(prompt, 2)) == 12
+    assert alloc.prefix_match([*prompt, 0], digests=_digest_chain(prompt, 2)).hit == 12
     alloc.check_invariants(True)
 
 
@@ -196,6 +196,6 @@ def test_caller_digests_are_checked() -> None:
     with pytest.raises(InvalidInput, match="digests given, but this allocator hashes"):
         _allocator(64).add_request("a", [1, 2, 3], digests=[bytes(32)])
     with pytest.raises(InvalidInput, match="at least 16 bytes, got one of 8"):
-        _digest_allocator().match_prefix([1, 2, 3], digests=[bytes(8)])
+        _digest_allocator().prefix_match([1, 2, 3], digests=[bytes(8)])
     with pytest.raises(InvalidInput, match="digest_block_size must be a positive int"):
         BlockIdentity(digest_block_size=0)

@@ -160,10 +160,10 @@ def test_mamba_hits_only_at_checkpoints():
     assert got is not None and got.released == ((), (0, 1))  # one live state stays
     assert alloc.block_table("a", "mamba") == [-1, -1, 2]
     alloc.free("a")
-    assert alloc.match_prefix([*prompt, 99]) == 8
-    assert alloc.match_prefix(prompt[:9]) == 8
-    assert alloc.match_prefix(prompt[:8]) == 4  # 8 would leave nothing to compute
-    assert alloc.match_prefix([0, 1, 2, 3, 7, 7, 7, 7, 7]) == 4
+    assert alloc.prefix_match([*prompt, 99]).hit == 8
+    assert alloc.prefix_match(prompt[:9]).hit == 8
+    assert alloc.prefix_match(prompt[:8]).hit == 4  # 8 would leave nothing to compute
+    assert alloc.prefix_match([0, 1, 2, 3, 7, 7, 7, 7, 7]).hit == 4
     assert alloc.add_request("b", [*prompt, 99]) == 8
     assert alloc.block_table("b", "mamba") == [-1, 1]  # the checkpoint after 8 tokens
     got = alloc.allocate("b", 3)
@@ -180,9 +180,9 @@ def test_cross_attention_image_shared_by_content_and_evicted_together():
     prompt = list(range(10))
     image = ImageSpan(2, 5, 111)
     _run(alloc, "a", prompt, images=[image])
-    assert alloc.match_prefix(prompt, images=[image]) == 9
-    assert alloc.match_prefix(prompt, images=[ImageSpan(2, 5, 222)]) == 2  # other image
-    assert alloc.match_prefix(prompt) == 2  # same placeholders, no image: text differs
+    assert alloc.prefix_match(prompt, images=[image]).hit == 9
+    assert alloc.prefix_match(prompt, images=[ImageSpan(2, 5, 222)]).hit == 2  # other image
+    assert alloc.prefix_match(prompt).hit == 2  # same placeholders, no image: text differs
     order = alloc.eviction_order("cross")
     assert order == [0, 1, 2]  # one image: one prefix length (7), evicted as a run
     assert alloc.add_request("b", [*prompt, 5], images=[image]) == 10
@@ -199,7 +199,7 @@ def test_groups_with_equal_block_size_share_one_hash_chain_per_request():
     alloc = JengaAllocator(AllocatorConfig(groups, 12))
     prompt = list(range(40))
     _run(alloc, "a", prompt)
-    assert alloc.match_prefix(prompt) == 36
+    assert alloc.prefix_match(prompt).hit == 36
     assert alloc.stats()["prefix.hashes_committed"] == 30
     assert alloc.add_request("b", prompt) == 36
     assert alloc.block_table("b", "swa") == [-1] * 7 + [7, 8]
@@ -211,9 +211,9 @@ def test_salt_isolates_tenants():
     alloc = JengaAllocator(AllocatorConfig((GroupConfig("f", Kind.FULL, 2, 4, 1),), 4))
     prompt = list(range(9))
     _run(alloc, "a", prompt, salt=1)
-    assert alloc.match_prefix(prompt, salt=1) == 8
-    assert alloc.match_prefix(prompt, salt=2) == 0
-    assert alloc.match_prefix(prompt) == 0
+    assert alloc.prefix_match(prompt, salt=1).hit == 8
+    assert alloc.prefix_match(prompt, salt=2).hit == 0
+    assert alloc.prefix_match(prompt).hit == 0
 
 
 def test_junction_is_the_longest_prefix_one_group_alone_caches():
@@ -225,15 +225,15 @@ def test_junction_is_the_longest_prefix_one_group_alone_caches():
     prompt = list(range(16))
     _run(alloc, "a", prompt)  # one chunk: the only Mamba state is the one after 16 tokens
     sibling = [*prompt[:8], 50, 51, 52, 53, 54]
-    assert alloc.match_prefix_junction(sibling) == (0, 8)  # attention has 8, Mamba nothing
-    assert alloc.match_prefix_junction([*prompt, 7]) == (16, 16)
-    assert alloc.match_prefix_junction([99] * 9) == (0, 0)
-    assert alloc.match_prefix_junction([]) == (0, 0)
+    assert _hit_junction(alloc, sibling) == (0, 8)  # attention has 8, Mamba nothing
+    assert _hit_junction(alloc, [*prompt, 7]) == (16, 16)
+    assert _hit_junction(alloc, [99] * 9) == (0, 0)
+    assert _hit_junction(alloc, []) == (0, 0)
     # the sibling's chunk ends at the junction: its state there is cached, the next hits 8
     alloc.add_request("b", sibling)
     assert alloc.allocate("b", 8) is not None
     alloc.cache("b", 8)
-    assert alloc.match_prefix_junction([*prompt[:8], 60, 61, 62]) == (8, 8)
+    assert _hit_junction(alloc, [*prompt[:8], 60, 61, 62]) == (8, 8)
     alloc.check_invariants(expensive=True)
 
 
@@ -252,3 +252,8 @@ def test_release_skipped_frees_out_of_window_blocks_without_allocating():
     assert alloc.num_tokens("a") == 20 and not plan  # pages still hold live blocks
     assert not alloc.release_skipped("a")  # nothing left to release
     alloc.check_invariants(expensive=True)
+
+
+def _hit_junction(alloc: JengaAllocator, prompt: list[int]) -> tuple[int, int]:
+    match = alloc.prefix_match(prompt)
+    return match.hit, match.junction

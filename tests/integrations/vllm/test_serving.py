@@ -154,10 +154,10 @@ def test_a_hit_stops_at_the_first_digest_never_committed(model_dir: Path) -> Non
     manager = _scheduler(model_dir).kv_cache_manager
     first = _request("a", PROMPT)
     _run(manager, first)
-    assert manager.allocator.match_prefix(PROMPT, digests=first.block_hashes[:2]) == 2 * BLOCK
+    assert manager.allocator.prefix_match(PROMPT, digests=first.block_hashes[:2]).hit == 2 * BLOCK
     forged = list(first.block_hashes)
     forged[3] = bytes(32)  # a digest the core never committed: the hit stops before it
-    assert manager.allocator.match_prefix(PROMPT, digests=forged) == 3 * BLOCK
+    assert manager.allocator.prefix_match(PROMPT, digests=forged).hit == 3 * BLOCK
 
 
 def test_identity_salt_folds_what_token_ids_do_not_carry() -> None:

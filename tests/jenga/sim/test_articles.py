@@ -93,7 +93,8 @@ def test_jenga_serves_no_shorter_hit_once_an_articles_tail_is_evicted():
     assert (serve("q0"), serve("q1")) == (0, 60_000)
     hits, full_prefix_at_loss = [], None
     while sum(alloc.core.usage().cached_blocks):
-        hit, junction = alloc.core.match_prefix_junction(article + [1] * 64)
+        match = alloc.core.prefix_match(article + [1] * 64)
+        hit, junction = match.hit, match.junction
         hits.append(hit)
         if hit == 0 and full_prefix_at_loss is None:
             full_prefix_at_loss = junction
