@@ -1,4 +1,4 @@
-"""Issue 14's allocator-side cuts: one prefix lookup per admission (`prefix_match` adopted
+"""The allocator's per-admission economies: one prefix lookup per admission (`prefix_match` adopted
 by `add_request`), plan ops handed to a `plan_sink`, and `grow` (new ids, no Allocation)."""
 
 from __future__ import annotations
