@@ -6,7 +6,7 @@ Rationale
     `KVCacheManager` and through `JengaKVCacheManager` (both built by vLLM's real
     `Scheduler` constructor on the same `KVCacheConfig`), alternating managers round by
     round in one process, so a shared, noisy machine slows both alike and only the
-    ratios matter (issue 14).
+    ratios matter.
 
 Approach
     Trace: ``running`` slots; each slot serves ``requests_per_slot`` requests one after

@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("vmm", "jenga", "integrations")
 MAX_FILE_LINES = 800
 MAX_FUNCTION_LINES = 60
-# Checks that do not hold yet while issue 11's refactor lands, one (test, area) per line;
+# Checks that do not hold yet while a refactor lands, one (test, area) per line;
 # strict xfails, so a check that starts to hold must be taken off this list.
 PENDING: set[tuple[str, str]] = set()
 
 
 def _areas(test: str) -> list[object]:
     return [
-        pytest.param(a, marks=pytest.mark.xfail(strict=True, reason="issue 11 in progress"))
+        pytest.param(a, marks=pytest.mark.xfail(strict=True, reason="refactor in progress"))
         if (test, a) in PENDING
         else a
         for a in AREAS
@@ -44,7 +44,7 @@ def _areas(test: str) -> list[object]:
 
 
 def _pending(test: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail((test, "") in PENDING, strict=True, reason="issue 11 in progress")
+    return pytest.mark.xfail((test, "") in PENDING, strict=True, reason="refactor in progress")
 
 
 # Areas the per-area checks run over; an area is a dotted prefix.

@@ -23,7 +23,7 @@ Limitations
     CPU). With `use_flash` (CUDA backend, flash-attn installed, kv_split, block size a
     multiple of 256) `flash_attn_with_kvcache` reads the block table instead; released
     window blocks (-1) are passed as block 0, outside the window. Written against the
-    flash-attn 2 API and NOT run: no GPU was lent to this task (tests marked `cuda`).
+    flash-attn 2 API and not yet run on a GPU (tests marked `cuda`).
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ class PackedForward:
         segments: Sequence[Segment],
     ) -> torch.Tensor:
         """flash-attn over the paged cache (kv_split block views ``[blocks, T, H, D]``): the
-        kernel appends each segment's K/V at ``cache_seqlens`` itself. GPU only; untested
-        here (no GPU was lent)."""
+        kernel appends each segment's K/V at ``cache_seqlens`` itself. GPU only; not yet run
+        on a GPU."""
         from flash_attn import flash_attn_with_kvcache
 
         k_cache, v_cache = self.kv.block_view(index, 0), self.kv.block_view(index, 1)

@@ -132,7 +132,7 @@ class JengaVllmOptions:
     `AllocationRules.pinned_lru_fair`), "compact" otherwise. Compact keeps other
     prompts' cached pages alive where the paper order evicts whole pages before using
     free slots in other requests' pages; pinned keeps pages evictable and more requests
-    running under memory pressure (measured in `docs/vllm.md`). ``kv_tensors``:
+    running under memory pressure (figures: `docs/results/`). ``kv_tensors``:
     "vmm" makes the worker plugin put the KV cache on VMM ranges
     (`integrations.vllm.plugin`); "torch" leaves vLLM's. ``shared_pool``: with
     ``kv_tensors="vmm"``, draw the chunks from the shared pool of that name (`vmm-pool

@@ -1,7 +1,6 @@
-"""Issue 15's bad-input table for the allocator: before, `allocate("r", 1.5)` stored 11.5
-tokens (every later growing allocate raised TypeError), float or digit-string prompts and
-`append_tokens([1.9])` were silently truncated, 10**12 tokens gave a raw error. Each now
-raises a jenga error with the value, and changes nothing."""
+"""The allocator's bad-input table: a fractional token count (`allocate("r", 1.5)`), float
+or digit-string prompts, `append_tokens([1.9])` and 10**12 tokens each raise a jenga error
+with the value, and change nothing."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Jenga paper's worked examples (arXiv 2503.18292), as exact tests.
 
 The paper's figures were not retrievable here; each scenario is reconstructed from the
-paper's text as quoted in issue 3 (page sizes 256/384 -> 768, Fig. 8's request-aware
+paper's text (page sizes 256/384 -> 768, Fig. 8's request-aware
 versus interleaved placement, Fig. 11's prefix sets {4, 9, 10}, 1..9 and hit {4, 9}).
 """
 

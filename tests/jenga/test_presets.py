@@ -15,15 +15,15 @@ from jenga import presets
 
 MiB = 1 << 20
 
-ISSUE_LIST = (
+REQUIRED_PRESETS = (
     "llama-3.1-8b", "llama-3.1-70b", "gemma-2-9b", "gemma-2-27b", "gemma-3-12b",
     "ministral-8b", "llama-3.2-11b-vision", "jamba-1.5-mini", "character-ai-like",
     "pyramidkv-llama-3.1-8b", "llama-4-scout", "llama-3.1-8b+llama-3.2-1b",
 )  # fmt: skip
 
 
-def test_names_cover_the_issue_list():
-    assert set(ISSUE_LIST) <= set(presets.names())
+def test_names_cover_the_required_presets():
+    assert set(REQUIRED_PRESETS) <= set(presets.names())
 
 
 @pytest.mark.parametrize("name", presets.names())
@@ -71,7 +71,7 @@ def test_layer_counts_windows_and_context():
     assert summary("llama-4-scout") == [("chunked_local", 36, 8192), ("full", 12, None)]
     assert summary("jamba-1.5-mini") == [("mamba", 28, None), ("full", 4, None)]
     assert summary("llama-3.2-11b-vision") == [("full", 32, None), ("cross_attention", 8, None)]
-    contexts = {n: presets.get(n).max_model_len for n in ISSUE_LIST}
+    contexts = {n: presets.get(n).max_model_len for n in REQUIRED_PRESETS}
     assert contexts["gemma-2-9b"] == 8192
     assert contexts["ministral-8b"] == contexts["llama-3.1-8b"] == 131072
     assert contexts["jamba-1.5-mini"] == 262144
@@ -224,7 +224,7 @@ def test_kv_split_on_a_preset():
 # ----------------------------------------------------------- uniform baseline
 
 
-def test_uniform_paged_waste_matches_the_issue_bars():
+def test_uniform_paged_waste_of_windowed_and_chunked_models():
     assert uniform_paged_waste(presets.get("gemma-2-9b"), 8192) == 0.25
     assert uniform_paged_waste(presets.get("ministral-8b"), 131_072) == 0.5625
     # 36 chunked layers keep 8192 of 10485760 tokens: 0.75 x (1 - 1/1280)

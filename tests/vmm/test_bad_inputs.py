@@ -1,7 +1,7 @@
-"""The bad-input table of issue 15: every public vmm entry refuses a wrong type or an
+"""The vmm bad-input table: every public vmm entry refuses a wrong type or an
 out-of-bounds number with a `vmm.errors` class whose message carries the numbers, and
-changes nothing. Before, `ChunkPool(backend, 131072.0)` reported a budget of 2.0 and
-negative or float sizes, or `shape=2**64`, surfaced as raw pybind11 TypeErrors."""
+changes nothing: a float budget (`ChunkPool(backend, 131072.0)`), negative or float sizes
+and `shape=2**64` are refused before they reach pybind11."""
 
 from __future__ import annotations
 

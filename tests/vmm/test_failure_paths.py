@@ -200,12 +200,12 @@ def test_remap_whose_source_unmap_fails_once_is_undone():
     pool.close()
 
 
-# ---- issue 15: process-wide VMA ledger, failed rollback, close always succeeds ------------
+# ---- process-wide VMA ledger, failed rollback, close always succeeds ----------------------
 
 
 def test_two_pools_share_one_process_vma_budget() -> None:
-    """Each pool used to budget half of vm.max_map_count for itself, so two pools could
-    exhaust the kernel limit; now every host backend draws on one process-wide ledger."""
+    """Every host backend draws on one process-wide ledger of vm.max_map_count, so two
+    pools cannot exhaust the kernel limit between them."""
     old = vmm.host.process_vma_budget()
     pools = [vmm.ChunkPool(vmm.HostBackend(G, capacity=1 << 28), 32 * G) for _ in range(2)]
     try:
@@ -228,8 +228,8 @@ def test_two_pools_share_one_process_vma_budget() -> None:
 
 
 def test_failed_rollback_marks_the_pool_broken_and_close_still_succeeds() -> None:
-    """A batch failing with ENOMEM whose own rollback fails too used to say "ROLLBACK
-    FAILED" yet leave the pool usable (and later calls failing with raw ENOMEM)."""
+    """A batch failing with ENOMEM whose own rollback fails too marks the pool broken:
+    later calls raise BackendError naming it, and close still succeeds."""
     backend = vmm.HostBackend(G, capacity=1 << 28)
     pool = vmm.ChunkPool(backend, 16 * G, reserve_ahead=4)
     rng = pool.reserve(8 * G, name="r")

@@ -3,9 +3,8 @@
 Rationale
     On VMM ranges a large page (``k`` chunks) goes back to the pool, or to another group,
     only when none of its blocks is held by a live request. A page holding one live block
-    among ``B`` pins ``k`` chunks for that block. Issue 13 asks for placement that keeps
-    chunks evictable and for a measurement of how much memory live blocks pin beyond
-    what they need; this module is that measurement, so placement policies (the
+    among ``B`` pins ``k`` chunks for that block. This module measures how much memory
+    live blocks pin beyond what they need, so placement policies (the
     allocation order, page geometry) can be compared side by side.
 
 Approach

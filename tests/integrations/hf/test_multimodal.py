@@ -3,7 +3,7 @@
 The processor expands each ``<image>`` into the image's feature tokens (base grid, anyres
 crop, newline), left-pads the batch and makes ``pixel_values``; `generate` with a
 `VmmCache` must give the logits of transformers' own cache. The decoder's layer 0 stays
-in the decoder's group (it used to resolve to the vision-embedding group and fail).
+in the decoder's group (not the vision-embedding group).
 The tokenizer is a word-level vocabulary built in code (no downloads); torchvision is not
 installed, so the processor is built without its video processor (unused by images).
 """

@@ -1,7 +1,7 @@
-"""Issue 15, the Jamba case: a Mamba state block that fills a whole page, the default
+"""The Jamba case: a Mamba state block that fills a whole page, the default
 512-token checkpoint interval. Crossing a checkpoint moves the state to a new block and
-unmaps the old page; the layers' conv/SSM views must follow (before, they stayed on the
-old page and the next step segfaulted). Logits must equal transformers' own cache's
+unmaps the old page; the layers' conv/SSM views must follow it (views left on the
+unmapped page would fault on the next step). Logits must equal transformers' own cache's
 bitwise past 512, 1,024 and 4,096 tokens."""
 
 from __future__ import annotations

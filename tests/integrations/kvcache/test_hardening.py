@@ -1,4 +1,4 @@
-"""Issue 15 for the KV cache: views never fault on what a request owns, checked writes
+"""KV cache hardening: views never fault on what a request owns, checked writes
 raise before touching memory, a closed cache refuses before the allocator commits, and
 token counts / ids are integers."""
 
@@ -134,7 +134,7 @@ def test_overlap_worker_maps_while_the_scheduler_reads_stats(make_cache: MakeCac
 
 
 def test_a_second_thread_inside_a_call_raises_concurrent_use(make_cache: MakeCache) -> None:
-    """Issue 15, threads: two threads on one KVCache interleaved its plans and left it
+    """Threads: two threads inside one KVCache would interleave its plans and leave it
     unusable. A thread is held inside `allocate` (blocked on the pool's lock, which the
     test holds); a call from another thread then raises ConcurrentUse and changes nothing,
     and once the first call finishes the cache is whole and usable."""

@@ -1,4 +1,4 @@
-"""Issue 12, vLLM 0.32 conformance: our manager against vLLM's own `KVCacheManager`.
+"""vLLM 0.32 conformance: our manager against vLLM's own `KVCacheManager`.
 
 Each test drives vLLM's real manager and ours (`jenga_kv_cache_manager`, the constructor
 the conformance suite swaps in) with the same config and requests and compares what a

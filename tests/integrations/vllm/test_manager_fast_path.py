@@ -1,4 +1,4 @@
-"""Issue 14: a running request's step within the blocks it holds never reaches the
+"""A running request's step within the blocks it holds never reaches the
 allocator's `grow` (the manager answers from the allocator's per-request record)."""
 
 from __future__ import annotations

@@ -156,9 +156,8 @@ def test_async_window_releases_wait_for_the_in_flight_step(model_dir: Path) -> N
 
 @pytest.mark.parametrize("case", ["llama", "jamba"])
 def test_each_admission_looks_its_prefix_up_once(model_dir: Path, case: str) -> None:
-    """Issue 14: `get_computed_blocks` hashes and matches the prompt; the admission that
-    follows adopts that lookup instead of matching again (before: two or three `_match`
-    calls per admitted request, one more under a probe id for the digest check)."""
+    """`get_computed_blocks` hashes and matches the prompt; the admission that follows
+    adopts that lookup instead of matching again (one `_match` per lookup)."""
     scheduler = _scheduler(model_dir, case, 256)
     manager = scheduler.kv_cache_manager
     calls = {"match": 0, "lookup": 0}

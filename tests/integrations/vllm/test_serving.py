@@ -1,4 +1,4 @@
-"""Issue 12 items 1-5: engine start-up, vLLM's block identity, computed-only caching, KV
+"""Serving with vLLM's engine: start-up, vLLM's block identity, computed-only caching, KV
 events, the admission gate, the cache-creation metric, refusals, both model runners."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def test_full_attention_matches_vllm_exactly(model_dir: Path) -> None:
 @pytest.mark.parametrize("requests", [32, 64])
 @pytest.mark.parametrize("case", HYBRID)
 def test_hybrid_models_never_fit_or_hit_fewer(model_dir: Path, case: str, requests: int) -> None:
-    """Issue 6's bar, on vLLM's own KV tensors (the default): at least as many running
+    """On vLLM's own KV tensors (the default): at least as many running
     requests per step and prefix-hit tokens as vLLM's manager, more of one of them.
     64 requests in 256 MiB is memory pressure (vLLM preempts on gemma2 and jamba)."""
     rows = _rows(model_dir, case, Workload(requests=requests))
@@ -132,7 +132,7 @@ def test_timed_rounds_run_the_scheduler_alone(
 def test_mamba_hybrids_hit_a_prefix_shorter_than_vllms_gpu_block(
     model_dir: Path, case: str, system_tokens: int
 ) -> None:
-    """Issue 13's Mamba bar: vLLM at the block size its own config code picks on a GPU
+    """vLLM at the block size its own config code picks on a GPU
     (544 tokens for Qwen3-Next, 80 for Jamba; `cases.vllm_gpu_block_size`) cannot hit a
     shared system prompt shorter than one block; ours, at 16-token blocks beside unpadded
     states, hits it in every sibling and runs more requests per step."""
@@ -187,8 +187,8 @@ def test_trace_writes_one_record_per_step(tmp_path: Path) -> None:
 
 
 def test_gemma2_9b_at_40_gib_runs_and_hits_at_least_as_much_as_vllm(model_dir: Path) -> None:
-    """Issue 13's real-scale row that lost (40.45 vs 40.86 running): exact 21-chunk pages
-    (least waste in a large pool) and the LRU-fair pinned order bring it to vLLM's."""
+    """Gemma 2 9B at 40 GiB: exact 21-chunk pages (least waste in a large pool) and the
+    LRU-fair pinned order run and hit at least as much as vLLM, committing no more."""
     workload = Workload(requests=256, question_tokens=2000)
     setup = replace(SETUP, max_model_len=3072)
     rows = compare(model_dir, ["gemma2-9b"], 40960, workload, setup, ("vllm", "jenga-vmm"))
