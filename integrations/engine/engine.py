@@ -59,6 +59,8 @@ class EngineConfig:
     token_budget: int = 64  # tokens per forward (prefill chunks + decodes)
     max_running: int = 8
     budget_bytes: int = 1 << 20
+    # the most bytes `kv.set_capacity` may grow the KV cache to (None: budget_bytes)
+    max_bytes: int | None = None
     chunk_bytes: int = 4096
     block_size: int = 4
     use_prefix_cache: bool = True
@@ -150,7 +152,11 @@ class MiniEngine:
                 f"{model.config.model_type!r} is not one of {sorted(_PACKED_TYPES)}"
             )
         self.pool = _make_pool(cfg)
-        self.kv = KVCache(spec, self.pool, KVCacheConfig(dtype=dtype, kv_split=use_flash))
+        self.kv = KVCache(
+            spec,
+            self.pool,
+            KVCacheConfig(dtype=dtype, kv_split=use_flash, max_bytes=cfg.max_bytes),
+        )
         try:
             self.gate = _shared_gate(self.kv, self.pool)
             self.forward: Any = (

@@ -153,3 +153,29 @@ def test_flash_attention_on_cuda_matches_reference():
     )  # fmt: skip
     assert engine.outputs == ref
     engine.close()
+
+
+def test_growing_then_shrinking_the_cache_mid_run_keeps_outputs_equal(llama):
+    """The cache grows while requests run (no preemption after it) and shrinks after they
+    finish (cached pages evicted): the pool and the allocator move together."""
+    model, requests, ref = llama
+    config = EngineConfig(
+        token_budget=16, budget_bytes=12 * CHUNK, max_bytes=64 * CHUNK, chunk_bytes=CHUNK,
+        block_size=4,
+    )  # fmt: skip
+    engine = MiniEngine(model, config)
+    for rid, prompt, n, arrival in requests:
+        engine.add_request(rid, prompt, n, arrival_step=arrival)
+    for _ in range(4):
+        engine.step()
+    engine.kv.set_capacity(64 * CHUNK)
+    assert (engine.pool.budget_bytes, engine.kv.allocator.total_units) == (64 * CHUNK, 64)
+    assert engine.run() == ref
+    assert engine.stats["preemptions"] == 0  # 12 chunks alone preempt once (test above)
+    cached = engine.kv.pool.num_mapped
+    assert cached > 0  # finished requests' pages stay cached
+    evicted = engine.kv.set_capacity(4 * CHUNK)  # cached pages evicted until 4 chunks hold
+    assert evicted > 0 and engine.kv.pool.num_mapped == cached - evicted <= 4
+    assert (engine.pool.budget_bytes, engine.kv.allocator.total_units) == (4 * CHUNK, 4)
+    engine.kv.check_invariants(expensive=True)
+    engine.close()
