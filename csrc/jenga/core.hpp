@@ -180,7 +180,9 @@ enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
 // Python binding (`jenga._core.Rules`, read-only fields, keyword constructor) are both
 // generated from this list, and jenga/config.py `AllocationRules` carries the same fields
 // by name (early_release_groups excepted: the allocator derives it from the policies).
-// Adding a rule: one line here, one field there, and its effect in the core.
+// Adding a rule: one line here, one field there, its effect in the core as a step function
+// placed by Core::build_order (core_steps.cpp), and the same step in the twin model
+// (tests/jenga/core_model.py; tests/jenga/test_core_twin.py lists every rule by name).
 #define JENGA_RULES(X)                                                                    \
   X(AllocationOrder, order, AllocationOrder::kPaper,                                      \
     "step order: PAPER 1, 2, 3, 4, 5; COMPACT 1, 4, 2, 3, 5; PINNED 1, 4, 2, then 5 on "  \
@@ -357,7 +359,7 @@ class Core {
   struct StepOrder {
     std::array<StepFn, 8> steps{};
     size_t size = 0;
-    void push(StepFn step) { steps[size++] = step; }
+    void push(StepFn step) { steps.at(size++) = step; }  // built once per rules value
   };
   static StepOrder build_order(const Rules& rules);
   static StepOrder build_frugal_order();

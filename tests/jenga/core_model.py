@@ -7,8 +7,8 @@ operations and require identical answers (block ids, plans, eviction orders).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 FREE, USED, CACHED = 0, 1, 2
@@ -115,6 +115,17 @@ class CoreModel:
         self.plan: list[tuple[int, int, int, int]] = []
         self.aside: set[int] = set()  # blocks set aside by pinned_lru_top (one group's call)
         self.reserve: list[int] = []
+        self.steps: dict[int, Callable[[Call], int | None]] = {  # by the core's step ids
+            1: self.step_own_free,
+            2: self.step_new_page,
+            3: self.step_evict_pages,
+            4: self.step_any_free,
+            5: self.step_evict_block,
+            6: self.step_evict_pinned,
+            7: self.step_new_page_spare,
+            8: self.step_evict_pages_spare,
+            9: self.step_reuse_demoted,
+        }
         self.set_rules(bpp, rules)
 
     def set_rules(self, bpp: list[int], rules: Any) -> None:
@@ -142,12 +153,11 @@ class CoreModel:
         out = []
         for g, G in enumerate(self.groups):
             for p, P in enumerate(G.pages):
-                if P.mapped and self.num_cached(g, p) > 0 and self.num_used(g, p) == 0:
-                    cached = [
-                        G.blocks[p * G.B + s]
-                        for s in range(G.B)
-                        if G.blocks[p * G.B + s].state == CACHED
-                    ]
+                if not P.mapped:
+                    continue
+                blocks = G.blocks[p * G.B : (p + 1) * G.B]
+                cached = [k for k in blocks if k.state == CACHED]
+                if cached and all(k.state != USED for k in blocks):
                     newest = max(k.evict_time for k in cached)
                     tie = min(k.tie for k in cached if k.evict_time == newest)
                     out.append((newest, tie, g, p))
@@ -276,7 +286,7 @@ class CoreModel:
             while ok and n > 0:
                 ok = False
                 for step in order:
-                    k = self.STEPS[step](self, Call(g, owner, n, now, got, frugal))
+                    k = self.steps[step](Call(g, owner, n, now, got, frugal))
                     if k is not None:
                         n -= k
                         ok = True
@@ -391,18 +401,6 @@ class CoreModel:
         if b is None or not self.groups[c.g].blocks[b].demoted:
             return None
         return self.reuse_cached(c, b)
-
-    STEPS: dict[int, Callable[[CoreModel, Call], int | None]] = {
-        1: step_own_free,
-        2: step_new_page,
-        3: step_evict_pages,
-        4: step_any_free,
-        5: step_evict_block,
-        6: step_evict_pinned,
-        7: step_new_page_spare,
-        8: step_evict_pages_spare,
-        9: step_reuse_demoted,
-    }
 
     def lru_top(self, g: int) -> int | None:
         """The least recently used cached block not set aside in this group's call."""

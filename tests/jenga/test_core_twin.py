@@ -88,12 +88,11 @@ def _draw_rules(rng: random.Random, fixed: dict[str, Any], groups: int) -> J.Rul
         "early_release_groups": "drawn" if rng.random() < 0.5 else "none",
     }
     values.update(fixed)
+    flags = [False] * groups
     if values["early_release_groups"] == "drawn":
         flags = [rng.random() < 0.5 for _ in range(groups)]
         flags[rng.randrange(groups)] = True
-        values["early_release_groups"] = flags
-    else:
-        values["early_release_groups"] = []
+    values["early_release_groups"] = flags
     values["order"] = ORDERS[values["order"]]
     return J.Rules(**values)
 
@@ -120,7 +119,7 @@ class Episode:
 
     def __post_init__(self) -> None:
         rng = self.rng
-        groups = len(self.rules.early_release_groups) or rng.randint(1, 3)
+        groups = len(self.rules.early_release_groups)  # one flag per group
         self.total = rng.randint(3, 12)
         self.bpp = [rng.randint(1, 4) for _ in range(groups)]
         self.upp = [min(rng.randint(1, 3), self.total) for _ in range(groups)]
@@ -169,9 +168,11 @@ class Episode:
         releases = [self.subset(sorted(set(self.held[owner][g]))) for g in range(self.G)]
         now = self.tick()
         got = self.core.allocate(owner, counts, now, releases)
-        same(f"allocate({owner}, {counts}, {now}, {releases})", got, self.model.allocate(
-            owner, counts, now, releases
-        ))
+        same(
+            f"allocate({owner}, {counts}, {now}, {releases})",
+            got,
+            self.model.allocate(owner, counts, now, releases),
+        )
         if got is not None:
             for g in range(self.G):
                 for b in releases[g]:
@@ -251,8 +252,6 @@ def replay(fixed: dict[str, Any], seed: int, steps: int, model_type: type[CoreMo
     while done < steps:
         groups = rng.randint(1, 3)
         rules = _draw_rules(rng, fixed, groups)
-        if not rules.early_release_groups:
-            rules = J.Rules(**{**_fields(rules), "early_release_groups": [False] * groups})
         episode = Episode(rng, rules, model_type)
         for _ in range(min(EPISODE_STEPS, steps - done)):
             try:
@@ -269,7 +268,10 @@ def _fields(rules: J.Rules) -> dict[str, Any]:
 
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_core_matches_twin(run: str) -> None:
-    assert replay(RUNS[run], seed=sorted(RUNS).index(run), steps=STEPS_PER_RUN, model_type=CoreModel) == STEPS_PER_RUN
+    assert (
+        replay(RUNS[run], seed=sorted(RUNS).index(run), steps=STEPS_PER_RUN, model_type=CoreModel)
+        == STEPS_PER_RUN
+    )
 
 
 class TwinWithoutPinnedLruFair(CoreModel):
