@@ -8,7 +8,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLi
 CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
                    -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan
+.PHONY: run test lint format build stubs stubs-check clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -40,6 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/clang-format --dry-run --Werror $(CLANG_SOURCES)
+	$(MAKE) --no-print-directory stubs-check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
@@ -51,6 +52,27 @@ stubs: build
 	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
 	$(VENV)/bin/ruff check --fix -q vmm/_core jenga/_core.pyi
 	$(VENV)/bin/ruff format -q vmm/_core jenga/_core.pyi
+
+# The checked-in stubs against stubs generated from the built extensions: the same steps
+# as `stubs`, into build/stubs-check, with ruff reading each file under its checked-in
+# name (so the project's settings apply); fails naming the drift (then run `make stubs`).
+STUB_CHECK := build/stubs-check
+STUB_FILES := { find vmm/_core -name '*.pyi'; find jenga -name '_core*.pyi'; } | sort
+stubs-check: build
+	@rm -rf $(STUB_CHECK)
+	@$(VENV)/bin/pybind11-stubgen vmm._core jenga._core -o $(STUB_CHECK) \
+	  --numpy-array-remove-parameters > /dev/null
+	@cd $(STUB_CHECK) && $(STUB_FILES) > generated.txt
+	@$(STUB_FILES) | diff -u - $(STUB_CHECK)/generated.txt \
+	  || { echo "stubs-check: the set of stub files drifted; run make stubs"; exit 1; }
+	@for f in $$(cat $(STUB_CHECK)/generated.txt); do \
+	  $(VENV)/bin/ruff format -q --stdin-filename $$f < $(STUB_CHECK)/$$f \
+	    | $(VENV)/bin/ruff check --fix -q --exit-zero --stdin-filename $$f - 2>/dev/null \
+	    | $(VENV)/bin/ruff format -q --stdin-filename $$f > $(STUB_CHECK)/$$f.formatted; \
+	  diff -u $$f $(STUB_CHECK)/$$f.formatted \
+	    || { echo "stubs-check: $$f drifted from the extension; run make stubs"; exit 1; }; \
+	done
+	@echo "stubs-check: the stubs match the extensions"
 
 # The CUDA backend through the real cuda-bindings on the CUDA driver emulator: a test
 # library (tests/vmm/cuda_emulator, built into build/, never shipped or linked by the

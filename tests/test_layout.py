@@ -19,6 +19,7 @@ The walk is static (ast), so it sees lazy imports a runtime check would miss.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -368,3 +369,189 @@ def test_no_function_over_60_lines() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = length
     assert long == {}
+
+
+# -- C++ function sizes (csrc/) ------------------------------------------------------------
+# A brace scanner, not a parser: comments, literals and preprocessor lines are blanked;
+# at namespace or class level a `{` opens a function body when its header (the text since
+# the last `;`, `{` or `}` there) is not a namespace / class / struct / union / enum /
+# extern block, has parentheses outside any initializer and no top-level `=` (a lambda
+# bound to a name at namespace level, `auto f = [..](..) {`, counts as a function). Every
+# brace inside a body (blocks, lambdas, local classes) belongs to that body. A brace in a
+# constructor's member initializer list (`: a_{x}, b_(y) {`) is seen as a body closed by
+# `,` or `{` and folded back into the header.
+CXX_SUFFIXES = (".cpp", ".hpp", ".cc", ".h", ".c")
+_CXX_SKIP = re.compile(
+    r"//[^\n]*|/\*.*?\*/|R\"(?P<d>[^(\s\"]{0,16})\(.*?\)(?P=d)\""
+    r"|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'",
+    re.S,
+)
+_CXX_SCOPE = re.compile(r"(typedef\s+)?(namespace|class|struct|union|enum)\b|extern\s*\"")
+_CXX_ACCESS = re.compile(r"^\s*(public|private|protected)\s*:(?!:)")
+_CXX_NAME = re.compile(r"((?:[\w~]+\s*::\s*)*(?:operator\s*[^\s(]+|[\w~]+))\s*\(")
+
+
+def _blank(text: str) -> str:
+    return re.sub(r"[^\n]", " ", text)
+
+
+def strip_cxx(text: str) -> str:
+    """Comments, string and character literals' contents and preprocessor lines (with
+    their continuations) blanked; every newline kept, so line numbers still hold."""
+
+    def blank(m: re.Match[str]) -> str:
+        s = m.group(0)
+        return s if s[0] not in "\"'R" else '"' + _blank(s[1:-1]) + '"'
+
+    text = _CXX_SKIP.sub(lambda m: _blank(m.group(0)) if m.group(0)[0] == "/" else blank(m), text)
+    out, continued = [], False
+    for line in text.split("\n"):
+        directive = continued or line.lstrip().startswith("#")
+        continued = directive and line.rstrip().endswith("\\")
+        out.append("" if directive else line)
+    return "\n".join(out)
+
+
+def _drop_template(header: str) -> str:
+    """The header without leading `template <...>` parameter lists."""
+    h = header.lstrip()
+    while h.startswith("template") and "<" in h:
+        depth = 0
+        for j in range(h.index("<"), len(h)):
+            depth += {"<": 1, ">": -1}.get(h[j], 0)
+            if depth == 0:
+                h = h[j + 1 :].lstrip()
+                break
+        else:
+            return h
+    return h
+
+
+def _top_level_assign(header: str) -> int:
+    """Index of an `=` outside brackets that is not a comparison or `operator=`, or -1."""
+    depth = 0
+    for i, ch in enumerate(header):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "=" and depth == 0:
+            before, after = header[i - 1 : i], header[i + 1 : i + 2]
+            if (before and before in "=!<>+-*/%&|^") or after == "=":
+                continue
+            if header[:i].rstrip().endswith("operator"):
+                continue
+            return i
+    return -1
+
+
+def _opens_function(header: str) -> bool:
+    h = _drop_template(header)
+    if _CXX_SCOPE.match(h):
+        return False
+    eq = _top_level_assign(h)
+    if eq >= 0:
+        return h[eq + 1 :].lstrip().startswith("[")
+    return "(" in h and h.count("(") == h.count(")")
+
+
+def _function_name(header: str) -> str:
+    eq = _top_level_assign(_drop_template(header))
+    if eq >= 0:  # a lambda: the name it is bound to
+        return _drop_template(header)[:eq].split()[-1]
+    found = _CXX_NAME.search(header)
+    return " ".join((found.group(1) if found else header).split())
+
+
+def cxx_functions(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, last line) of every function defined outside another function."""
+    src = strip_cxx(text)
+    # per open brace outside bodies: "scope" (namespace, class, initializer) or "expr"
+    # (a braced value inside a header's parentheses, `f(S{2}) {`: the header goes on)
+    stack: list[str] = []
+    body: tuple[int, str] | None = None  # the open function body's (start, header)
+    body_depth = 0  # braces open inside it, its own included
+    start = 0
+    out = []
+    for i, ch in enumerate(src):
+        if body is not None:
+            body_depth += {"{": 1, "}": -1}.get(ch, 0)
+            if body_depth == 0:
+                begin, header = body
+                body = None
+                if src[i + 1 :].lstrip()[:1] not in (",", "{"):  # else a member initializer
+                    first = src.count("\n", 0, begin) + 1
+                    out.append((_function_name(header), first, src.count("\n", 0, i) + 1))
+                    start = i + 1
+            continue
+        if ch == ";":
+            start = i + 1
+        elif ch == "{":
+            header = _CXX_ACCESS.sub("", src[start:i])
+            if header.count("(") > header.count(")"):
+                stack.append("expr")
+            elif _opens_function(header):
+                body = (i - len(header.lstrip()), header)
+                body_depth = 1
+            else:
+                stack.append("scope")
+                start = i + 1
+        elif ch == "}" and stack and stack.pop() == "scope":
+            start = i + 1
+    return out
+
+
+def _cxx_files() -> Iterator[Path]:
+    yield from (p for p in sorted((ROOT / "csrc").rglob("*")) if p.suffix in CXX_SUFFIXES)
+
+
+def long_cxx_functions(path: Path, text: str) -> dict[str, int]:
+    return {
+        f"{path}:{first} {name}": last - first + 1
+        for name, first, last in cxx_functions(text)
+        if last - first + 1 > MAX_FUNCTION_LINES
+    }
+
+
+def test_no_cxx_function_over_60_lines() -> None:
+    long: dict[str, int] = {}
+    for path in _cxx_files():
+        long.update(long_cxx_functions(path.relative_to(ROOT), path.read_text()))
+    assert long == {}
+
+
+def test_cxx_scanner_finds_functions_and_a_long_one() -> None:
+    body = "".join(f"  x += {i};\n" for i in range(60))
+    snippet = (
+        '#include "a.hpp"\n'  # 1
+        "#define BODY(x) { \\\n"  # 2
+        "  return x; }\n"  # 3
+        "namespace a::b {\n"  # 4
+        "namespace {\n"  # 5
+        'const char* s = "} {";  // } {\n'  # 6
+        "auto twice = [](int v) {\n"  # 7
+        "  return 2 * v;\n"  # 8
+        "};\n"  # 9
+        "}  // namespace\n"  # 10
+        "struct alignas(64) S {\n"  # 11
+        "  int v{1};\n"  # 12
+        "  S(int a) : v{a}, w_(a) {}\n"  # 13
+        " public:\n"  # 14
+        "  bool operator<(const S& o) const { return v < o.v; }\n"  # 15
+        "};\n"  # 16
+        "template <class T>\n"  # 17
+        "int Long::run(T x, const S& s = S{2}) {\n"  # 18
+        "  auto f = [&](int y) { return y + '}'; };\n"  # 19
+        "  /* { */\n"  # 20
+        f"{body}"  # 21..80
+        "  return f(x);\n"  # 81
+        "}\n"  # 82
+        "}  // namespace a::b\n"
+    )
+    assert cxx_functions(snippet) == [
+        ("twice", 7, 9),
+        ("S", 13, 13),
+        ("operator<", 15, 15),
+        ("Long::run", 17, 82),
+    ]
+    assert long_cxx_functions(Path("x.cpp"), snippet) == {"x.cpp:17 Long::run": 66}

@@ -470,13 +470,39 @@ void register_rules(py::module_ m) {
 #undef JENGA_RULE_BINDING
 }
 
+// Core's rules, checks and introspection (register_jenga defines its operations).
+void def_core_state(py::class_<Core>& cls) {
+  cls.def_property(
+         "rules",
+         [](const Core& core) -> jenga::Rules {
+           const Lock lock(core.api_mutex());
+           return core.rules();  // a copy, taken under the lock
+         },
+         locked(&Core::set_rules), "The rules (a copy; assign a new Rules to change them)")
+      .def("check_invariants", locked(&Core::check_invariants), py::arg("expensive") = false,
+           Release())
+      .def("eviction_order", locked(&Core::eviction_order), py::arg("group"), Release())
+      .def("page_eviction_order", locked(&Core::page_eviction_order), Release())
+      .def("counters", &counters_dict)
+      .def("group_counts", &group_counts, py::arg("group"),
+           "(mapped_pages, cached_blocks, free_blocks, used_blocks)")
+      .def("block_info", &block_info, py::arg("group"), py::arg("block"),
+           "(state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)")
+      .def_property_readonly("total_units", locked(&Core::total_units))
+      .def_property_readonly("free_units", locked(&Core::free_units))
+      .def_property_readonly("num_groups", &Core::num_groups)
+      .def_property_readonly("record_plan", &Core::record_plan)
+      .def("memory_bytes", locked(&Core::memory_bytes), Release(),
+           "Bytes the core holds (its containers' capacities; set nodes estimated)");
+}
+
 }  // namespace
 
 void register_jenga(py::module_ m) {
   register_rules(m);
   register_identity(m);
-  py::class_<Core>(m, "Core", "Two-level LCM allocator bookkeeping (see jenga/allocator.py)")
-      .def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t,
+  py::class_<Core> core(m, "Core", "Two-level LCM allocator bookkeeping (see jenga/allocator.py)");
+  core.def(py::init<const std::vector<int32_t>&, const std::vector<int32_t>&, int64_t,
                     const jenga::Rules&, int32_t, bool>(),
            py::arg("blocks_per_page"), py::arg("units_per_page"), py::arg("total_units"),
            py::arg_v("rules", jenga::Rules{}, "Rules()"), py::arg("short_key_bits") = 64,
@@ -515,29 +541,8 @@ void register_jenga(py::module_ m) {
            "names another identity")
       .def("drain_plan", &plan_keys,
            "The plan ops since the last drain as (kind 0 map / 1 unmap, group, page, "
-           "reused_units) tuples")
-      .def_property(
-          "rules",
-          [](const Core& core) -> jenga::Rules {
-            const Lock lock(core.api_mutex());
-            return core.rules();  // a copy, taken under the lock
-          },
-          locked(&Core::set_rules), "The rules (a copy; assign a new Rules to change them)")
-      .def("check_invariants", locked(&Core::check_invariants), py::arg("expensive") = false,
-           Release())
-      .def("eviction_order", locked(&Core::eviction_order), py::arg("group"), Release())
-      .def("page_eviction_order", locked(&Core::page_eviction_order), Release())
-      .def("counters", &counters_dict)
-      .def("group_counts", &group_counts, py::arg("group"),
-           "(mapped_pages, cached_blocks, free_blocks, used_blocks)")
-      .def("block_info", &block_info, py::arg("group"), py::arg("block"),
-           "(state 0 free/1 used/2 cached, refcount, hashed, last_access, prefix_len)")
-      .def_property_readonly("total_units", locked(&Core::total_units))
-      .def_property_readonly("free_units", locked(&Core::free_units))
-      .def_property_readonly("num_groups", &Core::num_groups)
-      .def_property_readonly("record_plan", &Core::record_plan)
-      .def("memory_bytes", locked(&Core::memory_bytes), Release(),
-           "Bytes the core holds (its containers' capacities; set nodes estimated)");
+           "reused_units) tuples");
+  def_core_state(core);
 }
 
 }  // namespace jvmm

@@ -1,4 +1,4 @@
-// Jenga allocator core: the five allocation steps, release/acquire, the hash index, undo.
+// Jenga allocator core: the allocate transaction, release/acquire, the hash index.
 // Design note: core.hpp.
 #include "jenga/core.hpp"
 
@@ -66,6 +66,7 @@ void Core::set_rules(const Rules& rules) {
   }
   rules_ = rules;
   if (flags.empty()) rules_.early_release_groups.assign(groups_.size(), false);
+  order_ = build_order(rules_);
 }
 
 const Group& Core::group(int32_t g) const {
@@ -109,10 +110,9 @@ bool Core::allocate_one(int32_t g, int64_t owner, int32_t n, int64_t now,
   return ok;
 }
 
-// allocate()'s transaction; out holds one vector per group (capacity reused).
-bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
-                         const std::vector<std::vector<int32_t>>& releases,
-                         std::vector<std::vector<int32_t>>& out) {
+// Throws (nothing changed) on bad shapes, a bad clock or a release of a block not in use.
+void Core::validate_allocate(const std::vector<int32_t>& counts,
+                             const std::vector<std::vector<int32_t>>& releases, int64_t now) {
   if (counts.size() != groups_.size()) {
     throw std::invalid_argument("need one count per group: got " + str(counts.size()) + " for " +
                                 str(groups_.size()) + " groups");
@@ -130,6 +130,13 @@ bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int6
   check_clock(now);
   for (size_t g = 0; g < releases.size(); ++g)
     validate_release(static_cast<int32_t>(g), releases[g].data(), releases[g].size());
+}
+
+// allocate()'s transaction; out holds one vector per group (capacity reused).
+bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
+                         const std::vector<std::vector<int32_t>>& releases,
+                         std::vector<std::vector<int32_t>>& out) {
+  validate_allocate(counts, releases, now);
   Counters c;
   const size_t plan_mark = plan_.size();
   const Counters saved = counters_;
@@ -146,7 +153,7 @@ bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int6
   // nothing to undo can be needed: no release to roll back, no group can be refused
   const bool sure = releases.empty() && surely_fits(counts);
   logging_ = !sure;
-  bool ok = allocate_groups(owner, counts, now, c, out);
+  bool ok = allocate_groups(order_, owner, counts, now, c, out);
   if (!ok && sure) {
     throw std::logic_error("allocation refused although surely_fits held (core bug)");
   }
@@ -158,22 +165,29 @@ bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int6
       set_frugal_reserve(counts);
       c = Counters{};
       c.frugal_retries = 1;
-      frugal_ = true;
-      ok = allocate_groups(owner, counts, now, c, out);
-      frugal_ = false;
+      ok = allocate_groups(frugal_order_, owner, counts, now, c, out);
     }
   }
   if (!ok) {
-    rollback(0, plan_mark);
-    logging_ = false;
-    counters_ = saved;
-    counters_.alloc_calls += 1;
-    counters_.alloc_failures += 1;
-    counters_.frugal_retries += c.frugal_retries;
+    refuse(plan_mark, saved, c);
     return false;
   }
   logging_ = false;
   undo_.clear();
+  add_counters(c);
+  return true;
+}
+
+void Core::refuse(size_t plan_mark, const Counters& saved, const Counters& c) {
+  rollback(0, plan_mark);
+  logging_ = false;
+  counters_ = saved;
+  counters_.alloc_calls += 1;
+  counters_.alloc_failures += 1;
+  counters_.frugal_retries += c.frugal_retries;
+}
+
+void Core::add_counters(const Counters& c) {
   for (size_t i = 0; i < c.step_blocks.size(); ++i) counters_.step_blocks[i] += c.step_blocks[i];
   counters_.pages_mapped += c.pages_mapped;
   counters_.pages_unmapped += c.pages_unmapped;
@@ -182,158 +196,19 @@ bool Core::allocate_into(int64_t owner, const std::vector<int32_t>& counts, int6
   counters_.remapped_units += c.remapped_units;
   counters_.frugal_retries += c.frugal_retries;
   counters_.alloc_calls += 1;
-  return true;
 }
 
 // Every group in order; false at the first group that cannot be served (out is reset).
-bool Core::allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now,
-                           Counters& c, std::vector<std::vector<int32_t>>& out) {
+bool Core::allocate_groups(const StepOrder& order, int64_t owner,
+                           const std::vector<int32_t>& counts, int64_t now, Counters& c,
+                           std::vector<std::vector<int32_t>>& out) {
   for (size_t g = 0; g < groups_.size(); ++g) {
     out[g].clear();
     out[g].reserve(static_cast<size_t>(counts[g]));
-    if (!allocate_group(static_cast<int32_t>(g), owner, counts[g], now, c, out[g])) return false;
+    StepCall s{static_cast<int32_t>(g), owner, counts[g], now, c, out[g]};
+    if (!allocate_group(order, s)) return false;
   }
   return true;
-}
-
-bool Core::allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
-                          std::vector<int32_t>& out) {
-  static constexpr int kPaper[] = {kOwnFree, kNewPage, kEvictPage, kAnyFree, kEvictBlock};
-  static constexpr int kCompact[] = {kOwnFree, kAnyFree, kNewPage, kEvictPage, kEvictBlock};
-  static constexpr int kFrugal[] = {kOwnFree,    kNewPageSpare, kEvictPageSpare, kAnyFree,
-                                    kEvictBlock, kNewPage,      kEvictPage};
-  static constexpr int kPinned[] = {kOwnFree,     kAnyFree,   kNewPage,
-                                    kEvictPinned, kEvictPage, kEvictBlock};
-  const bool pinned = rules_.order == AllocationOrder::kPinned;
-  const int* order = frugal_                                     ? kFrugal
-                     : pinned                                    ? kPinned
-                     : rules_.order == AllocationOrder::kCompact ? kCompact
-                                                                 : kPaper;
-  int num_steps = frugal_ ? 7 : pinned ? 6 : 5;
-  std::array<int, 8> steps{};
-  std::copy(order, order + num_steps, steps.begin());
-  if (rules_.reuse_window_releases && !frugal_) {  // kEvictDemoted right after step 4
-    const auto any = std::find(steps.begin(), steps.begin() + num_steps, int{kAnyFree});
-    std::copy_backward(any + 1, steps.begin() + num_steps, steps.begin() + num_steps + 1);
-    *(any + 1) = kEvictDemoted;
-    num_steps += 1;
-  }
-  bool ok = true;
-  while (ok && n > 0) {
-    bool progressed = false;
-    for (int i = 0; i < num_steps && !progressed; ++i) {
-      progressed = try_step(steps[static_cast<size_t>(i)], g, owner, n, now, c, out);
-    }
-    ok = progressed;
-  }
-  if (!lru_aside_.empty()) restore_lru_aside(grp(g));
-  return ok;
-}
-
-bool Core::try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now, Counters& c,
-                    std::vector<int32_t>& out) {
-  Group& G = grp(g);
-  int32_t page = -1;
-  int32_t reused = 0;
-  switch (step) {
-    case kOwnFree: {
-      if (frugal_) {
-        page = frugal_own_free_page(G, owner);
-        if (page < 0) return false;
-        break;
-      }
-      auto it = G.pages_with_free.lower_bound({owner, std::numeric_limits<int32_t>::min()});
-      if (it == G.pages_with_free.end() || it->first != owner) return false;
-      page = it->second;
-      break;
-    }
-    case kNewPageSpare:
-    case kNewPage:
-      if (step == kNewPageSpare && !spare_units_for(g, n)) return false;
-      if (free_units_ < G.units_per_page) return false;
-      page = prim_map(g, owner, 0);
-      c.pages_mapped += 1;
-      break;
-    case kEvictPageSpare:
-    case kEvictPage:
-      if (step == kEvictPageSpare && !spare_units_for(g, n)) return false;
-      if (!evict_pages_for(g, c, reused)) return false;
-      page = prim_map(g, owner, reused);
-      c.pages_mapped += 1;
-      c.remapped_units += reused;
-      break;
-    case kAnyFree:
-      page = frugal_                     ? frugal_any_free_page(G)
-             : G.pages_with_free.empty() ? -1
-                                         : G.pages_with_free.begin()->second;
-      if (page < 0) return false;
-      break;
-    case kEvictBlock:
-    case kEvictPinned:
-    case kEvictDemoted: {
-      // reuse only under pressure: below 1/4 of the pool free (plenty: keep caching)
-      if (step == kEvictDemoted && free_units_ * kReusePressure >= total_units_) return false;
-      const bool pinned_only = frugal_ || step == kEvictPinned || step == kEvictDemoted;
-      const int32_t block = pinned_only ? frugal_lru_top(G) : lru_top(G);
-      if (block < 0) return false;
-      if (step == kEvictDemoted && !G.blocks[static_cast<size_t>(block)].demoted) return false;
-      if (step == kEvictPinned && rules_.pinned_lru_fair && !evictable_pages_.empty() &&
-          std::get<0>(*evictable_pages_.begin()) < G.lru.front().last_access)
-        return false;  // an older whole page goes first (step 3)
-      prim_uncache(g, block);
-      prim_use_limbo(g, block, now);
-      out.push_back(block);
-      n -= 1;
-      c.step_blocks[kEvictBlock] += 1;
-      c.blocks_evicted += 1;
-      return true;
-    }
-    default:
-      return false;
-  }
-  const int32_t taken = take_from_page(g, page, n, now, out);
-  n -= taken;
-  const int counted = step == kNewPageSpare     ? kNewPage
-                      : step == kEvictPageSpare ? kEvictPage
-                                                : step;
-  c.step_blocks[static_cast<size_t>(counted)] += taken;
-  return true;
-}
-
-int32_t Core::take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
-                             std::vector<int32_t>& out) {
-  Group& G = grp(g);
-  Page& P = G.pages[static_cast<size_t>(page)];
-  const int32_t k = std::min(n, P.num_free);
-  const bool deferred = defer_refresh_;  // one page: its evictable key once, at the end
-  defer_refresh_ = true;
-  if (logging_) {
-    for (int32_t i = 0; i < k; ++i) out.push_back(prim_take(g, page, now));
-  } else {  // prim_take's work inline, the chain walked with the arrays hoisted
-    Block* const all = G.blocks.data();
-    const int32_t base = page * G.blocks_per_page;
-    int32_t head = P.free_head;
-    for (int32_t i = 0; i < k; ++i) {
-      const int32_t b = base + head;
-      Block& blk = all[b];
-      head = blk.next_free;
-      blk.next_free = -1;
-      blk.state = State::kUsed;
-      blk.refcount = 1;
-      blk.last_access = now;
-      blk.shared = false;
-      out.push_back(b);
-    }
-    P.free_head = head;
-    P.num_free -= k;
-    G.num_free_blocks -= k;
-    if (P.num_free == 0) remove_from_free_set(G, page);
-  }
-  defer_refresh_ = deferred;
-  // a page just mapped enters the free set only if this run leaves it a free block
-  if (P.num_free > 0) add_to_free_set(G, page);
-  if (!deferred) refresh_page(g, page);
-  return k;
 }
 
 bool Core::surely_fits(const std::vector<int32_t>& counts) const {
@@ -352,18 +227,6 @@ bool Core::surely_fits(const std::vector<int32_t>& counts) const {
   // use more units than its shortfall, so only a single group is certain
   if (busy > 1 && rules_.order == AllocationOrder::kPaper) return false;
   return units <= free_units_;
-}
-
-// Step 3: evict whole evictable pages (any group, LRU by newest access, ties: longest
-// prefix first) until group g's
-// large page fits. Does nothing and returns false when even evicting all would not do.
-bool Core::evict_pages_for(int32_t g, Counters& c, int32_t& reused_units) {
-  const int64_t need = grp(g).units_per_page;
-  if (free_units_ >= need || free_units_ + evictable_page_units_ < need) return false;
-  const int64_t before = free_units_;
-  while (free_units_ < need) evict_lru_page(c);
-  reused_units = static_cast<int32_t>(std::min<int64_t>(need, free_units_ - before));
-  return true;
 }
 
 int64_t Core::evict_cached_pages(int64_t units) {

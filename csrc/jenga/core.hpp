@@ -180,7 +180,9 @@ enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
 // Python binding (`jenga._core.Rules`, read-only fields, keyword constructor) are both
 // generated from this list, and jenga/config.py `AllocationRules` carries the same fields
 // by name (early_release_groups excepted: the allocator derives it from the policies).
-// Adding a rule: one line here, one field there, and its effect in the core.
+// Adding a rule: one line here, one field there, its effect in the core as a step function
+// placed by Core::build_order (core_steps.cpp), and the same step in the twin model
+// (tests/jenga/core_model.py; tests/jenga/test_core_twin.py lists every rule by name).
 #define JENGA_RULES(X)                                                                    \
   X(AllocationOrder, order, AllocationOrder::kPaper,                                      \
     "step order: PAPER 1, 2, 3, 4, 5; COMPACT 1, 4, 2, 3, 5; PINNED 1, 4, 2, then 5 on "  \
@@ -208,15 +210,8 @@ struct Rules {
 
 // Steps of the paper's allocation (1-based indices into step counters).
 enum Step : int { kOwnFree = 1, kNewPage = 2, kEvictPage = 3, kAnyFree = 4, kEvictBlock = 5 };
-// Step 5 restricted to pages that are not wholly evictable (counted as step 5).
-constexpr int kEvictPinned = 6;
-// Frugal mode: steps 2 and 3 while the units they spend are spare, i.e. the pool keeps
-// what the later groups and the rest of this group need at least (counted as 2 and 3).
-constexpr int kNewPageSpare = 7;
-constexpr int kEvictPageSpare = 8;
-// Step 5 restricted to demoted (window-released) blocks on pinned pages, after step 4,
-// taken only while less than 1/kReusePressure of the pool is free (counted as 5).
-constexpr int kEvictDemoted = 9;
+// Window-release reuse (reuse_window_releases) takes a group's own demoted blocks only
+// while less than 1/kReusePressure of the pool is free.
 constexpr int64_t kReusePressure = 4;
 
 struct Counters {
@@ -353,10 +348,50 @@ class Core {
   }
   int32_t num_used(const Group& G, int32_t page) const;
 
-  bool allocate_groups(int64_t owner, const std::vector<int32_t>& counts, int64_t now, Counters& c,
-                       std::vector<std::vector<int32_t>>& out);
-  bool allocate_group(int32_t g, int64_t owner, int32_t n, int64_t now, Counters& c,
-                      std::vector<int32_t>& out);
+  // The allocation steps (core_steps.cpp). Each serves some of the call's blocks and
+  // returns true, or returns false with nothing changed; one function per step and rule.
+  struct StepCall {
+    int32_t g;
+    int64_t owner;
+    int32_t n;  // blocks still to take
+    int64_t now;
+    Counters& c;
+    std::vector<int32_t>& out;
+  };
+  using StepFn = bool (Core::*)(StepCall&);
+  // The steps a group tries, first to last, until one serves; built once per rules value.
+  struct StepOrder {
+    std::array<StepFn, 8> steps{};
+    size_t size = 0;
+    void push(StepFn step) { steps.at(size++) = step; }  // built once per rules value
+  };
+  static StepOrder build_order(const Rules& rules);
+  static StepOrder build_frugal_order();
+  bool try_step(const StepOrder& order, StepCall& s);
+  bool step_own_free(StepCall& s);               // 1: a page of the owner with a free block
+  bool step_own_free_unpinned(StepCall& s);      // 1, frugal: not on wholly evictable pages
+  bool step_new_page(StepCall& s);               // 2: map a page from free units
+  bool step_new_page_spare(StepCall& s);         // 2, frugal: while the units are spare
+  bool step_evict_pages(StepCall& s);            // 3: evict whole pages, map one
+  bool step_evict_pages_spare(StepCall& s);      // 3, frugal: while the units are spare
+  bool step_any_free(StepCall& s);               // 4: any page of the group with a free block
+  bool step_any_free_unpinned(StepCall& s);      // 4, frugal: not on wholly evictable pages
+  bool step_evict_block(StepCall& s);            // 5: the LRU cached block
+  bool step_evict_pinned(StepCall& s);           // 5 on pages not wholly evictable (PINNED)
+  bool step_evict_pinned_lru_fair(StepCall& s);  // the same, after older evictable pages
+  bool step_reuse_demoted(StepCall& s);          // 5 on own demoted blocks of pinned pages
+  // The tails of the steps: take from a page (counted as `step`), reuse a cached block.
+  bool serve_from_page(StepCall& s, int32_t page, int step);
+  bool serve_cached_block(StepCall& s, int32_t block);
+
+  bool allocate_groups(const StepOrder& order, int64_t owner, const std::vector<int32_t>& counts,
+                       int64_t now, Counters& c, std::vector<std::vector<int32_t>>& out);
+  bool allocate_group(const StepOrder& order, StepCall& s);
+  void validate_allocate(const std::vector<int32_t>& counts,
+                         const std::vector<std::vector<int32_t>>& releases, int64_t now);
+  // A refused allocation: every change undone, counted (c: the failed passes' counters).
+  void refuse(size_t plan_mark, const Counters& saved, const Counters& c);
+  void add_counters(const Counters& c);
   // Frugal mode (core_frugal.cpp): pages wholly evictable are kept for step 3.
   bool may_fit_frugally(const std::vector<int32_t>& counts) const;
   // Free or cached blocks of g on pages that are not wholly evictable (cost no units).
@@ -369,8 +404,6 @@ class Core {
   int32_t frugal_any_free_page(const Group& G) const;
   int32_t frugal_lru_top(Group& G);
   void restore_lru_aside(Group& G);
-  bool try_step(int step, int32_t g, int64_t owner, int32_t& n, int64_t now, Counters& c,
-                std::vector<int32_t>& out);
   int32_t take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,
                          std::vector<int32_t>& out);
   bool evict_pages_for(int32_t g, Counters& c, int32_t& reused_units);
@@ -395,6 +428,10 @@ class Core {
   void validate_release(int32_t g, const int32_t* blocks, size_t n);
   void rollback(size_t undo_mark, size_t plan_mark);
   void undo_one(const Undo& u);
+  void undo_map(const Undo& u);
+  void undo_unmap(const Undo& u);
+  void undo_uncache(const Undo& u);
+  void undo_push_free(const Undo& u);
 
   void lru_insert(Group& G, int32_t block);
   void lru_remove(Group& G, int32_t block);
@@ -432,8 +469,9 @@ class Core {
   std::vector<std::vector<int32_t>> one_out_;  // allocate_one: reused per call
   bool defer_refresh_ = false;
   bool defer_free_set_ = false;  // release(): free-set membership settled once per run
-  bool frugal_ = false;
   Rules rules_;
+  StepOrder order_;                                      // built by set_rules()
+  const StepOrder frugal_order_ = build_frugal_order();  // the frugal retry's order
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least
   Counters counters_;

@@ -189,64 +189,23 @@ void restore_limbo(Block& k, int64_t last_access, int64_t shared) {
 
 void Core::undo_one(const Undo& u) {
   Group& G = grp(u.group);
-  const int32_t B = G.blocks_per_page;
   switch (u.kind) {
     case UndoKind::kTake:  // back to limbo as kUseLimbo's undo does, then on the free list
       restore_limbo(G.blocks[static_cast<size_t>(u.id)], u.a, u.b);
       prim_push_free(u.group, u.id);
       break;
-    case UndoKind::kMap: {
-      Page& P = G.pages[static_cast<size_t>(u.id)];
-      remove_from_free_set(G, u.id);
-      P.mapped = false;
-      P.owner = -1;
-      G.num_mapped_pages -= 1;
-      G.num_free_blocks -= B;
-      free_units_ += G.units_per_page;
-      if (u.a != 0) {
-        G.pages.pop_back();
-        G.blocks.resize(G.blocks.size() - static_cast<size_t>(B));
-      } else {
-        G.free_page_ids.push_back(u.id);
-      }
+    case UndoKind::kMap:
+      undo_map(u);
       break;
-    }
-    case UndoKind::kUnmap: {
-      Page& P = G.pages[static_cast<size_t>(u.id)];
-      G.free_page_ids.pop_back();
-      P.mapped = true;
-      P.owner = u.a;
-      G.num_mapped_pages += 1;
-      G.num_free_blocks += B;
-      free_units_ -= G.units_per_page;
-      add_to_free_set(G, u.id);
+    case UndoKind::kUnmap:
+      undo_unmap(u);
       break;
-    }
-    case UndoKind::kUncache: {
-      Block& k = G.blocks[static_cast<size_t>(u.id)];
-      k.state = State::kCached;
-      k.hashed = true;
-      k.hash = u.hash;
-      k.last_access = u.a;
-      k.prefix_len = u.b;
-      lru_insert(G, u.id);
-      G.hash_to_block.insert(short_key(u.hash), u.id);
-      G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached += 1;
-      G.num_cached_blocks += 1;
+    case UndoKind::kUncache:
+      undo_uncache(u);
       break;
-    }
-    case UndoKind::kPushFree: {
-      const int32_t page = page_of(G, u.id);
-      Page& P = G.pages[static_cast<size_t>(page)];
-      Block& k = G.blocks[static_cast<size_t>(u.id)];
-      P.free_head = k.next_free;
-      k.next_free = -1;
-      k.state = State::kLimbo;
-      P.num_free -= 1;
-      G.num_free_blocks -= 1;
-      if (P.num_free == 0) remove_from_free_set(G, page);
+    case UndoKind::kPushFree:
+      undo_push_free(u);
       break;
-    }
     case UndoKind::kDecRef: {
       Block& k = G.blocks[static_cast<size_t>(u.id)];
       k.refcount += 1;
@@ -268,6 +227,63 @@ void Core::undo_one(const Undo& u) {
       restore_limbo(G.blocks[static_cast<size_t>(u.id)], u.a, u.b);
       break;
   }
+}
+
+void Core::undo_map(const Undo& u) {
+  Group& G = grp(u.group);
+  const int32_t B = G.blocks_per_page;
+  Page& P = G.pages[static_cast<size_t>(u.id)];
+  remove_from_free_set(G, u.id);
+  P.mapped = false;
+  P.owner = -1;
+  G.num_mapped_pages -= 1;
+  G.num_free_blocks -= B;
+  free_units_ += G.units_per_page;
+  if (u.a != 0) {  // the page was appended: drop it again
+    G.pages.pop_back();
+    G.blocks.resize(G.blocks.size() - static_cast<size_t>(B));
+  } else {
+    G.free_page_ids.push_back(u.id);
+  }
+}
+
+void Core::undo_unmap(const Undo& u) {
+  Group& G = grp(u.group);
+  Page& P = G.pages[static_cast<size_t>(u.id)];
+  G.free_page_ids.pop_back();
+  P.mapped = true;
+  P.owner = u.a;
+  G.num_mapped_pages += 1;
+  G.num_free_blocks += G.blocks_per_page;
+  free_units_ -= G.units_per_page;
+  add_to_free_set(G, u.id);
+}
+
+void Core::undo_uncache(const Undo& u) {
+  Group& G = grp(u.group);
+  Block& k = G.blocks[static_cast<size_t>(u.id)];
+  k.state = State::kCached;
+  k.hashed = true;
+  k.hash = u.hash;
+  k.last_access = u.a;
+  k.prefix_len = u.b;
+  lru_insert(G, u.id);
+  G.hash_to_block.insert(short_key(u.hash), u.id);
+  G.pages[static_cast<size_t>(page_of(G, u.id))].num_cached += 1;
+  G.num_cached_blocks += 1;
+}
+
+void Core::undo_push_free(const Undo& u) {
+  Group& G = grp(u.group);
+  const int32_t page = page_of(G, u.id);
+  Page& P = G.pages[static_cast<size_t>(page)];
+  Block& k = G.blocks[static_cast<size_t>(u.id)];
+  P.free_head = k.next_free;
+  k.next_free = -1;
+  k.state = State::kLimbo;
+  P.num_free -= 1;
+  G.num_free_blocks -= 1;
+  if (P.num_free == 0) remove_from_free_set(G, page);
 }
 
 // ---------------------------------------------------------------------------------------

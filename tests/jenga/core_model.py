@@ -1,13 +1,13 @@
 """A small pure-Python model of the C++ allocator core (`jenga._core.Core`).
 
 Same rules, simplest data structures: lists scanned with min() instead of ordered sets,
-a deepcopy snapshot instead of an undo log. The stateful tests drive both with the same
+a copied snapshot instead of an undo log. The stateful tests drive both with the same
 operations and require identical answers (block ids, plans, eviction orders).
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,11 @@ class MBlock:
     early: bool = False  # cached by allocate()'s release list of an early-release group
     demoted: bool = False  # early, and early releases are demoted
     shared: bool = False  # served a prefix hit since it was taken
+
+    def copy(self) -> MBlock:
+        c = object.__new__(MBlock)
+        c.__dict__.update(self.__dict__)
+        return c
 
     @property
     def evict_time(self) -> int:
@@ -54,23 +59,85 @@ class MGroup:
     free_page_ids: list[int] = field(default_factory=list)
     index: dict[int, int] = field(default_factory=dict)
 
+    def copy(self) -> MGroup:
+        """A deep copy (by hand: copy.deepcopy was most of a replay's time)."""
+        return MGroup(
+            self.B,
+            self.U,
+            [MPage(P.mapped, P.owner, P.free[:]) for P in self.pages],
+            [k.copy() for k in self.blocks],
+            self.free_page_ids[:],
+            dict(self.index),
+        )
 
-STEP_ORDERS = {"PAPER": [1, 2, 3, 4, 5], "COMPACT": [1, 4, 2, 3, 5]}  # PINNED: not modelled
+
+# Step ids as in the core: 1-5 the paper's steps; 6: step 5 on pages that are not wholly
+# evictable; 7, 8: steps 2, 3 while their units are spare (frugal); 9: step 5 on the
+# group's own demoted blocks on pinned pages, under pressure (window-release reuse).
+STEP_ORDERS = {
+    "PAPER": [1, 2, 3, 4, 5],
+    "COMPACT": [1, 4, 2, 3, 5],
+    "PINNED": [1, 4, 2, 6, 3, 5],
+}
+FRUGAL_ORDER = [1, 7, 8, 4, 5, 2, 3]
+REUSE_PRESSURE = 4  # step 9 runs while less than 1/4 of the pool is free
+
+
+@dataclass
+class Call:
+    """One group's allocation as the steps see it: n blocks still to take into got."""
+
+    g: int
+    owner: int
+    n: int
+    now: int
+    got: list[int]
+    frugal: bool
 
 
 class CoreModel:
-    """``rules``: the core's `jenga._core.Rules` (read by field name), the same value."""
+    """``rules``: the core's `jenga._core.Rules` (read by field name), the same value.
+
+    Every rule of the core's ``JENGA_RULES`` is modelled: the order (PAPER, COMPACT,
+    PINNED), ``frugal_retry``, ``demote_window_releases``, ``reuse_window_releases``
+    (step 9 right after step 4), ``pinned_lru_fair`` (step 6 yields to an older wholly
+    evictable page) and ``early_release_groups``.
+    """
+
+    # False: ``pinned_lru_fair`` is ignored (the model as it was before it knew the rule;
+    # a test shows that this model diverges from the core)
+    knows_pinned_lru_fair = True
 
     def __init__(self, bpp: list[int], upp: list[int], total: int, rules: Any = None):
         self.groups = [MGroup(b, u) for b, u in zip(bpp, upp, strict=True)]
         self.total = total
         self.free_units = total
-        self.order = STEP_ORDERS[rules.order.name if rules is not None else "PAPER"]
         self.plan: list[tuple[int, int, int, int]] = []
+        self.aside: set[int] = set()  # blocks set aside by pinned_lru_top (one group's call)
+        self.reserve: list[int] = []
+        self.steps: dict[int, Callable[[Call], int | None]] = {  # by the core's step ids
+            1: self.step_own_free,
+            2: self.step_new_page,
+            3: self.step_evict_pages,
+            4: self.step_any_free,
+            5: self.step_evict_block,
+            6: self.step_evict_pinned,
+            7: self.step_new_page_spare,
+            8: self.step_evict_pages_spare,
+            9: self.step_reuse_demoted,
+        }
+        self.set_rules(bpp, rules)
+
+    def set_rules(self, bpp: list[int], rules: Any) -> None:
+        order = list(STEP_ORDERS[rules.order.name if rules is not None else "PAPER"])
+        if getattr(rules, "reuse_window_releases", False):
+            order.insert(order.index(4) + 1, 9)  # right after step 4
+        self.order = order
         # per group: allocate()'s releases are early
         self.early = list(getattr(rules, "early_release_groups", [])) or [False] * len(bpp)
         self.demote_early = getattr(rules, "demote_window_releases", False)
         self.frugal_retry = getattr(rules, "frugal_retry", True)
+        self.lru_fair = self.knows_pinned_lru_fair and getattr(rules, "pinned_lru_fair", False)
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -86,12 +153,11 @@ class CoreModel:
         out = []
         for g, G in enumerate(self.groups):
             for p, P in enumerate(G.pages):
-                if P.mapped and self.num_cached(g, p) > 0 and self.num_used(g, p) == 0:
-                    cached = [
-                        G.blocks[p * G.B + s]
-                        for s in range(G.B)
-                        if G.blocks[p * G.B + s].state == CACHED
-                    ]
+                if not P.mapped:
+                    continue
+                blocks = G.blocks[p * G.B : (p + 1) * G.B]
+                cached = [k for k in blocks if k.state == CACHED]
+                if cached and all(k.state != USED for k in blocks):
                     newest = max(k.evict_time for k in cached)
                     tie = min(k.tie for k in cached if k.evict_time == newest)
                     out.append((newest, tie, g, p))
@@ -187,23 +253,28 @@ class CoreModel:
     ) -> list[list[int]] | None:
         for g, rel in enumerate(releases):
             self.validate_release(g, rel)
-        snapshot = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
+        snapshot = self.snapshot()
         for g, rel in enumerate(releases):
             for b in reversed(rel):
                 self.release_one(g, b, now, self.early[g])
-        released = copy.deepcopy((self.groups, self.free_units, len(self.plan)))
+        released = self.snapshot()
         out = self.allocate_groups(owner, counts, now, self.order, frugal=False)
         if out is None:
-            self.groups, self.free_units, plan_len = released
-            del self.plan[plan_len:]
+            self.restore(released)
             if self.frugal_retry and self.may_fit_frugally(counts):
                 self.set_frugal_reserve(counts)
-                order = [1, 7, 8, 4, 5, 2, 3]  # 7, 8: steps 2, 3 with spare units only
-                out = self.allocate_groups(owner, counts, now, order, frugal=True)
+                out = self.allocate_groups(owner, counts, now, FRUGAL_ORDER, frugal=True)
         if out is None:
-            self.groups, self.free_units, plan_len = snapshot
-            del self.plan[plan_len:]
+            self.restore(snapshot)
         return out
+
+    def snapshot(self) -> tuple[list[MGroup], int, int]:
+        return [G.copy() for G in self.groups], self.free_units, len(self.plan)
+
+    def restore(self, snapshot: tuple[list[MGroup], int, int]) -> None:
+        """Back to a snapshot (each is restored at most once: it is not copied again)."""
+        self.groups, self.free_units, plan_len = snapshot
+        del self.plan[plan_len:]
 
     def allocate_groups(
         self, owner: int, counts: list[int], now: int, order: list[int], frugal: bool
@@ -211,14 +282,18 @@ class CoreModel:
         out: list[list[int]] = []
         for g, n in enumerate(counts):
             got: list[int] = []
-            while n > 0:
+            ok = True
+            while ok and n > 0:
+                ok = False
                 for step in order:
-                    k = self.try_step(step, g, owner, n, now, got, frugal)
+                    k = self.steps[step](Call(g, owner, n, now, got, frugal))
                     if k is not None:
                         n -= k
+                        ok = True
                         break
-                else:
-                    return None
+            self.aside.clear()  # the core puts its set-aside heap entries back per group
+            if not ok:
+                return None
             out.append(got)
         return out
 
@@ -240,7 +315,7 @@ class CoreModel:
     def costless(self, g: int) -> int:
         """Free or cached blocks of g on mapped pages that are not wholly evictable."""
         G = self.groups[g]
-        evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
+        evictable = self.evictable_page_set(g)
         return sum(
             (k.state == CACHED or (G.pages[b // G.B].mapped and k.state == FREE))
             and b // G.B not in evictable
@@ -262,51 +337,95 @@ class CoreModel:
         pool = self.free_units + sum(self.groups[h].U for _, _, h, _ in self.evictable_pages())
         return pool - G.U >= self.reserve[g] + self.min_units(g, max(0, n - G.B))
 
-    def try_step(
-        self, step: int, g: int, owner: int, n: int, now: int, got: list[int], frugal: bool
-    ) -> int | None:
-        G = self.groups[g]
-        pwf = self.pages_with_free(g)
-        if frugal:  # wholly evictable pages are kept for step 3
-            evictable = {p for _, _, h, p in self.evictable_pages() if h == g}
+    def evictable_page_set(self, g: int) -> set[int]:
+        return {p for _, _, h, p in self.evictable_pages() if h == g}
+
+    # -- the steps: each serves some of the call's blocks (their count) or returns None ----
+    def free_pages(self, c: Call) -> list[tuple[int, int]]:
+        """(owner, page) of g's pages with a free block; frugal: not wholly evictable."""
+        pwf = self.pages_with_free(c.g)
+        if c.frugal:  # wholly evictable pages are kept for step 3
+            evictable = self.evictable_page_set(c.g)
             pwf = [(o, p) for o, p in pwf if p not in evictable]
-        if step in (7, 8):
-            if not self.spare(g, n):
-                return None
-            step -= 5
-        if step == 1:
-            own = [p for o, p in pwf if o == owner]
-            if not own:
-                return None
-            page = own[0]
-        elif step == 2:
-            if self.free_units < G.U:
-                return None
-            page = self.map_page(g, owner, 0)
-        elif step == 3:
-            reused = self.evict_pages_for(g)
-            if reused is None:
-                return None
-            page = self.map_page(g, owner, reused)
-        elif step == 4:
-            if not pwf:
-                return None
-            page = pwf[0][1]
-        else:
-            order = self.eviction_order(g)
-            if frugal:
-                order = [b for b in order if b // G.B not in evictable]
-            if not order:
-                return None
-            b = order[0]
-            self.uncache(g, b)
-            G.blocks[b] = MBlock(USED, 1, False, 0, now, 0)
-            got.append(b)
-            return 1
-        k = min(n, len(G.pages[page].free))
+        return pwf
+
+    def take_run(self, c: Call, page: int) -> int:
+        k = min(c.n, len(self.groups[c.g].pages[page].free))
         for _ in range(k):
-            got.append(self.take(g, page, now))
+            c.got.append(self.take(c.g, page, c.now))
         return k
+
+    def step_own_free(self, c: Call) -> int | None:  # 1
+        own = [p for o, p in self.free_pages(c) if o == c.owner]
+        return self.take_run(c, own[0]) if own else None
+
+    def step_new_page(self, c: Call) -> int | None:  # 2
+        if self.free_units < self.groups[c.g].U:
+            return None
+        return self.take_run(c, self.map_page(c.g, c.owner, 0))
+
+    def step_evict_pages(self, c: Call) -> int | None:  # 3
+        reused = self.evict_pages_for(c.g)
+        if reused is None:
+            return None
+        return self.take_run(c, self.map_page(c.g, c.owner, reused))
+
+    def step_any_free(self, c: Call) -> int | None:  # 4
+        pwf = self.free_pages(c)
+        return self.take_run(c, pwf[0][1]) if pwf else None
+
+    def step_evict_block(self, c: Call) -> int | None:  # 5 (frugal: on pinned pages only)
+        b = self.pinned_lru_top(c.g) if c.frugal else self.lru_top(c.g)
+        return None if b is None else self.reuse_cached(c, b)
+
+    def step_evict_pinned(self, c: Call) -> int | None:  # 6: step 5 on pinned pages
+        b = self.pinned_lru_top(c.g)
+        if b is None:
+            return None
+        if self.lru_fair:  # an older wholly evictable page goes first (step 3)
+            pages = self.evictable_pages()
+            if pages and pages[0][0] < self.groups[c.g].blocks[b].evict_time:
+                return None
+        return self.reuse_cached(c, b)
+
+    def step_new_page_spare(self, c: Call) -> int | None:  # 7: step 2 with spare units
+        return self.step_new_page(c) if self.spare(c.g, c.n) else None
+
+    def step_evict_pages_spare(self, c: Call) -> int | None:  # 8: step 3 with spare units
+        return self.step_evict_pages(c) if self.spare(c.g, c.n) else None
+
+    def step_reuse_demoted(self, c: Call) -> int | None:  # 9: own demoted blocks, pinned pages
+        if self.free_units * REUSE_PRESSURE >= self.total:
+            return None
+        b = self.pinned_lru_top(c.g)
+        if b is None or not self.groups[c.g].blocks[b].demoted:
+            return None
+        return self.reuse_cached(c, b)
+
+    def lru_top(self, g: int) -> int | None:
+        """The least recently used cached block not set aside in this group's call."""
+        return next((b for b in self.eviction_order(g) if b not in self.aside), None)
+
+    def pinned_lru_top(self, g: int) -> int | None:
+        """The least recently used cached block on a page that is not wholly evictable.
+        Blocks of wholly evictable pages met on the way are set aside until the group is
+        served (the core moves their heap entries aside: later steps of the same group
+        do not see them, even after their page stops being evictable)."""
+        G = self.groups[g]
+        evictable = self.evictable_page_set(g)
+        for b in self.eviction_order(g):
+            if b in self.aside:
+                continue
+            if b // G.B not in evictable:
+                return b
+            self.aside.add(b)
+        return None
+
+    def reuse_cached(self, c: Call, b: int) -> int:
+        self.uncache(c.g, b)
+        self.groups[c.g].blocks[b] = MBlock(USED, 1, False, 0, c.now, 0)
+        c.got.append(b)
+        return 1
 
     def evict_pages_for(self, g: int) -> int | None:
         need = self.groups[g].U

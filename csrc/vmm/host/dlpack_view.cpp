@@ -69,6 +69,38 @@ void contiguous_strides(const int64_t* shape, int64_t* st, size_t ndim) {
   }
 }
 
+// The item size of a view's dtype; HostArgError on a strides count that is not the dims
+// count (none: contiguous) or a dtype without a positive item size.
+int64_t view_itemsize(size_t ndim, size_t num_strides, int bits, int lanes) {
+  if (num_strides != 0 && num_strides != ndim) {
+    throw HostArgError("view got " + std::to_string(ndim) + " dims but " +
+                           std::to_string(num_strides) + " strides",
+                       "view", 0);
+  }
+  const int64_t itemsize = (static_cast<int64_t>(bits) * lanes + 7) / 8;
+  if (bits <= 0 || lanes <= 0 || itemsize <= 0) {
+    throw HostArgError("view dtype of " + std::to_string(bits) + " bits x " +
+                           std::to_string(lanes) + " lanes has no positive item size",
+                       "view", 0);
+  }
+  return itemsize;
+}
+
+// HostArgError (misaligned offset) or HostRangeError unless [offset, offset + span) lies
+// within the reservation's `size` bytes.
+void check_view_range(int64_t offset, int64_t span, int64_t itemsize, int64_t size) {
+  int64_t end = 0;
+  if (offset >= 0 && offset % itemsize == 0 && !__builtin_add_overflow(offset, span, &end) &&
+      end <= size) {
+    return;
+  }
+  const std::string what = "view of " + std::to_string(span) + " bytes at offset " +
+                           std::to_string(offset) + " (item size " + std::to_string(itemsize) +
+                           ") ";
+  if (offset >= 0 && offset % itemsize != 0) throw HostArgError(what + "is misaligned", "view", 0);
+  throw HostRangeError(what + "leaves the " + std::to_string(size) + "-byte range", "view", 0);
+}
+
 }  // namespace
 
 pybind11::capsule ViewFactory::capsule(int64_t offset, const std::vector<int64_t>& shape,
@@ -80,17 +112,7 @@ pybind11::capsule ViewFactory::capsule(int64_t offset, const std::vector<int64_t
                          "closed", 0);
   }
   const size_t ndim = shape.size();
-  if (!strides.empty() && strides.size() != ndim) {
-    throw HostArgError("view got " + std::to_string(ndim) + " dims but " +
-                           std::to_string(strides.size()) + " strides",
-                       "view", 0);
-  }
-  const int64_t itemsize = (static_cast<int64_t>(bits) * lanes + 7) / 8;
-  if (bits <= 0 || lanes <= 0 || itemsize <= 0) {
-    throw HostArgError("view dtype of " + std::to_string(bits) + " bits x " +
-                           std::to_string(lanes) + " lanes has no positive item size",
-                       "view", 0);
-  }
+  const int64_t itemsize = view_itemsize(ndim, strides.size(), bits, lanes);
   auto* ctx = new ViewContext{};
   ctx->dims.assign(shape.begin(), shape.end());
   ctx->dims.resize(2 * ndim);
@@ -107,17 +129,11 @@ pybind11::capsule ViewFactory::capsule(int64_t offset, const std::vector<int64_t
     delete ctx;
     throw;
   }
-  const int64_t size = static_cast<int64_t>(res_->size);
-  int64_t end = 0;
-  if (offset < 0 || offset % itemsize != 0 || __builtin_add_overflow(offset, span, &end) ||
-      end > size) {
+  try {
+    check_view_range(offset, span, itemsize, static_cast<int64_t>(res_->size));
+  } catch (...) {
     delete ctx;
-    const std::string what = "view of " + std::to_string(span) + " bytes at offset " +
-                             std::to_string(offset) + " (item size " + std::to_string(itemsize) +
-                             ") ";
-    if (offset >= 0 && offset % itemsize != 0)
-      throw HostArgError(what + "is misaligned", "view", 0);
-    throw HostRangeError(what + "leaves the " + std::to_string(size) + "-byte range", "view", 0);
+    throw;
   }
   ctx->keep_alive = res_;
   DlTensor& t = ctx->managed.dl_tensor;
