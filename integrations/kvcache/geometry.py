@@ -46,19 +46,21 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class GroupGeometry:
-    """Byte geometry of one group's ranges (all sizes in bytes, per range)."""
+    """Byte geometry of one group's ranges (all sizes in bytes, per range).
+
+    The page shape (``k`` chunks, ``B`` blocks of ``p`` bytes and a tail per large page)
+    is the page table's row itself (`jenga.pages.GroupPages`, the one record of it; the
+    allocator's `GroupConfig` takes its unit counts from the same row); this object adds
+    where the group's ranges are and how many pages they hold.
+    """
 
     index: int
     name: str
     layer_ids: tuple[int, ...]
     tensors_per_layer: int  # 1 (fused K+V, or a single-tensor kind), 2 (K and V apart)
     chunk_bytes: int
-    chunks_per_page: int  # k
-    blocks_per_page: int  # B
-    small_page_bytes: int  # p: one block in one range
-    tail_bytes: int
+    pages: GroupPages
     max_pages: int
-    layers_per_block: int = 1  # per_layer: 1; per_group: every layer of the group
 
     @classmethod
     def from_row(
@@ -76,13 +78,33 @@ class GroupGeometry:
             layer_ids=group.layer_ids,
             tensors_per_layer=per_layer,
             chunk_bytes=chunk_bytes,
-            chunks_per_page=row.chunks_per_range,
-            blocks_per_page=row.blocks_per_large_page,
-            small_page_bytes=row.small_page_bytes,
-            tail_bytes=row.tail_bytes,
+            pages=row,
             max_pages=total_units // row.units_per_large_page,
-            layers_per_block=layers_per_block,
         )
+
+    @property
+    def chunks_per_page(self) -> int:
+        """k: chunks one large page takes in each range."""
+        return self.pages.chunks_per_range
+
+    @property
+    def blocks_per_page(self) -> int:
+        """B: blocks one large page holds."""
+        return self.pages.blocks_per_large_page
+
+    @property
+    def small_page_bytes(self) -> int:
+        """p: one block in one range."""
+        return self.pages.small_page_bytes
+
+    @property
+    def tail_bytes(self) -> int:
+        return self.pages.tail_bytes
+
+    @property
+    def layers_per_block(self) -> int:
+        """per_layer: 1; per_group: every layer of the group."""
+        return self.pages.layers_per_small_page
 
     @property
     def num_ranges(self) -> int:
