@@ -7,6 +7,7 @@ operations and require identical answers (block ids, plans, eviction orders).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,8 @@ class CoreModel:
         self.plan: list[tuple[int, int, int, int]] = []
         self.aside: set[int] = set()  # blocks set aside by pinned_lru_top (one group's call)
         self.reserve: list[int] = []
+        # times each step id served (kept across rollbacks), and step 6's yields to step 3
+        self.served: Counter[int | str] = Counter()
         self.steps: dict[int, Callable[[Call], int | None]] = {  # by the core's step ids
             1: self.step_own_free,
             2: self.step_new_page,
@@ -288,6 +291,7 @@ class CoreModel:
                 for step in order:
                     k = self.steps[step](Call(g, owner, n, now, got, frugal))
                     if k is not None:
+                        self.served[step] += 1
                         n -= k
                         ok = True
                         break
@@ -385,6 +389,7 @@ class CoreModel:
         if self.lru_fair:  # an older wholly evictable page goes first (step 3)
             pages = self.evictable_pages()
             if pages and pages[0][0] < self.groups[c.g].blocks[b].evict_time:
+                self.served["lru_fair_yield"] += 1
                 return None
         return self.reuse_cached(c, b)
 

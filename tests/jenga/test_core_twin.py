@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,11 +245,15 @@ class Episode:
         core.check_invariants(True)
 
 
-def replay(fixed: dict[str, Any], seed: int, steps: int, model_type: type[CoreModel]) -> int:
+def replay(
+    fixed: dict[str, Any], seed: int, steps: int, model_type: type[CoreModel]
+) -> tuple[int, Counter[int | str]]:
     """Run episodes until `steps` steps ran; raises Divergence at the first disagreement.
-    Returns the number of steps that ran."""
+    Returns the number of steps that ran and how often each of the twin's steps served
+    (`CoreModel.served`, summed over the episodes)."""
     rng = random.Random(seed)
     done = 0
+    served: Counter[int | str] = Counter()
     while done < steps:
         groups = rng.randint(1, 3)
         rules = _draw_rules(rng, fixed, groups)
@@ -259,19 +264,38 @@ def replay(fixed: dict[str, Any], seed: int, steps: int, model_type: type[CoreMo
             except Divergence as e:
                 raise Divergence(f"rules {_fields(rules)}, step {done}: {e}") from None
             done += 1
-    return done
+        served += episode.model.served
+    return done, served
 
 
 def _fields(rules: J.Rules) -> dict[str, Any]:
     return {n: getattr(rules, n) for n, v in vars(J.Rules).items() if isinstance(v, property)}
 
 
+# What each run must exercise in the twin (step ids as in the core: 6 step 5 on pinned
+# pages, 7 and 8 the frugal retry's spare steps, 9 window-release reuse; "lru_fair_yield":
+# step 6 gave way to an older wholly evictable page), so a run cannot pass by never
+# reaching its rule.
+MUST_SERVE: dict[str, set[int | str]] = {
+    "paper": {1, 2, 3, 4, 5, 7, 8},
+    "compact": {1, 2, 3, 4, 5},
+    "pinned": {1, 2, 3, 4, 5, 6},
+    "pinned_lru_fair": {1, 2, 3, 4, 5, 6, "lru_fair_yield"},
+    "no_frugal_retry": {1, 2, 3, 4, 5},
+    "early_release_groups": {1, 2, 3, 4, 5},
+    "demote_window_releases": {1, 2, 3, 4, 5},
+    "reuse_window_releases": {1, 2, 3, 4, 5, 9},
+}
+
+
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_core_matches_twin(run: str) -> None:
-    assert (
-        replay(RUNS[run], seed=sorted(RUNS).index(run), steps=STEPS_PER_RUN, model_type=CoreModel)
-        == STEPS_PER_RUN
-    )
+    seed = sorted(RUNS).index(run)
+    done, served = replay(RUNS[run], seed, STEPS_PER_RUN, CoreModel)
+    assert done == STEPS_PER_RUN
+    assert {step for step, times in served.items() if times >= 20} >= MUST_SERVE[run], served
+    if run == "no_frugal_retry":
+        assert served[7] + served[8] == 0  # no frugal pass ran
 
 
 class TwinWithoutPinnedLruFair(CoreModel):
