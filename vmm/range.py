@@ -42,13 +42,12 @@ from typing import TYPE_CHECKING, Any
 from vmm import tensor as _tensor
 from vmm.checks import as_index
 from vmm.errors import BackendError, ClosedError, MappingError, RangeError
-from vmm.ledger import locked
+from vmm.ledger import PoolHandle, locked
 
 if TYPE_CHECKING:
     import torch
 
     from vmm.backend import ViewFactory
-    from vmm.pool import ChunkPool
 
 
 class VirtualRange:
@@ -58,7 +57,7 @@ class VirtualRange:
     all-or-nothing.
     """
 
-    def __init__(self, pool: ChunkPool, size: int, *, zero_backed: bool, name: str) -> None:
+    def __init__(self, pool: PoolHandle, size: int, *, zero_backed: bool, name: str) -> None:
         backend = pool.backend
         if zero_backed and backend.zero_handle is None:
             raise MappingError(f"backend {backend.name!r} has no zero chunk for zero_backed")

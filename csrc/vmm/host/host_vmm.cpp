@@ -15,6 +15,7 @@ namespace jvmm {
 namespace {
 
 constexpr size_t kTwoMiB = size_t{2} << 20;
+constexpr size_t kMaxReserve = size_t{1} << 47;  // x86-64 / arm64 user space with 4-level pages
 constexpr int kAnonFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
 
 std::string hex(uint64_t v) {
@@ -335,9 +336,17 @@ uint64_t HostVmm::reserve(size_t size, bool zero) {
                            std::to_string(gran_),
                        "reserve", 0);
   }
+  const size_t align = std::max(gran_, kTwoMiB);
+  // The mapping is over-allocated by `align` to trim it to an aligned start; a size that
+  // wraps that sum would map a small range and then trim (munmap) outside it.
+  if (size > kMaxReserve) {
+    throw HostArgError("reserve size " + std::to_string(size) + " exceeds the largest " +
+                           std::to_string(kMaxReserve) +
+                           " bytes (2^47, all mmap hands out without an address hint)",
+                       "reserve", 0);
+  }
   const std::string refusal = vma_refusal(1);
   if (!refusal.empty()) throw HostVmaError("reserve needs 1 VMA, " + refusal, "reserve", 1);
-  const size_t align = std::max(gran_, kTwoMiB);
   if (fault_now()) {
     throw HostOsError(os_message("mmap", errno, "reserving " + std::to_string(size) + " bytes"),
                       "reserve", errno);
