@@ -24,14 +24,39 @@ _libc.mmap.argtypes = [
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-def foreign_mapping(addr: int, size: int) -> int:
-    """A private read-write mapping at exactly `addr` that no backend knows of."""
+def try_foreign_mapping(addr: int, size: int) -> int | None:
+    """A private read-write mapping at exactly `addr` that no backend knows of, or None
+    where something is mapped there already."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
     got = _libc.mmap(addr, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
-    assert got == addr, (
-        f"could not map {size} bytes at {addr:#x} (got {got}, errno {ctypes.get_errno()})"
-    )
-    return addr
+    if got == addr:
+        return addr
+    if got not in (None, (1 << 64) - 1):
+        _libc.munmap(got, size)  # a kernel without MAP_FIXED_NOREPLACE took it as a hint
+    return None
+
+
+def foreign_mapping(addr: int, size: int) -> int:
+    got = try_foreign_mapping(addr, size)
+    assert got is not None, f"could not map {size} bytes at {addr:#x} (errno {ctypes.get_errno()})"
+    return got
+
+
+def reservation_with_foreign_tail(backend: HostBackend, size: int, tail: int) -> tuple[int, int]:
+    """A reservation of `size` bytes with a foreign mapping of `tail` bytes right after its
+    end (reserving again until the space past one is free; the others are freed)."""
+    tried = []
+    try:
+        for _ in range(32):
+            va = backend.reserve(size)
+            foreign = try_foreign_mapping(va + size, tail)
+            if foreign is not None:
+                return va, foreign
+            tried.append(va)
+        raise AssertionError(f"no free {tail} bytes past any of {len(tried)} reservations")
+    finally:
+        for va in tried:
+            backend.free_reservation(va, size)
 
 
 def process_maps() -> list[str]:
@@ -46,7 +71,7 @@ def backend() -> Iterator[HostBackend]:
     b.close()
 
 
-def test_reserve_of_a_wrapping_size_leaves_the_mapping_below_alone(backend):
+def test_reserve_of_a_wrapping_size_leaves_the_mapping_below_alone(backend: HostBackend) -> None:
     """`reserve` over-allocates size + 2 MiB to trim an aligned start. For a size of
     2^64 - 64 KiB that sum wraps to 2 MiB - 64 KiB: the layout below makes that small
     mapping land 2 MiB aligned right above a foreign mapping, where trimming "size" bytes
@@ -72,13 +97,12 @@ def test_reserve_of_a_wrapping_size_leaves_the_mapping_below_alone(backend):
             _libc.munmap(addr, G if addr == fillers[0] else top - aligned_top)
 
 
-def test_refused_addresses_leave_neighbouring_mappings_alone(backend):
+def test_refused_addresses_leave_neighbouring_mappings_alone(backend: HostBackend) -> None:
     """The probe lies just past a reservation, inside a foreign mapping; or inside another
     backend's reservation; or below every reservation; or at the ends of the address space.
     Every entry point refuses each with AlignmentError and touches nothing."""
-    va = backend.reserve(4 * G)
+    va, foreign = reservation_with_foreign_tail(backend, 4 * G, 8 * G)
     (h,) = backend.create(1)
-    foreign = foreign_mapping(va + 4 * G, 8 * G)  # starts right where the reservation ends
     ctypes.memset(foreign, 0x5A, 8 * G)
     other = HostBackend(granularity=G, capacity=4 * G)
     try:
@@ -104,7 +128,7 @@ def test_refused_addresses_leave_neighbouring_mappings_alone(backend):
         _libc.munmap(foreign, 8 * G)
 
 
-def test_an_address_past_one_reservation_maps_only_where_it_lies(backend):
+def test_an_address_past_one_reservation_maps_only_where_it_lies(backend: HostBackend) -> None:
     """Reservations of one backend packed side by side (2 MiB each, 2 MiB aligned: the
     kernel tends to place them back to back): the slot just past one end and just before
     one start maps into the reservation that holds it, at the right slot, or is refused."""
@@ -128,7 +152,9 @@ def test_an_address_past_one_reservation_maps_only_where_it_lies(backend):
 
 
 @pytest.mark.parametrize("size", [(1 << 64) - G, (1 << 64) - 4 * G, (1 << 64) - (2 << 20), 1 << 48])
-def test_reserve_of_an_impossible_size_is_refused_and_maps_nothing(backend, size):
+def test_reserve_of_an_impossible_size_is_refused_and_maps_nothing(
+    backend: HostBackend, size: int
+) -> None:
     """A size whose over-allocated mapping (size + 2 MiB alignment) wraps, or that no mmap
     could give, is refused before any syscall: nothing is mapped, trimmed or leaked."""
     before = process_maps()

@@ -57,7 +57,7 @@ std::string HostVmm::vma_refusal(int64_t extra) const {
 }
 
 Reservation::~Reservation() {
-  if (va != 0) munmap(reinterpret_cast<void*>(va), size);
+  if (va != 0 && host_mapped) munmap(reinterpret_cast<void*>(va), size);
 }
 
 int Reservation::boundary_cost(size_t i) const {
