@@ -162,6 +162,7 @@ class CudaBackend(Backend):
     def _set_up(self, granularity: int | None, zero_chunk: bool) -> None:
         self._prop = self._allocation_prop(self._shareable)
         self._granularity = self._choose_granularity(granularity)
+        self._align = max(self._granularity, _TWO_MIB)  # of every reservation
         self._rw = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
         self._ro = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READ")
         with self._context():
@@ -232,14 +233,12 @@ class CudaBackend(Backend):
             raise ClosedError(f"cuda backend on {self.device} is closed")
         return _ContextGuard(self)
 
-    def _enter(self) -> bool:
+    def _enter(self, closed_ok: bool = False) -> bool:
         """`_context()` without the guard object (the per-op calls): take the lock and make
-        the context current; returns whether it was pushed, for `_leave`."""
-        if self._closed:
+        the context current; returns whether it was pushed, for `_leave`. `closed_ok`:
+        also on a closed backend (close itself, a failed constructor)."""
+        if self._closed and not closed_ok:
             raise ClosedError(f"cuda backend on {self.device} is closed")
-        return self._acquire()
-
-    def _acquire(self) -> bool:
         self._lock.acquire()
         try:
             drv = self._drv
@@ -400,7 +399,7 @@ class CudaBackend(Backend):
             raise MappingError("reserve(zero=True): this backend has no zero chunk")
         pushed = self._enter()
         try:
-            va = int(self._drv.call("cuMemAddressReserve", size, max(g, _TWO_MIB), 0, 0))
+            va = int(self._drv.call("cuMemAddressReserve", size, self._align, 0, 0))
             self._reservations[va] = size
             bisect.insort(self._bases, va)
             self._res_mapped[va] = 0
@@ -441,19 +440,26 @@ class CudaBackend(Backend):
             busy = self._res_mapped[va]
             if busy:
                 raise MappingError(f"free_reservation({va:#x}): {busy} slot(s) still mapped")
-            zeros = sorted(self._res_zeros[va])
-            undo: _Undo = []
-            try:
-                self._unmap_slots(zeros, [va] * len(zeros), undo)
+            if self._res_zeros[va]:
+                self._free_zero_backed(va, size)
+            else:
                 self._drv.call("cuMemAddressFree", va, size)
-            except BaseException:
-                self._roll_back(undo)
-                raise
-            if zeros:
-                self._map_count[self._zero] -= len(zeros)  # type: ignore[index]
             self._forget_reservation(va)
         finally:
             self._leave(pushed)
+
+    def _free_zero_backed(self, va: int, size: int) -> None:
+        """Unmap the zero chunk from the reservation's zero-backed slots, then free it; a
+        failure maps them back."""
+        zeros = sorted(self._res_zeros[va])
+        undo: _Undo = []
+        try:
+            self._unmap_slots(zeros, [va] * len(zeros), undo)
+            self._drv.call("cuMemAddressFree", va, size)
+        except BaseException:
+            self._roll_back(undo)
+            raise
+        self._map_count[self._zero] -= len(zeros)  # type: ignore[index]
 
     def map(self, vas: Sequence[int], handles: Sequence[int]) -> None:
         if len(vas) != len(handles):
@@ -757,7 +763,7 @@ class _ContextGuard:
         self._pushed = False
 
     def __enter__(self) -> None:
-        self._pushed = self._b._acquire()
+        self._pushed = self._b._enter(closed_ok=True)
 
     def __exit__(self, *exc: object) -> None:
         self._b._leave(self._pushed)
