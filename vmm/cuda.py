@@ -22,13 +22,22 @@ Approach
     zero fill    `create` maps its new handles at a scratch reservation and clears them
                  with one cuMemsetD8Async on a private stream (`zero_fill=False` skips it)
 
+    tables       per slot va: its handle; per reservation: how many slots are mapped and
+                 which are zero-backed, so `free_reservation` reads two entries, never
+                 its slots; every address is checked against the sorted bases (the last
+                 base <= va, and va before that reservation's end) before any table
+    views        a C++ DLPack factory per reservation (device type kDLCUDA), made on
+                 first use and retired when the reservation is freed
+
 Every public call validates first (raising before any driver call), then runs its driver
 calls with an undo log; a failing call undoes the calls before it in reverse order and
-raises the `vmm.errors` exception naming the driver call and its CUresult code.
+raises the `vmm.errors` exception naming the driver call and its CUresult code. Mapping or
+unmapping one slot (the per-step path of engines) takes a path of its own with the same
+checks and rollback but no batch lists; the context check calls the driver directly.
 
-Scratch mappings (the zero fill, the read-only probe) are always torn down: never while
-their memset may still run, and a teardown call that fails is tried once more before the
-failure is raised naming what stays held. `close` forgets each object as soon as its
+Scratch mappings (the zero fill, the read-only probe; `vmm.cuda_scratch`) are always torn
+down: never while their memset may still run, and a teardown call that fails is tried once
+more before the failure is raised naming what stays held. `close` forgets each object as soon as its
 driver call succeeded, so a close that failed part-way resumes when called again.
 
 Limitations

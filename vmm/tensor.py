@@ -13,13 +13,16 @@ Approach
   reserved without Python being called when it dies; `torch.from_dlpack` adopts it.
   Dtypes DLPack cannot name (float8 ...) travel as the unsigned int of the same width
   and are reinterpreted with `Tensor.view(dtype)` (still no copy).
-* CUDA without a factory: an owner object exposes `__cuda_array_interface__` over the
-  viewed bytes as uint8; torch keeps the owner (and through it the range) alive; the
-  bytes are reinterpreted with `view(dtype)` and `as_strided`.
+  The CUDA backend's factory makes the same capsules with device type kDLCUDA.
+* A backend without a factory (CUDA device memory): an owner object exposes
+  `__cuda_array_interface__` over the viewed bytes as uint8; torch keeps the owner (and
+  through it the range) alive; the bytes are reinterpreted with `view(dtype)` and
+  `as_strided`.
 
 Limitations
 -----------
-Strides are non-negative element strides. The CUDA path is only exercised on a GPU.
+Strides are non-negative element strides. torch adopts CUDA capsules (and
+`__cuda_array_interface__` owners) only with CUDA, so those tensors are made on a GPU only.
 """
 
 from __future__ import annotations
