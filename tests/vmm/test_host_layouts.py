@@ -164,3 +164,19 @@ def test_reserve_of_an_impossible_size_is_refused_and_maps_nothing(
     assert backend.syscalls == syscalls
     assert process_maps() == before
     assert backend.stats()["vmas.current"] == 0
+
+
+@pytest.mark.parametrize("count", [65, 1 << 40, (1 << 64) - 1])
+def test_create_of_more_chunks_than_the_memfd_holds_is_refused_up_front(
+    backend: HostBackend, count: int
+) -> None:
+    """A count the memfd could never hold is refused before any table grows or any memory
+    is allocated for it (a count near 2^64 must not reach an allocation of that size)."""
+    (h,) = backend.create(1)
+    syscalls = backend.syscalls
+    with pytest.raises(
+        vmm.OutOfMemory, match=rf"create needs {count} chunks, memfd has 63 free of 64"
+    ):
+        backend.create(count)
+    assert (backend.syscalls, backend.num_chunks) == (syscalls, 1)
+    assert backend.create(1) == [h + 1]

@@ -244,6 +244,13 @@ std::vector<int64_t> HostVmm::create(size_t count) {
                          "create", 0);
   }
   if (count == 0) throw HostArgError("create needs count >= 1, got 0", "create", 0);
+  const size_t limit = capacity_ / gran_;
+  if (count > limit) {  // before any table or allocation: the memfd could never hold them
+    throw HostOsError("create needs " + std::to_string(count) + " chunks, memfd has " +
+                          std::to_string(limit - static_cast<size_t>(num_chunks_)) + " free of " +
+                          std::to_string(limit),
+                      "create", ENOSPC);
+  }
   std::vector<int64_t> hs;
   hs.reserve(count);
   for (size_t i = 0; i < count; ++i) {
