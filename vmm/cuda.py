@@ -549,7 +549,9 @@ class CudaBackend(Backend):
         """DLPack capsules of CUDA device memory over the reservation at `va` (one factory
         per reservation, made on first use; retired when the reservation is freed)."""
         with self._lock:
-            if self._closed or self._reservations.get(va) != size:
+            if self._closed:
+                raise ClosedError(f"cuda backend on {self.device} is closed")
+            if self._reservations.get(va) != size:
                 raise RangeError(f"view_factory({va:#x}, {size}): no such reservation")
             factory = self._views.get(va)
             if factory is None:

@@ -99,10 +99,11 @@ class VirtualRange:
 
     @property
     def num_views(self) -> int | None:
-        """Live DLPack tensors over this range (host), or None where views are not counted.
+        """Live DLPack tensors over this range, or None where views are not counted (a
+        closed range, a backend without a view factory).
 
-        Closing a range with live views is allowed: they keep the addresses reserved, but
-        their slots are no longer backed, so using one then faults."""
+        Closing a range with live views is allowed: on host they keep the addresses
+        reserved, but their slots are no longer backed, so using one then faults."""
         holders = getattr(self._views, "holders", None)
         if holders is None:
             return None
@@ -110,7 +111,8 @@ class VirtualRange:
 
     @property
     def view_factory(self) -> ViewFactory | None:
-        """The backend's DLPack factory over this range (None on CUDA, or once closed)."""
+        """The backend's DLPack factory over this range (None once closed, or where the
+        backend has none)."""
         return self._views
 
     @locked
