@@ -37,8 +37,9 @@ checks and rollback but no batch lists; the context check calls the driver direc
 
 Scratch mappings (the zero fill, the read-only probe; `vmm.cuda_scratch`) are always torn
 down: never while their memset may still run, and a teardown call that fails is tried once
-more before the failure is raised naming what stays held. `close` forgets each object as soon as its
-driver call succeeded, so a close that failed part-way resumes when called again.
+more before the failure is raised naming what stays held. `close` forgets each object as
+soon as its driver call succeeded, so a close that failed part-way resumes when called
+again.
 
 Limitations
 -----------
