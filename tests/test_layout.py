@@ -6,7 +6,8 @@ Rules, each a test:
   * the KV cache (`integrations.kvcache`) sits above both and below the engines: it imports
     no engine integration;
   * no import circle between files (module-level and function-level imports both count;
-    `if TYPE_CHECKING:` blocks do not, they never run);
+    `if TYPE_CHECKING:` blocks do not, they never run); in `vmm` not even a type-only one
+    (`if TYPE_CHECKING:` imports count too: a module names what it needs by a protocol);
   * every import of vLLM goes through `integrations.vllm.compat`; the vLLM harness imports
     the product, never the reverse;
   * no module assigns another module's private attribute (`obj._name = ...` where `_name`
@@ -121,9 +122,10 @@ def _absolute(module: Module, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def imported_names(module: Module) -> Iterator[str]:
-    """Dotted names this module imports at run time (submodules resolved where they exist)."""
-    for node in _runtime_nodes(module.tree):
+def imported_names(module: Module, *, type_only: bool = False) -> Iterator[str]:
+    """Dotted names this module imports at run time (submodules resolved where they exist);
+    with `type_only`, those under `if TYPE_CHECKING:` too."""
+    for node in ast.walk(module.tree) if type_only else _runtime_nodes(module.tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -133,9 +135,9 @@ def imported_names(module: Module) -> Iterator[str]:
                 yield sub if sub in MODULES else target
 
 
-def project_imports(module: Module) -> set[str]:
+def project_imports(module: Module, *, type_only: bool = False) -> set[str]:
     out = set()
-    for name in imported_names(module):
+    for name in imported_names(module, type_only=type_only):
         while name and name not in MODULES:
             name = name.rpartition(".")[0]
         if name and name != module.name:
@@ -235,6 +237,28 @@ def test_no_import_circles(area: str) -> None:
     graph = {name: project_imports(m) for name, m in MODULES.items()}
     cycles = _cycles(graph)
     assert [c for c in cycles if any(_in_area(name, area) for name in c)] == []
+
+
+# Areas where type-only imports (`if TYPE_CHECKING:`) count towards circles as well.
+TYPE_ONLY_AREAS = ("vmm",)
+
+
+@pytest.mark.parametrize("area", TYPE_ONLY_AREAS)
+def test_no_type_only_import_circles(area: str) -> None:
+    graph = {
+        name: project_imports(m, type_only=_in_area(name, area)) for name, m in MODULES.items()
+    }
+    cycles = _cycles(graph)
+    assert [c for c in cycles if any(_in_area(name, area) for name in c)] == []
+
+
+def test_type_only_imports_are_edges_where_asked() -> None:
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vmm.pool import ChunkPool\n"
+    )
+    module = Module("vmm.example", ROOT / "vmm" / "example.py", tree)
+    assert project_imports(module) == set()
+    assert project_imports(module, type_only=True) == {"vmm.pool"}
 
 
 def test_cycle_finder_finds_a_circle() -> None:

@@ -151,9 +151,11 @@ class Backend(ABC):
     def view_factory(self, va: int, size: int) -> ViewFactory | None:
         """An object that builds DLPack capsules over the reservation at `va`, or None.
 
-        Backends that can build the capsule natively (host: C++) return one; the capsule's
+        Backends that can build the capsule natively (C++) return one: host, whose capsule's
         deleter keeps the reservation's address range reserved while a tensor lives, without
-        calling Python. With None, `vmm.tensor` uses `__cuda_array_interface__` on CUDA.
+        calling Python; CUDA, whose capsules name CUDA device memory and keep nothing
+        reserved (the factory is retired when the reservation is freed). With None,
+        `vmm.tensor` uses `__cuda_array_interface__`.
         """
         return None
 

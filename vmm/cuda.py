@@ -22,14 +22,24 @@ Approach
     zero fill    `create` maps its new handles at a scratch reservation and clears them
                  with one cuMemsetD8Async on a private stream (`zero_fill=False` skips it)
 
+    tables       per slot va: its handle; per reservation: how many slots are mapped and
+                 which are zero-backed, so `free_reservation` reads two entries, never
+                 its slots; every address is checked against the sorted bases (the last
+                 base <= va, and va before that reservation's end) before any table
+    views        a C++ DLPack factory per reservation (device type kDLCUDA), made on
+                 first use and retired when the reservation is freed
+
 Every public call validates first (raising before any driver call), then runs its driver
 calls with an undo log; a failing call undoes the calls before it in reverse order and
-raises the `vmm.errors` exception naming the driver call and its CUresult code.
+raises the `vmm.errors` exception naming the driver call and its CUresult code. Mapping or
+unmapping one slot (the per-step path of engines) takes a path of its own with the same
+checks and rollback but no batch lists; the context check calls the driver directly.
 
-Scratch mappings (the zero fill, the read-only probe) are always torn down: never while
-their memset may still run, and a teardown call that fails is tried once more before the
-failure is raised naming what stays held. `close` forgets each object as soon as its
-driver call succeeded, so a close that failed part-way resumes when called again.
+Scratch mappings (the zero fill, the read-only probe; `vmm.cuda_scratch`) are always torn
+down: never while their memset may still run, and a teardown call that fails is tried once
+more before the failure is raised naming what stays held. `close` forgets each object as
+soon as its driver call succeeded, so a close that failed part-way resumes when called
+again.
 
 Limitations
 -----------
@@ -51,7 +61,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vmm.backend import Backend, SharedChunks
+from vmm import cuda_scratch
+from vmm._core import host as _host
+from vmm.backend import Backend, SharedChunks, ViewFactory
 from vmm.cuda_driver import Driver, load_driver
 from vmm.errors import (
     AlignmentError,
@@ -62,7 +74,8 @@ from vmm.errors import (
     RangeError,
 )
 
-_TWO_MIB = 2 << 20
+_TWO_MIB = cuda_scratch.TWO_MIB
+_DL_CUDA = 2  # DLPack's kDLCUDA device type
 _VMM_SUPPORTED_ATTR = "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"
 _Undo = list[Callable[[], object]]
 
@@ -107,8 +120,9 @@ class CudaBackend(Backend):
         driver: an initialised `vmm.cuda_driver.Driver` (default: `load_driver()`).
 
     Invariants (checked by `check_invariants`):
-      * every key of `_slot_handle` (mapped read-write) and every member of `_zero_slots`
-        lies in exactly one reservation, and no slot is in both;
+      * every key of `_slot_handle` (mapped read-write) and every zero-backed slot (in
+        `_res_zeros` under its reservation's base) lies in exactly one reservation, and no
+        slot is in both; `_res_mapped[base]` counts the read-write slots of each;
       * `_map_count[h]` = number of slots mapping handle h; every handle there is live.
     """
 
@@ -136,12 +150,18 @@ class CudaBackend(Backend):
         self._map_count: dict[int, int] = {}  # live handle -> slots mapping it
         self._handle_obj: dict[int, Any] = {}  # live handle -> driver handle object
         self._slot_handle: dict[int, int] = {}  # read-write mapped slot va -> handle
-        self._zero_slots: set[int] = set()
+        # Per reservation (base va): its read-write mapped slots and its zero-backed slot
+        # vas, so freeing a reservation never scans its slots.
+        self._res_mapped: dict[int, int] = {}
+        self._res_zeros: dict[int, set[int]] = {}
+        self._views: dict[int, Any] = {}  # base va -> DLPack view factory (made on demand)
         self._stream: Any = None
         self._zero: int | None = None
         self._dev = self._drv.call("cuDeviceGet", self._ordinal)
         self._require_vmm_support()
         self._ctx = self._drv.call("cuDevicePrimaryCtxRetain", self._dev)
+        self._ctx_id = int(self._ctx)
+        self._get_current = self._drv.mod.cuCtxGetCurrent
         try:
             self._set_up(granularity, zero_chunk)
         except BaseException:
@@ -152,6 +172,7 @@ class CudaBackend(Backend):
     def _set_up(self, granularity: int | None, zero_chunk: bool) -> None:
         self._prop = self._allocation_prop(self._shareable)
         self._granularity = self._choose_granularity(granularity)
+        self._align = max(self._granularity, _TWO_MIB)  # of every reservation
         self._rw = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READWRITE")
         self._ro = self._access_desc("CU_MEM_ACCESS_FLAGS_PROT_READ")
         with self._context():
@@ -211,34 +232,44 @@ class CudaBackend(Backend):
     def _probe_zero_chunk(self) -> int | None:
         """Create the zero chunk and check the device accepts a read-only mapping of it."""
         (handle,) = self._create_unlocked(1, zero_fill=True)
-        if self._read_only_mapping_works(handle):
+        if cuda_scratch.read_only_mapping_works(self._drv, self._granularity, handle, self._ro):
             return handle
         self._release_unlocked([handle])
         return None
-
-    def _read_only_mapping_works(self, handle: int) -> bool:
-        """Map `handle` at a scratch reservation and ask for read-only access: a refusal
-        (BackendError from cuMemSetAccess) means False; any other failure is raised."""
-        g = self._granularity
-        va = int(self._drv.call("cuMemAddressReserve", g, _TWO_MIB, 0, 0))
-        num_mapped = 0
-        try:
-            self._drv.call("cuMemMap", va, g, 0, handle, 0)
-            num_mapped = 1
-            self._drv.call("cuMemSetAccess", va, g, self._ro, 1)
-        except BackendError as exc:
-            if exc.op != "cuMemSetAccess":
-                raise
-            return False
-        finally:
-            self._tear_down_scratch(va, g, num_mapped)
-        return True
 
     # ---- context ------------------------------------------------------------------
     def _context(self) -> _ContextGuard:
         if self._closed:
             raise ClosedError(f"cuda backend on {self.device} is closed")
         return _ContextGuard(self)
+
+    def _enter(self, closed_ok: bool = False) -> bool:
+        """`_context()` without the guard object (the per-op calls): take the lock and make
+        the context current; returns whether it was pushed, for `_leave`. `closed_ok`:
+        also on a closed backend (close itself, a failed constructor)."""
+        if self._closed and not closed_ok:
+            raise ClosedError(f"cuda backend on {self.device} is closed")
+        self._lock.acquire()
+        try:
+            drv = self._drv
+            drv.num_calls["cuCtxGetCurrent"] = drv.num_calls.get("cuCtxGetCurrent", 0) + 1
+            err, current = self._get_current()  # the hot path's one extra call: no wrapper
+            if err:
+                raise drv.error("cuCtxGetCurrent", err)
+            if int(current) != self._ctx_id:
+                drv.call("cuCtxPushCurrent", self._ctx)
+                return True
+        except BaseException:
+            self._lock.release()
+            raise
+        return False
+
+    def _leave(self, pushed: bool) -> None:
+        try:
+            if pushed:
+                self._drv.call("cuCtxPopCurrent")
+        finally:
+            self._lock.release()
 
     @property
     def driver(self) -> Driver:
@@ -257,19 +288,25 @@ class CudaBackend(Backend):
     def create(self, count: int) -> list[int]:
         if count < 1:
             raise ValueError(f"create needs count >= 1, got {count}")
-        with self._context():
+        pushed = self._enter()
+        try:
             return self._create_unlocked(count, zero_fill=self._zero_fill)
+        finally:
+            self._leave(pushed)
 
     def _create_unlocked(self, count: int, *, zero_fill: bool) -> list[int]:
         made: list[int] = []
+        call, g, prop = self._drv.call, self._granularity, self._prop
+        handle_obj, map_count = self._handle_obj, self._map_count
         try:
             for _ in range(count):
-                obj = self._drv.call("cuMemCreate", self._granularity, self._prop, 0)
-                made.append(int(obj))
-                self._handle_obj[int(obj)] = obj
-                self._map_count[int(obj)] = 0
+                obj = call("cuMemCreate", g, prop, 0)
+                handle = int(obj)
+                made.append(handle)
+                handle_obj[handle] = obj
+                map_count[handle] = 0
             if zero_fill:
-                self._zero_fill_handles(made)
+                cuda_scratch.zero_fill(self._drv, g, made, self._rw, self._stream)
         except OutOfMemory as exc:
             num_made = len(made)
             self._release_quietly(made)
@@ -286,82 +323,37 @@ class CudaBackend(Backend):
             raise
         return made
 
-    def _zero_fill_handles(self, handles: Sequence[int]) -> None:
-        """Map `handles` side by side at a scratch reservation and clear them in one memset.
-
-        The memset is asynchronous: if waiting for it fails, it may still be running, so
-        the scratch mapping is not torn down before one more wait succeeds (unmapping under
-        running work is what makes a GPU fault)."""
-        g = self._granularity
-        size = g * len(handles)
-        va = int(self._drv.call("cuMemAddressReserve", size, _TWO_MIB, 0, 0))
-        num_mapped = 0
-        queued = False
-        try:
-            for i, h in enumerate(handles):
-                self._drv.call("cuMemMap", va + i * g, g, 0, h, 0)
-                num_mapped += 1
-            self._drv.call("cuMemSetAccess", va, size, self._rw, 1)
-            self._drv.call("cuMemsetD8Async", va, 0, size, self._stream)
-            queued = True
-            self._drv.call("cuStreamSynchronize", self._stream)
-            queued = False
-        finally:
-            if queued:  # raises (keeping the scratch mapping) if the memset cannot be awaited
-                self._drv.call("cuStreamSynchronize", self._stream)
-            self._tear_down_scratch(va, size, num_mapped)
-
-    def _tear_down_scratch(self, va: int, size: int, num_mapped: int) -> None:
-        """Unmap the first `num_mapped` slots of the scratch reservation [va, va + size) and
-        free it. A failed step is tried once more (a driver call that fails does nothing,
-        so a transient failure then leaves nothing behind); a second failure is raised
-        with what stays held."""
-        g = self._granularity
-        for i in range(num_mapped):
-            self._call_twice(
-                f"scratch slot {i} of {num_mapped} at {va + i * g:#x} stays mapped",
-                "cuMemUnmap", va + i * g, g,
-            )  # fmt: skip
-        self._call_twice(f"scratch reservation {va:#x} of {size} bytes stays reserved",
-                         "cuMemAddressFree", va, size)  # fmt: skip
-
-    def _call_twice(self, leaked: str, name: str, *args: Any) -> None:
-        try:
-            self._drv.call(name, *args)
-        except (BackendError, OutOfMemory):
-            try:
-                self._drv.call(name, *args)
-            except (BackendError, OutOfMemory) as exc:
-                raise BackendError(
-                    f"{exc} (failed twice; {leaked})", op=name, code=getattr(exc, "code", 0)
-                ) from exc
-
     def release(self, handles: Sequence[int]) -> None:
-        with self._context():
+        pushed = self._enter()
+        try:
+            map_count = self._map_count
             for h in handles:
-                self._check_live(h, "release")
-                if self._map_count[h]:
-                    raise MappingError(
-                        f"release of handle {h}: still mapped at {self._map_count[h]} slot(s)"
-                    )
+                mapped = map_count.get(h)
+                if mapped is None:
+                    self._check_live(h, "release")
+                if mapped:
+                    raise MappingError(f"release of handle {h}: still mapped at {mapped} slot(s)")
                 if h == self._zero:
                     raise MappingError(f"release of handle {h}: it is the zero chunk")
-            if len(set(handles)) != len(handles):
+            if len(handles) > 1 and len(set(handles)) != len(handles):
                 raise MappingError(f"release: duplicate handles in {list(handles)}")
             self._release_unlocked(handles)
+        finally:
+            self._leave(pushed)
 
     def _release_unlocked(self, handles: Sequence[int]) -> None:
+        call, map_count, handle_obj = self._drv.call, self._map_count, self._handle_obj
         for i, h in enumerate(handles):
             try:
-                self._drv.call("cuMemRelease", h)
+                call("cuMemRelease", h)
             except BackendError as exc:
                 raise BackendError(
                     f"{exc} (after releasing {i} of {len(handles)} handles)",
                     op=exc.op,
                     code=exc.code,
                 ) from exc
-            del self._map_count[h]
-            del self._handle_obj[h]
+            del map_count[h]
+            del handle_obj[h]
 
     def _release_quietly(self, handles: Sequence[int]) -> None:
         for h in handles:
@@ -415,78 +407,159 @@ class CudaBackend(Backend):
             raise AlignmentError(f"reserve size {size} must be a positive multiple of {g}")
         if zero and self._zero is None:
             raise MappingError("reserve(zero=True): this backend has no zero chunk")
-        with self._context():
-            va = int(self._drv.call("cuMemAddressReserve", size, max(g, _TWO_MIB), 0, 0))
+        pushed = self._enter()
+        try:
+            va = int(self._drv.call("cuMemAddressReserve", size, self._align, 0, 0))
             self._reservations[va] = size
             bisect.insort(self._bases, va)
-            undo: _Undo = []
-            try:
-                if zero:
-                    self._map_zero(list(range(va, va + size, g)), undo)
-            except BaseException:
-                self._roll_back(undo)
-                self._forget_reservation(va)
-                self._drv.call("cuMemAddressFree", va, size)
-                raise
+            self._res_mapped[va] = 0
+            self._res_zeros[va] = set()
+            if zero:
+                self._zero_back_new(va, size)
             return va
+        finally:
+            self._leave(pushed)
+
+    def _zero_back_new(self, va: int, size: int) -> None:
+        """Map the zero chunk at every slot of the new reservation; on failure undo that,
+        forget the reservation and free it."""
+        undo: _Undo = []
+        try:
+            num_slots = size // self._granularity
+            self._map_zero(list(range(va, va + size, self._granularity)), [va] * num_slots, undo)
+        except BaseException:
+            self._roll_back(undo)
+            self._forget_reservation(va)
+            self._drv.call("cuMemAddressFree", va, size)
+            raise
 
     def _forget_reservation(self, va: int) -> None:
         del self._reservations[va]
         self._bases.remove(va)
+        del self._res_mapped[va]
+        del self._res_zeros[va]
+        factory = self._views.pop(va, None)
+        if factory is not None:
+            factory.retire()  # later capsules from it raise ClosedError
 
     def free_reservation(self, va: int, size: int) -> None:
-        with self._context():
+        pushed = self._enter()
+        try:
             if self._reservations.get(va) != size:
                 raise RangeError(f"free_reservation({va:#x}, {size}): no such reservation")
-            slots = range(va, va + size, self._granularity)
-            busy = sum(1 for s in slots if s in self._slot_handle)
+            busy = self._res_mapped[va]
             if busy:
                 raise MappingError(f"free_reservation({va:#x}): {busy} slot(s) still mapped")
-            zeros = [s for s in slots if s in self._zero_slots]
-            undo: _Undo = []
-            try:
-                self._unmap_slots(zeros, undo)
+            if self._res_zeros[va]:
+                self._free_zero_backed(va, size)
+            else:
                 self._drv.call("cuMemAddressFree", va, size)
-            except BaseException:
-                self._roll_back(undo)
-                raise
-            self._zero_slots.difference_update(zeros)
-            if self._zero is not None:
-                self._map_count[self._zero] -= len(zeros)
             self._forget_reservation(va)
+        finally:
+            self._leave(pushed)
+
+    def _free_zero_backed(self, va: int, size: int) -> None:
+        """Unmap the zero chunk from the reservation's zero-backed slots, then free it; a
+        failure maps them back."""
+        zeros = sorted(self._res_zeros[va])
+        undo: _Undo = []
+        try:
+            self._unmap_slots(zeros, [va] * len(zeros), undo)
+            self._drv.call("cuMemAddressFree", va, size)
+        except BaseException:
+            self._roll_back(undo)
+            raise
+        self._map_count[self._zero] -= len(zeros)  # type: ignore[index]
 
     def map(self, vas: Sequence[int], handles: Sequence[int]) -> None:
         if len(vas) != len(handles):
             raise ValueError(f"map: {len(vas)} addresses but {len(handles)} handles")
-        with self._context():
-            self._check_targets(vas, "map", want_mapped=False)
+        pushed = self._enter()
+        try:
+            if len(vas) == 1 and self._map_one(vas[0], handles[0]):
+                return
+            bases = self._check_targets(vas, "map", want_mapped=False)
+            map_count = self._map_count
             for h in handles:
-                self._check_live(h, "map")
+                if h not in map_count or h == self._zero:
+                    self._check_live(h, "map")
+                    raise MappingError(f"map: handle {h} is the read-only zero chunk")
+            res_zeros = self._res_zeros
+            zeros = [(va, b) for va, b in zip(vas, bases, strict=True) if va in res_zeros[b]]
             undo: _Undo = []
             try:
-                zeros = [va for va in vas if va in self._zero_slots]
-                self._unmap_slots(zeros, undo)
-                self._map_handles(vas, handles, undo)
+                if zeros:
+                    self._unmap_slots([z[0] for z in zeros], [z[1] for z in zeros], undo)
+                self._map_handles(vas, handles, bases, undo)
             except BaseException:
                 self._roll_back(undo)
                 raise
-            self._commit_map(vas, handles, zeros)
+            self._commit_map(vas, handles, bases, zeros)
+        finally:
+            self._leave(pushed)
 
     def unmap(self, vas: Sequence[int], *, to_zero: bool = False) -> None:
         if to_zero and self._zero is None:
             raise MappingError("unmap(to_zero=True): this backend has no zero chunk")
-        with self._context():
-            self._check_targets(vas, "unmap", want_mapped=True)
-            handles = [self._slot_handle[va] for va in vas]
+        pushed = self._enter()
+        try:
+            if len(vas) == 1 and not to_zero and self._unmap_one(vas[0]):
+                return
+            bases = self._check_targets(vas, "unmap", want_mapped=True)
+            slot_handle = self._slot_handle
+            handles = [slot_handle[va] for va in vas]
             undo: _Undo = []
             try:
-                self._unmap_slots(vas, undo)
+                self._unmap_slots(vas, bases, undo)
                 if to_zero:
-                    self._map_zero(vas, undo)
+                    self._map_zero(vas, bases, undo)
             except BaseException:
                 self._roll_back(undo)
                 raise
-            self._commit_unmap(vas, handles)
+            self._commit_unmap(vas, handles, bases)
+        finally:
+            self._leave(pushed)
+
+    def _map_one(self, va: int, handle: int) -> bool:
+        """`map` of one slot that is not zero-backed, without the batch's lists and undo
+        log (the per-slot path of engines); False leaves the slot to the batch path."""
+        base = self._slot_base(va, "map", want_mapped=False)
+        if handle not in self._map_count or handle == self._zero or va in self._res_zeros[base]:
+            return False  # the batch path refuses the handle or unmaps the zero chunk first
+        call, g = self._drv.call, self._granularity
+        call("cuMemMap", va, g, 0, handle, 0)
+        try:
+            call("cuMemSetAccess", va, g, self._rw, 1)
+        except BaseException:
+            self._roll_back([functools.partial(call, "cuMemUnmap", va, g)])
+            raise
+        self._slot_handle[va] = handle
+        self._map_count[handle] += 1
+        self._res_mapped[base] += 1
+        return True
+
+    def _unmap_one(self, va: int) -> bool:
+        """`unmap` of one read-write slot (not to zero): one cuMemUnmap, nothing to undo."""
+        base = self._slot_base(va, "unmap", want_mapped=True)
+        self._drv.call("cuMemUnmap", va, self._granularity)
+        self._map_count[self._slot_handle.pop(va)] -= 1
+        self._res_mapped[base] -= 1
+        return True
+
+    def view_factory(self, va: int, size: int) -> ViewFactory | None:
+        """DLPack capsules of CUDA device memory over the reservation at `va` (one factory
+        per reservation, made on first use; retired when the reservation is freed)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"cuda backend on {self.device} is closed")
+            if self._reservations.get(va) != size:
+                raise RangeError(f"view_factory({va:#x}, {size}): no such reservation")
+            factory = self._views.get(va)
+            if factory is None:
+                factory = _host.device_view_factory(va, size, _DL_CUDA, self._ordinal)
+                self._views[va] = factory
+            shared: ViewFactory = factory.share()
+            return shared
 
     def stats(self) -> dict[str, int]:
         """Gauges under the `vmm.stats` scheme: `bytes.physical.current` is the device
@@ -502,7 +575,12 @@ class CudaBackend(Backend):
     @property
     def num_zero_slots(self) -> int:
         """Slots backed by the read-only zero chunk."""
-        return len(self._zero_slots)
+        return sum(len(zeros) for zeros in self._res_zeros.values())
+
+    @property
+    def _zero_slots(self) -> set[int]:
+        """Every zero-backed slot va (checks and tests; the ops use `_res_zeros`)."""
+        return set().union(*self._res_zeros.values())
 
     @property
     def driver_calls(self) -> dict[str, int]:
@@ -526,10 +604,12 @@ class CudaBackend(Backend):
         for va in sorted(self._slot_handle):
             self._drv.call("cuMemUnmap", va, g)
             self._map_count[self._slot_handle.pop(va)] -= 1
-        for va in sorted(self._zero_slots):
-            self._drv.call("cuMemUnmap", va, g)
-            self._zero_slots.discard(va)
-            self._map_count[self._zero] -= 1  # type: ignore[index]
+            self._res_mapped[self._reservation_of(va)] -= 1
+        for zeros in self._res_zeros.values():
+            for va in sorted(zeros):
+                self._drv.call("cuMemUnmap", va, g)
+                zeros.discard(va)
+                self._map_count[self._zero] -= 1  # type: ignore[index]
         for va in list(self._bases):
             self._drv.call("cuMemAddressFree", va, self._reservations[va])
             self._forget_reservation(va)
@@ -545,68 +625,89 @@ class CudaBackend(Backend):
             raise MappingError(f"{op}: handle {handle} is not a live chunk of this backend")
 
     def _reservation_of(self, va: int) -> int:
-        i = bisect.bisect_right(self._bases, va) - 1
-        if i < 0 or va >= self._bases[i] + self._reservations[self._bases[i]]:
+        bases = self._bases
+        i = bisect.bisect_right(bases, va) - 1
+        if i < 0 or va >= bases[i] + self._reservations[bases[i]]:
             raise RangeError(f"address {va:#x} is not inside any reservation")
-        return self._bases[i]
+        return bases[i]
 
-    def _check_targets(self, vas: Sequence[int], op: str, *, want_mapped: bool) -> None:
-        g = self._granularity
-        if len(set(vas)) != len(vas):
+    def _check_targets(self, vas: Sequence[int], op: str, *, want_mapped: bool) -> list[int]:
+        """Check every slot address of a batch before any table or driver call; returns the
+        base of each one's reservation."""
+        if len(vas) > 1 and len(set(vas)) != len(vas):
             raise MappingError(f"{op}: the batch names a slot twice")
-        for va in vas:
-            if va % g:
-                raise AlignmentError(f"{op}: address {va:#x} is not a multiple of {g}")
-            self._reservation_of(va)
-            if (va in self._slot_handle) != want_mapped:
-                state = "already mapped" if not want_mapped else "not mapped"
-                raise MappingError(f"{op}: slot {va:#x} is {state}")
+        return [self._slot_base(va, op, want_mapped) for va in vas]
+
+    def _slot_base(self, va: int, op: str, want_mapped: bool) -> int:
+        """The base of the reservation holding slot `va`, checked: aligned, inside one
+        reservation (the last base <= va, and before its end), mapped or not as wanted."""
+        g = self._granularity
+        if va % g:
+            raise AlignmentError(f"{op}: address {va:#x} is not a multiple of {g}")
+        bases = self._bases
+        i = bisect.bisect_right(bases, va) - 1
+        if i < 0 or va - bases[i] >= self._reservations[bases[i]]:
+            raise RangeError(f"address {va:#x} is not inside any reservation")
+        if (va in self._slot_handle) != want_mapped:
+            state = "already mapped" if not want_mapped else "not mapped"
+            raise MappingError(f"{op}: slot {va:#x} is {state}")
+        return bases[i]
 
     # ---- driver steps with undo ---------------------------------------------------
-    def _map_handles(self, vas: Sequence[int], handles: Sequence[int], undo: _Undo) -> None:
-        g = self._granularity
+    def _map_handles(
+        self, vas: Sequence[int], handles: Sequence[int], bases: Sequence[int], undo: _Undo
+    ) -> None:
+        g, call = self._granularity, self._drv.call
         for va, h in zip(vas, handles, strict=True):
-            self._drv.call("cuMemMap", va, g, 0, h, 0)
-            undo.append(functools.partial(self._drv.call, "cuMemUnmap", va, g))
-        self._set_access(vas, self._rw)
+            call("cuMemMap", va, g, 0, h, 0)
+            undo.append(functools.partial(call, "cuMemUnmap", va, g))
+        self._set_access(vas, bases, self._rw)
 
-    def _map_zero(self, vas: Sequence[int], undo: _Undo) -> None:
+    def _map_zero(self, vas: Sequence[int], bases: Sequence[int], undo: _Undo) -> None:
         assert self._zero is not None
-        self._map_handles_ro(vas, undo)
-        self._zero_slots.update(vas)
+        self._map_handles_ro(vas, bases, undo)
+        res_zeros = self._res_zeros
+        for va, base in zip(vas, bases, strict=True):
+            res_zeros[base].add(va)
         self._map_count[self._zero] += len(vas)
 
         def forget() -> None:
-            self._zero_slots.difference_update(vas)
+            for va, base in zip(vas, bases, strict=True):
+                res_zeros[base].discard(va)
             self._map_count[self._zero] -= len(vas)  # type: ignore[index]
 
         undo.append(forget)
 
-    def _map_handles_ro(self, vas: Sequence[int], undo: _Undo) -> None:
-        g = self._granularity
+    def _map_handles_ro(self, vas: Sequence[int], bases: Sequence[int], undo: _Undo) -> None:
+        g, call = self._granularity, self._drv.call
         for va in vas:
-            self._drv.call("cuMemMap", va, g, 0, self._zero, 0)
-            undo.append(functools.partial(self._drv.call, "cuMemUnmap", va, g))
-        self._set_access(vas, self._ro)
+            call("cuMemMap", va, g, 0, self._zero, 0)
+            undo.append(functools.partial(call, "cuMemUnmap", va, g))
+        self._set_access(vas, bases, self._ro)
 
-    def _set_access(self, vas: Sequence[int], desc: list[Any]) -> None:
+    def _set_access(self, vas: Sequence[int], bases: Sequence[int], desc: list[Any]) -> None:
         g = self._granularity
-        keyed = sorted((self._reservation_of(va), va) for va in vas)
-        for start, num_slots in _runs(keyed, g):
+        if len(vas) == 1:
+            self._drv.call("cuMemSetAccess", vas[0], g, desc, 1)
+            return
+        for start, num_slots in _runs(sorted(zip(bases, vas, strict=True)), g):
             self._drv.call("cuMemSetAccess", start, num_slots * g, desc, 1)
 
-    def _unmap_slots(self, vas: Sequence[int], undo: _Undo) -> None:
+    def _unmap_slots(self, vas: Sequence[int], bases: Sequence[int], undo: _Undo) -> None:
+        call, slot_handle, res_zeros = self._drv.call, self._slot_handle, self._res_zeros
         g = self._granularity
-        for va in vas:
-            self._drv.call("cuMemUnmap", va, g)
-            h = self._slot_handle.get(va, self._zero)
-            desc = self._ro if va in self._zero_slots else self._rw
+        for va, base in zip(vas, bases, strict=True):
+            call("cuMemUnmap", va, g)
+            zero_backed = va in res_zeros[base]
+            h = self._zero if zero_backed else slot_handle[va]
+            undo.append(
+                functools.partial(self._remap, va, h, self._ro if zero_backed else self._rw)
+            )
 
-            def remap(va: int = va, h: int | None = h, desc: list[Any] = desc) -> None:
-                self._drv.call("cuMemMap", va, g, 0, h, 0)
-                self._drv.call("cuMemSetAccess", va, g, desc, 1)
-
-            undo.append(remap)
+    def _remap(self, va: int, handle: int | None, desc: list[Any]) -> None:
+        """Undo of one `cuMemUnmap`: map `handle` at `va` again with its access."""
+        self._drv.call("cuMemMap", va, self._granularity, 0, handle, 0)
+        self._drv.call("cuMemSetAccess", va, self._granularity, desc, 1)
 
     def _roll_back(self, undo: _Undo) -> None:
         for step in reversed(undo):
@@ -618,18 +719,31 @@ class CudaBackend(Backend):
                     op="rollback",
                 ) from exc
 
-    def _commit_map(self, vas: Sequence[int], handles: Sequence[int], zeros: list[int]) -> None:
-        for va, h in zip(vas, handles, strict=True):
-            self._slot_handle[va] = h
-            self._map_count[h] += 1
-        self._zero_slots.difference_update(zeros)
-        if self._zero is not None:
-            self._map_count[self._zero] -= len(zeros)
+    def _commit_map(
+        self,
+        vas: Sequence[int],
+        handles: Sequence[int],
+        bases: Sequence[int],
+        zeros: list[tuple[int, int]],
+    ) -> None:
+        slot_handle, map_count, res_mapped = self._slot_handle, self._map_count, self._res_mapped
+        for va, h, base in zip(vas, handles, bases, strict=True):
+            slot_handle[va] = h
+            map_count[h] += 1
+            res_mapped[base] += 1
+        if zeros:
+            for va, base in zeros:
+                self._res_zeros[base].discard(va)
+            self._map_count[self._zero] -= len(zeros)  # type: ignore[index]
 
-    def _commit_unmap(self, vas: Sequence[int], handles: Sequence[int]) -> None:
-        for va, h in zip(vas, handles, strict=True):
-            del self._slot_handle[va]
-            self._map_count[h] -= 1
+    def _commit_unmap(
+        self, vas: Sequence[int], handles: Sequence[int], bases: Sequence[int]
+    ) -> None:
+        slot_handle, map_count, res_mapped = self._slot_handle, self._map_count, self._res_mapped
+        for va, h, base in zip(vas, handles, bases, strict=True):
+            del slot_handle[va]
+            map_count[h] -= 1
+            res_mapped[base] -= 1
         # With to_zero, _map_zero has already recorded and counted the zero slots.
 
     # ---- checks -------------------------------------------------------------------
@@ -637,11 +751,13 @@ class CudaBackend(Backend):
         """Raise AssertionError if the slot/handle tables disagree (cheap, O(slots))."""
         assert not (set(self._slot_handle) & self._zero_slots), "slot both mapped and zero"
         counts: dict[int, int] = dict.fromkeys(self._map_count, 0)
+        mapped: dict[int, int] = dict.fromkeys(self._reservations, 0)
         for va, h in self._slot_handle.items():
-            self._reservation_of(va)
+            mapped[self._reservation_of(va)] += 1
             counts[h] += 1
-        for va in self._zero_slots:
-            self._reservation_of(va)
+        assert mapped == self._res_mapped, f"mapped per reservation {self._res_mapped} != {mapped}"
+        for base, zeros in self._res_zeros.items():
+            assert all(self._reservation_of(va) == base for va in zeros), "zero slot misfiled"
         if self._zero is not None:
             counts[self._zero] = len(self._zero_slots)
         assert counts == self._map_count, f"map counts {self._map_count} != {counts}"
@@ -659,19 +775,7 @@ class _ContextGuard:
         self._pushed = False
 
     def __enter__(self) -> None:
-        self._b._lock.acquire()
-        try:
-            drv = self._b._drv
-            if int(drv.call("cuCtxGetCurrent")) != int(self._b._ctx):
-                drv.call("cuCtxPushCurrent", self._b._ctx)
-                self._pushed = True
-        except BaseException:
-            self._b._lock.release()
-            raise
+        self._pushed = self._b._enter(closed_ok=True)
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            if self._pushed:
-                self._b._drv.call("cuCtxPopCurrent")
-        finally:
-            self._b._lock.release()
+        self._b._leave(self._pushed)

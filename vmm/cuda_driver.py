@@ -61,22 +61,27 @@ class Driver:
         self.num_calls: dict[str, int] = {}
         #: when a dict, `call` appends each call's wall time (ns) under its name (vmm-bench)
         self.timings: dict[str, list[int]] | None = None
+        self._functions: dict[str, Any] = {}  # name -> the module's function, looked up once
 
     def call(self, name: str, *args: Any) -> Any:
         """Run driver function `name`; return its single output, a tuple of several, or None."""
-        self.num_calls[name] = self.num_calls.get(name, 0) + 1
+        num_calls = self.num_calls
+        num_calls[name] = num_calls.get(name, 0) + 1
+        function = self._functions.get(name)
+        if function is None:
+            function = self._functions[name] = getattr(self.mod, name)
         if self.timings is None:
-            result = getattr(self.mod, name)(*args)
+            result = function(*args)
         else:
             t0 = time.perf_counter_ns()
-            result = getattr(self.mod, name)(*args)
+            result = function(*args)
             self.timings.setdefault(name, []).append(time.perf_counter_ns() - t0)
-        err = result[0]
-        if err:
-            raise self.error(name, err)
-        if len(result) == 1:
-            return None
-        return result[1] if len(result) == 2 else tuple(result[1:])
+        if result[0]:
+            raise self.error(name, result[0])
+        num_outputs = len(result)
+        if num_outputs == 2:
+            return result[1]
+        return None if num_outputs == 1 else tuple(result[1:])
 
     def error(self, name: str, err: Any) -> BackendError | OutOfMemory:
         """The exception for `name` having returned `err` (never raises itself)."""

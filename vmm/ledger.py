@@ -43,7 +43,8 @@ Limitations
 -----------
 One lock per pool: calls on one pool are serialized (the backend call included); two
 pools run in parallel. A range sees its ledger through `ChunkPool.ledger`; the
-ledger knows ranges only through the few methods named in `OpenRange`.
+ledger knows ranges only through the few methods named in `OpenRange`, and ranges and
+plans know their pool only through `PoolHandle`.
 """
 
 from __future__ import annotations
@@ -85,6 +86,21 @@ class OpenRange(Protocol):
     def check_invariants(self, *, expensive: bool = False) -> None: ...
 
     def close(self) -> None: ...
+
+
+class PoolHandle(Protocol):
+    """What a range and a plan need of their pool (`vmm.pool.ChunkPool`): its backend,
+    granularity and ledger. Ranges and plans name the pool by this protocol, so neither
+    imports `vmm.pool` (which imports them)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def granularity(self) -> int: ...
+
+    @property
+    def ledger(self) -> ChunkLedger: ...
 
 
 class ChunkLedger:

@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 from vmm.errors import MappingError
 
 if TYPE_CHECKING:
-    from vmm.ledger import ChunkLedger
-    from vmm.pool import ChunkPool
+    from vmm.ledger import ChunkLedger, PoolHandle
     from vmm.range import VirtualRange
 
 Undo = Callable[[], None]
@@ -111,7 +110,7 @@ class MappingPlan:
         if len(src_slots) != len(dst_slots):
             raise MappingError(f"{kind}: {len(src_slots)} source slots, {len(dst_slots)} targets")
 
-    def apply(self, pool: ChunkPool | None = None) -> list[list[int]]:
+    def apply(self, pool: PoolHandle | None = None) -> list[list[int]]:
         """Run every op in order; on any error undo the done ones and re-raise.
 
         Returns, per op, the handles it touched (new chunks for map, freed-or-still-shared

@@ -42,13 +42,12 @@ from typing import TYPE_CHECKING, Any
 from vmm import tensor as _tensor
 from vmm.checks import as_index
 from vmm.errors import BackendError, ClosedError, MappingError, RangeError
-from vmm.ledger import locked
+from vmm.ledger import PoolHandle, locked
 
 if TYPE_CHECKING:
     import torch
 
     from vmm.backend import ViewFactory
-    from vmm.pool import ChunkPool
 
 
 class VirtualRange:
@@ -58,7 +57,7 @@ class VirtualRange:
     all-or-nothing.
     """
 
-    def __init__(self, pool: ChunkPool, size: int, *, zero_backed: bool, name: str) -> None:
+    def __init__(self, pool: PoolHandle, size: int, *, zero_backed: bool, name: str) -> None:
         backend = pool.backend
         if zero_backed and backend.zero_handle is None:
             raise MappingError(f"backend {backend.name!r} has no zero chunk for zero_backed")
@@ -100,10 +99,11 @@ class VirtualRange:
 
     @property
     def num_views(self) -> int | None:
-        """Live DLPack tensors over this range (host), or None where views are not counted.
+        """Live DLPack tensors over this range, or None where views are not counted (a
+        closed range, a backend without a view factory).
 
-        Closing a range with live views is allowed: they keep the addresses reserved, but
-        their slots are no longer backed, so using one then faults."""
+        Closing a range with live views is allowed: on host they keep the addresses
+        reserved, but their slots are no longer backed, so using one then faults."""
         holders = getattr(self._views, "holders", None)
         if holders is None:
             return None
@@ -111,7 +111,8 @@ class VirtualRange:
 
     @property
     def view_factory(self) -> ViewFactory | None:
-        """The backend's DLPack factory over this range (None on CUDA, or once closed)."""
+        """The backend's DLPack factory over this range (None once closed, or where the
+        backend has none)."""
         return self._views
 
     @locked

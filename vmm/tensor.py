@@ -13,19 +13,22 @@ Approach
   reserved without Python being called when it dies; `torch.from_dlpack` adopts it.
   Dtypes DLPack cannot name (float8 ...) travel as the unsigned int of the same width
   and are reinterpreted with `Tensor.view(dtype)` (still no copy).
-* CUDA without a factory: an owner object exposes `__cuda_array_interface__` over the
-  viewed bytes as uint8; torch keeps the owner (and through it the range) alive; the
-  bytes are reinterpreted with `view(dtype)` and `as_strided`.
+  The CUDA backend's factory makes the same capsules with device type kDLCUDA.
+* A backend without a factory (CUDA device memory): an owner object exposes
+  `__cuda_array_interface__` over the viewed bytes as uint8; torch keeps the owner (and
+  through it the range) alive; the bytes are reinterpreted with `view(dtype)` and
+  `as_strided`.
 
 Limitations
 -----------
-Strides are non-negative element strides. The CUDA path is only exercised on a GPU.
+Strides are non-negative element strides. torch adopts CUDA capsules (and
+`__cuda_array_interface__` owners) only with CUDA, so those tensors are made on a GPU only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vmm._core import host as _h
 from vmm.checks import INT64_MAX, as_index, as_indices
@@ -37,7 +40,19 @@ HostError = _h.HostError
 if TYPE_CHECKING:
     import torch
 
-    from vmm.range import VirtualRange
+    from vmm.backend import ViewFactory
+
+
+class ViewedRange(Protocol):
+    """What a view needs of its range (`vmm.range.VirtualRange`, which imports this module)."""
+
+    va: int
+    size: int
+    device: str
+
+    @property
+    def view_factory(self) -> ViewFactory | None: ...
+
 
 # torch.dtype -> (DLPack code, bits, itemsize, reinterpret-as dtype or None); built lazily
 DTYPES: dict[Any, tuple[int, int, int, Any]] = {}
@@ -100,7 +115,7 @@ def dtype_info(dtype: Any) -> tuple[int, int, int, Any]:
 
 
 def view(
-    rng: VirtualRange,
+    rng: ViewedRange,
     shape: Sequence[int] | int,
     dtype: torch.dtype | str,
     offset: int,
@@ -156,7 +171,7 @@ def span_bytes(shape: Sequence[int], strides: Sequence[int] | None, itemsize: in
 class _CudaArray:
     """Owner exposing raw device bytes through `__cuda_array_interface__` (version 3)."""
 
-    def __init__(self, ptr: int, nbytes: int, owner: VirtualRange) -> None:
+    def __init__(self, ptr: int, nbytes: int, owner: ViewedRange) -> None:
         self.owner = owner  # keeps the range (and its reservation) alive with the tensor
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
@@ -168,7 +183,7 @@ class _CudaArray:
 
 
 def _cuda_view(
-    rng: VirtualRange,
+    rng: ViewedRange,
     shape: Sequence[int],
     dtype: torch.dtype,
     itemsize: int,

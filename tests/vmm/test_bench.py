@@ -193,6 +193,30 @@ def test_bars_pass_and_fail_on_the_numbers() -> None:
     assert Bar("x", 1.2, 1.2, "x raw", "").passed  # the limit itself passes
 
 
+def test_cuda_overhead_bars_pass_and_fail_on_the_numbers() -> None:
+    """One-by-one CUDA ops: ours - raw <= 3 µs; free_reservation <= 1.2x raw, or raw + 3 µs
+    where the raw call is short; a tensor view <= 1.5 µs over the bare capsule."""
+    one = {"backend": "cuda", "mode": "one_by_one", "layout": "-"}
+    report = Report(args={"backend": "cuda"})
+    report.results = [
+        _result("map", 8_000.0, 5_000.0, **one),  # 3 µs over: the limit passes
+        _result("unmap", 6_100.0, 3_000.0, **one),  # 3.1 µs over
+        _result("free_reservation", 36_000.0, 29_500.0, **one),  # 1.22x of a long call
+        _result("free_reservation", 7_900.0, 5_000.0, chunk_size=8 << 20, **one),  # +2.9 µs
+        _result("tensor_view", 2_300.0, 770.0, **one | {"num_chunks": 1}),  # 1.53 µs over
+        _result("map", 90_000.0, 5_000.0, backend="cuda"),  # batched: no overhead bar
+    ]
+    bars = {b.name: b for b in bench.check_bars(report, "cuda")}
+    assert bars["cuda map 2M one-by-one overhead"].passed
+    assert not bars["cuda unmap 2M one-by-one overhead"].passed
+    long_free = bars["cuda free_reservation 2M"]
+    assert (long_free.limit, long_free.passed) == (1.2, False)
+    assert bars["cuda free_reservation 8M"].passed  # 1.58x, within raw + 3 µs
+    assert not bars["cuda tensor view overhead"].passed
+    assert not bars["cuda tensor view creation"].passed
+    assert len(bars) == 6
+
+
 # ---- the raw baselines ------------------------------------------------------------------
 def test_raw_host_cycle_times_every_call() -> None:
     order = chunk_order("scattered", 5)

@@ -3,6 +3,7 @@ marshalling against cuda-python itself (when installed), and the real driver (`c
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from vmm._core import host as _host
 from vmm.cuda import CudaBackend
 from vmm.cuda_driver import Driver, load_driver
 
@@ -207,6 +209,94 @@ def test_rollback_at_every_driver_call(name: str):
         b.check_invariants()
         b.close()
         assert (model.handles, model.reservations, model.mappings) == ({}, {}, {})
+
+
+def _one_slot_op(b: CudaBackend, op: str) -> Callable[[], Any]:
+    va = b.reserve(2 * G)
+    (h,) = b.create(1)
+    if op == "map":
+        return lambda: b.map([va + G], [h])
+    b.map([va + G], [h])
+    return lambda: b.unmap([va + G])
+
+
+@pytest.mark.parametrize("op", ["map", "unmap"])
+def test_one_slot_ops_roll_back_at_every_driver_call(op: str):
+    """map/unmap of one slot take a path of their own (no batch lists): same rollback."""
+    probe_model = DriverModel(granularity=G, capacity_bytes=32 * G)
+    probe = CudaBackend(0, driver=load_driver(probe_model))  # type: ignore[arg-type]
+    num_calls = vmm_calls(probe_model, _one_slot_op(probe, op))
+    probe.close()
+    assert num_calls == (2 if op == "map" else 1)  # cuMemMap + cuMemSetAccess / cuMemUnmap
+    for k in range(1, num_calls + 1):
+        model = DriverModel(granularity=G, capacity_bytes=32 * G)
+        b = CudaBackend(0, driver=load_driver(model))  # type: ignore[arg-type]
+        run = _one_slot_op(b, op)
+        before = state(b, model)
+        model.fail_at(k)
+        with pytest.raises(vmm.OutOfMemory):
+            run()
+        assert state(b, model) == before, f"{op}: state changed after failing call {k}"
+        run()
+        b.check_invariants()
+        b.close()
+
+
+def test_map_refuses_the_zero_chunk(backend: CudaBackend, model: DriverModel):
+    """The zero chunk is shared read-only by every zero-backed slot: mapping it read-write
+    would let one writer change what every zero-backed slot reads."""
+    va = backend.reserve(2 * G)
+    (h,) = backend.create(1)
+    before = state(backend, model)
+    for vas, handles in (([va], [backend.zero_handle]), ([va, va + G], [h, backend.zero_handle])):
+        with pytest.raises(vmm.MappingError, match="is the read-only zero chunk"):
+            backend.map(vas, handles)
+        assert state(backend, model) == before
+
+
+class _DlTensor(ctypes.Structure):
+    _fields_ = [  # the ctypes layout of DLPack's DLTensor
+        ("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]  # fmt: skip
+
+
+def dl_tensor(capsule: Any) -> tuple[int, int, int, tuple[int, ...]]:
+    """(data pointer, device type, device id, shape) of an unconsumed "dltensor" capsule."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    t = _DlTensor.from_address(get(capsule, b"dltensor"))
+    return t.data, t.device_type, t.device_id, tuple(t.shape[i] for i in range(t.ndim))
+
+
+def test_views_are_cuda_dlpack_capsules_over_the_reservation(
+    backend: CudaBackend, model: DriverModel
+):
+    """A range's tensor is a DLPack capsule of CUDA memory (kDLCUDA = 2) at va + offset,
+    made in C++ like a host view; once the reservation is freed the factory refuses."""
+    va = backend.reserve(4 * G)
+    factory = backend.view_factory(va, 4 * G)
+    assert factory is not None
+    capsule = factory.capsule(G, (8, 4), (), 2, 32, 1)
+    assert dl_tensor(capsule) == (va + G, 2, 0, (8, 4))
+    assert factory.holders == 3  # the backend's factory, this one, the capsule
+    with pytest.raises(vmm.RangeError, match="no such reservation"):
+        backend.view_factory(va + G, 3 * G)
+    with pytest.raises(_host.HostRangeError, match="leaves the"):
+        factory.capsule(4 * G - 4, (8,), (), 1, 8, 1)
+    backend.free_reservation(va, 4 * G)
+    with pytest.raises(_host.HostStateError, match="after it was freed"):
+        factory.capsule(0, (4,), (), 1, 8, 1)
+    del capsule
+    assert factory.holders == 1
+    pool = vmm.ChunkPool(backend, 4 * G)
+    rng = pool.reserve(2 * G)
+    assert rng.num_views == 0 and rng.view_factory is not None
+    assert dl_tensor(rng.view_factory.capsule(0, (2,), (), 1, 8, 1))[:3] == (rng.va, 2, 0)
+    rng.close()
 
 
 def test_release_failure_part_way_says_how_far(backend: CudaBackend, model: DriverModel):
@@ -451,6 +541,8 @@ def test_bench_cuda_cases_run_on_the_model():
         per_chunk = 4 * 2 if mode == "one_by_one" else 2
         assert by_op["map"].ours.n == by_op["map"].raw.n == per_chunk
         assert by_op["set_access"].ours.n == per_chunk
-        assert by_op["reserve"].ours.n == by_op["reserve"].raw.n == 2
+        pairs = 2 * bench_cuda.RESERVE_PAIRS  # rounds x back-to-back reserve + free pairs
+        assert by_op["reserve"].ours.n == by_op["reserve"].raw.n == pairs
+        assert by_op["free_reservation"].ours.n == by_op["free_reservation"].raw.n == pairs
     assert (model.handles, model.reservations, model.mappings) == ({}, {}, {})
     assert (model.retained, model.ctx_stack) == (0, [])

@@ -19,6 +19,7 @@ __all__: list[str] = [
     "HostVmaError",
     "HostVmm",
     "ViewFactory",
+    "device_view_factory",
     "process_vma_budget",
     "process_vmas",
     "set_process_vma_budget",
@@ -72,6 +73,14 @@ class ViewFactory:
         bits: typing.SupportsInt | typing.SupportsIndex,
         lanes: typing.SupportsInt | typing.SupportsIndex,
     ) -> typing_extensions.CapsuleType: ...
+    def retire(self) -> None:
+        """
+        later capsules raise (the range was freed)
+        """
+    def share(self) -> ViewFactory:
+        """
+        another factory over the same range (it counts as one more holder)
+        """
     @property
     def holders(self) -> int: ...
     @property
@@ -156,6 +165,16 @@ class HostVmm:
     def vma_budget(self) -> int: ...
     @property
     def vmas(self) -> int: ...
+
+def device_view_factory(
+    va: typing.SupportsInt | typing.SupportsIndex,
+    size: typing.SupportsInt | typing.SupportsIndex,
+    device_type: typing.SupportsInt | typing.SupportsIndex,
+    device_id: typing.SupportsInt | typing.SupportsIndex,
+) -> ViewFactory:
+    """
+    DLPack capsules over device memory at [va, va + size) (no mapping kept alive)
+    """
 
 def process_vma_budget() -> int:
     """

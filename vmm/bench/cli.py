@@ -17,8 +17,11 @@ JSON (schema in `vmm.bench.report`). `--quick` is the short default run of `make
 Bars (PASS/FAIL lines; `--check` turns a FAIL into exit status 1):
   * host, 2 MiB, batched apply of 1,000 maps <= 1.2x the raw C loop per chunk
     (judged on the scattered layout, where ours must make the same N mmaps as raw);
-  * tensor view creation <= 2 us median;
-  * single map from Python (one slot per backend.map call) <= 2x the raw C mmap call.
+  * tensor view creation <= 2 us median, and <= 1.5 us over the bare capsule;
+  * single map from Python (one slot per backend.map call) <= 2x the raw C mmap call;
+  * CUDA, one call per op: create, reserve, map, unmap, release each <= 3 us over the
+    raw cuda-python loop (medians), free_reservation <= 1.2x raw (or raw + 3 us where
+    the driver's call is so short that 1.2x leaves under 3 us).
 
 Limitations
 -----------
@@ -39,12 +42,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vmm.bench.host import Case
-from vmm.bench.report import Bar, OpResult, Report, render
+from vmm.bench.report import Bar, OpResult, Report, render, size_label
 from vmm.errors import BackendUnavailable
 
 _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BAR_CHUNK = 2 << 20
 BAR_COUNT = 1000
+#: most µs a one-by-one CUDA op may add to the raw driver loop; a tensor view to a bare capsule
+OP_OVERHEAD_US = 3.0
+VIEW_OVERHEAD_US = 1.5
+OVERHEAD_OPS = ("create", "reserve", "map", "unmap", "release", "free_reservation")
 
 
 def parse_size(text: str) -> int:
@@ -234,8 +241,6 @@ def _cuda_run(args: BenchArgs, report: Report) -> tuple[BenchArgs, str]:
     listed as skipped); returns the args to run and the results' backend label."""
     from dataclasses import replace
 
-    from vmm.bench.report import size_label
-
     report.device = describe_cuda_device(args.device)
     gran = report.device["granularity"]
     sizes = tuple(size for size in args.chunk_sizes if size % gran == 0)
@@ -360,6 +365,39 @@ def check_bars(report: Report, backend: str) -> list[Bar]:
     for view in (r for r in report.results if r.op == "tensor_view"):
         bars.append(Bar(f"{view.backend} tensor view creation", 2.0, view.ours.p50 / 1000.0,
                         "us", f"median over {view.ours.n} views"))  # fmt: skip
+        bars.append(Bar(f"{view.backend} tensor view overhead", VIEW_OVERHEAD_US,
+                        _overhead_us(view), "us over raw",
+                        "ours - raw medians: VirtualRange.tensor vs a bare capsule"))  # fmt: skip
+    if backend == "cuda":
+        bars.extend(cuda_overhead_bars(report))
+    return bars
+
+
+def _overhead_us(result: OpResult) -> float:
+    return (result.ours.p50 - result.raw.p50) / 1000.0
+
+
+def cuda_overhead_bars(report: Report) -> list[Bar]:
+    """What `CudaBackend` adds to the driver per call, one call per op: at most
+    `OP_OVERHEAD_US` over the raw cuda-python loop (medians), and free_reservation at most
+    1.2x raw, or raw + `OP_OVERHEAD_US` where that is larger (a driver call of under
+    15 µs, as on the emulator, leaves no room for any Python at 1.2x)."""
+    bars: list[Bar] = []
+    for r in report.results:
+        if r.mode != "one_by_one" or r.op not in OVERHEAD_OPS:
+            continue
+        size = size_label(r.chunk_size)
+        if r.op == "free_reservation":
+            raw_us = r.raw.p50 / 1000.0
+            limit = max(1.2, (raw_us + OP_OVERHEAD_US) / raw_us) if raw_us > 0 else 1.2
+            bars.append(Bar(f"{r.backend} free_reservation {size}", round(limit, 2),
+                            r.ratio_p50, "x raw",
+                            f"ours / raw medians, {r.num_chunks} slots; 1.2x or raw + "
+                            f"{OP_OVERHEAD_US:g} us"))  # fmt: skip
+            continue
+        name = f"{r.backend} {r.op} {size} one-by-one overhead"
+        detail = "ours - raw medians, one call each"
+        bars.append(Bar(name, OP_OVERHEAD_US, _overhead_us(r), "us over raw", detail))
     return bars
 
 

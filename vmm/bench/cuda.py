@@ -13,12 +13,14 @@ Per round, on one device, for N chunks of G bytes:
 
     create      cuMemCreate per chunk                (ours: CudaBackend.create, zero
                                                       fill off unless --zero-fill)
-    reserve     cuMemAddressReserve(N*G)             (per call)
+    reserve     cuMemAddressReserve(N*G)             (per call; back-to-back reserve + free
+                                                      pairs, see `reserve_free_pairs`)
     map         cuMemMap per slot + cuMemSetAccess   (one_by_one: one SetAccess per slot;
                                                       batched: one over the whole run)
     set_access  the cuMemSetAccess calls alone       (ours: timed inside our driver wrapper)
     unmap       cuMemUnmap per slot
     release     cuMemRelease per chunk
+    free_reservation  cuMemAddressFree(N*G)          (per call, in the same pairs)
     apply_plan  ChunkPool.apply(MappingPlan of N maps) against the batched raw map
 
 Limitations
@@ -74,12 +76,32 @@ class RawCuda:
         _ok(self.d.cuDevicePrimaryCtxRelease(self.dev))
 
 
+#: back-to-back reserve + free pairs timed per round (see `reserve_free_pairs`)
+RESERVE_PAIRS = 20
+
+
+def reserve_free_pairs(
+    reserve: Callable[[], int], free: Callable[[int], None], samples: Samples
+) -> None:
+    """Time `RESERVE_PAIRS` reserve calls, each followed by the free of what it reserved.
+
+    Timed in a loop of their own, not inside the create/map/release cycle: on the driver
+    emulator that cycle's chunks are host memory, and populating them evicts the CPU caches
+    the next call runs from, which a single cold call charges to whichever side makes more
+    calls. The pairs compare the calls themselves."""
+    for _ in range(RESERVE_PAIRS):
+        t, va = timed_once(reserve)
+        samples.setdefault("reserve", []).append(float(t))
+        t, _ = timed_once(lambda: free(va))  # noqa: B023 - called at once
+        samples.setdefault("free_reservation", []).append(float(t))
+
+
 def raw_round(raw: RawCuda, case: Case, samples: Samples) -> None:
-    """One raw cycle: create, reserve, map (+ set access), unmap, release, free."""
+    """One raw cycle: create, reserve, map (+ set access), unmap, release, free; then the
+    reserve + free pairs."""
     d, g, n = raw.d, case.chunk_size, case.num_chunks
     t_create, handles = timed_calls(lambda _: _ok(d.cuMemCreate(g, raw.prop, 0)), [0] * n)
-    t, va = timed_once(lambda: _ok(d.cuMemAddressReserve(n * g, g, 0, 0)))
-    samples.setdefault("reserve", []).append(float(t))
+    va = _ok(d.cuMemAddressReserve(n * g, g, 0, 0))
     vas = [int(va) + i * g for i in range(n)]
     pairs = list(zip(vas, handles, strict=True))
     t_map, _ = timed_calls(lambda p: _ok(d.cuMemMap(p[0], g, 0, p[1], 0)), pairs)
@@ -90,8 +112,12 @@ def raw_round(raw: RawCuda, case: Case, samples: Samples) -> None:
         t_access = [t // n] * n
     t_unmap, _ = timed_calls(lambda v: _ok(d.cuMemUnmap(v, g)), vas)
     t_release, _ = timed_calls(lambda h: _ok(d.cuMemRelease(h)), handles)
-    t, _ = timed_once(lambda: _ok(d.cuMemAddressFree(va, n * g)))
-    samples.setdefault("free_reservation", []).append(float(t))
+    _ok(d.cuMemAddressFree(va, n * g))
+    reserve_free_pairs(
+        lambda: int(_ok(d.cuMemAddressReserve(n * g, g, 0, 0))),
+        lambda v: _ok(d.cuMemAddressFree(v, n * g)),
+        samples,
+    )
     both = [a + b for a, b in zip(t_map, t_access, strict=True)]
     for op, values in (("create", t_create), ("map", both), ("set_access", t_access)):
         add_per_chunk(samples, op, values, case.mode)
@@ -101,27 +127,27 @@ def raw_round(raw: RawCuda, case: Case, samples: Samples) -> None:
 
 
 def ours_round(backend: Any, case: Case, samples: Samples) -> None:
-    """Same cycle through CudaBackend; set_access is read from the driver wrapper's timings."""
+    """Same cycle through CudaBackend, then the reserve + free pairs; set_access is read
+    from the driver wrapper's timings in one more map pass (timing every driver call
+    slows the calls down, so the timed map and unmap run without it)."""
     from vmm.bench.host import ours_lifecycle
 
-    ours_lifecycle(backend, case, samples)
+    lifecycle: Samples = {}
+    ours_lifecycle(backend, case, lifecycle)
+    for op in ("create", "release"):
+        samples.setdefault(op, []).extend(lifecycle[op])
     g, n = case.chunk_size, case.num_chunks
+    reserve_free_pairs(
+        lambda: backend.reserve(n * g), lambda v: backend.free_reservation(v, n * g), samples
+    )
     handles = backend.create(n)
     va = backend.reserve(n * g)
     vas = [va + i * g for i in range(n)]
     timings: dict[str, list[int]] = {}
-    backend.driver.timings = timings
     try:
-        if case.mode == "one_by_one":
-            t_map, _ = timed_calls(
-                lambda p: backend.map([p[0]], [p[1]]), list(zip(vas, handles, strict=True))
-            )
-            t_unmap, _ = timed_calls(lambda v: backend.unmap([v]), vas)
-        else:
-            t, _ = timed_once(lambda: backend.map(vas, handles))
-            t_map = [t // n] * n
-            t, _ = timed_once(lambda: backend.unmap(vas))
-            t_unmap = [t // n] * n
+        t_map, t_unmap = _ours_map_unmap(backend, case.mode, vas, handles)
+        backend.driver.timings = timings
+        _ours_map_unmap(backend, case.mode, vas, handles)
     finally:
         backend.driver.timings = None
         backend.free_reservation(va, n * g)
@@ -131,6 +157,23 @@ def ours_round(backend: Any, case: Case, samples: Samples) -> None:
     add_per_chunk(samples, "map", t_map, case.mode)
     add_per_chunk(samples, "set_access", t_access, case.mode)
     add_per_chunk(samples, "unmap", t_unmap, case.mode)
+
+
+def _ours_map_unmap(
+    backend: Any, mode: str, vas: list[int], handles: list[int]
+) -> tuple[list[int], list[int]]:
+    """Map every slot, then unmap it, one call per slot or one call for all; ns per slot."""
+    n = len(vas)
+    if mode == "one_by_one":
+        t_map, _ = timed_calls(
+            lambda p: backend.map([p[0]], [p[1]]), list(zip(vas, handles, strict=True))
+        )
+        t_unmap, _ = timed_calls(lambda v: backend.unmap([v]), vas)
+        return t_map, t_unmap
+    t, _ = timed_once(lambda: backend.map(vas, handles))
+    t_map = [t // n] * n
+    t, _ = timed_once(lambda: backend.unmap(vas))
+    return t_map, [t // n] * n
 
 
 def run_case(

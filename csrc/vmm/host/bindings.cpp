@@ -71,6 +71,10 @@ void register_vmm(py::module_& m) {
   py::class_<ViewFactory>(m, "ViewFactory", "DLPack capsules over one reservation")
       .def("capsule", &ViewFactory::capsule, py::arg("offset"), py::arg("shape"),
            py::arg("strides"), py::arg("code"), py::arg("bits"), py::arg("lanes"))
+      .def("retire", &ViewFactory::retire, "later capsules raise (the range was freed)")
+      .def(
+          "share", [](const ViewFactory& self) { return ViewFactory(self); },
+          "another factory over the same range (it counts as one more holder)")
       .def_property_readonly("va", &ViewFactory::va)
       .def_property_readonly("size", &ViewFactory::size)
       .def_property_readonly("holders", &ViewFactory::holders);
@@ -119,6 +123,9 @@ void register_vmm(py::module_& m) {
 void register_host(py::module_ m) {
   register_errors(m);
   register_vmm(m);
+  m.def("device_view_factory", &ViewFactory::over_device, py::arg("va"), py::arg("size"),
+        py::arg("device_type"), py::arg("device_id"),
+        "DLPack capsules over device memory at [va, va + size) (no mapping kept alive)");
   m.def("process_vmas", &process_vmas, "VMAs held by every HostVmm of the process");
   m.def("process_vma_budget", &process_vma_budget, "shared VMA budget (<= 0: unlimited)");
   m.def("set_process_vma_budget", &set_process_vma_budget, py::arg("budget"),

@@ -103,6 +103,20 @@ void check_view_range(int64_t offset, int64_t span, int64_t itemsize, int64_t si
 
 }  // namespace
 
+ViewFactory ViewFactory::over_device(uint64_t va, size_t size, int32_t device_type,
+                                     int32_t device_id) {
+  if (va == 0 || size == 0 || va + size < va) {
+    throw HostArgError("device view factory over " + std::to_string(size) + " bytes at " +
+                           std::to_string(va) + ": not a non-empty range",
+                       "view_factory", 0);
+  }
+  auto res = std::make_shared<Reservation>();
+  res->va = va;
+  res->size = size;
+  res->host_mapped = false;
+  return ViewFactory(std::move(res), device_type, device_id);
+}
+
 pybind11::capsule ViewFactory::capsule(int64_t offset, const std::vector<int64_t>& shape,
                                        const std::vector<int64_t>& strides, int code, int bits,
                                        int lanes) const {

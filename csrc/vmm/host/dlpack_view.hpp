@@ -50,6 +50,11 @@ class ViewFactory {
   pybind11::capsule capsule(int64_t offset, const std::vector<int64_t>& shape,
                             const std::vector<int64_t>& strides, int code, int bits,
                             int lanes) const;
+  // A factory over device memory (e.g. a CUDA reservation): views carry `device_type` /
+  // `device_id` and keep no mapping alive (the owner frees the range; `retire` first).
+  static ViewFactory over_device(uint64_t va, size_t size, int32_t device_type, int32_t device_id);
+  // Later capsules raise HostStateError (the range was freed).
+  void retire() const { res_->owned = false; }
   uint64_t va() const { return res_->va; }
   uint64_t size() const { return res_->size; }
   long holders() const { return res_.use_count(); }

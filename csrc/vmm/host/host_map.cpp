@@ -33,11 +33,13 @@ Reservation* HostVmm::find(uint64_t va, const char* op) const {
                            std::to_string(va % gran_) + ")",
                        op, 0);
   }
+  // The last reservation starting at or below va, if va lies before its end (an offset
+  // test: no end address is computed, so nothing can wrap).
   auto it = res_.upper_bound(va);
   if (it != res_.begin()) {
     --it;
     Reservation* r = it->second.get();
-    if (va < r->va + r->size) return r;
+    if (va - r->va < r->size && (va - r->va) / gran_ < r->num_slots()) return r;
   }
   throw HostArgError(std::string(op) + " address " + hex(va) + " is inside no reservation", op, 0);
 }

@@ -15,6 +15,7 @@ namespace jvmm {
 namespace {
 
 constexpr size_t kTwoMiB = size_t{2} << 20;
+constexpr size_t kMaxReserve = size_t{1} << 47;  // x86-64 / arm64 user space with 4-level pages
 constexpr int kAnonFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
 
 std::string hex(uint64_t v) {
@@ -56,7 +57,7 @@ std::string HostVmm::vma_refusal(int64_t extra) const {
 }
 
 Reservation::~Reservation() {
-  if (va != 0) munmap(reinterpret_cast<void*>(va), size);
+  if (va != 0 && host_mapped) munmap(reinterpret_cast<void*>(va), size);
 }
 
 int Reservation::boundary_cost(size_t i) const {
@@ -243,6 +244,13 @@ std::vector<int64_t> HostVmm::create(size_t count) {
                          "create", 0);
   }
   if (count == 0) throw HostArgError("create needs count >= 1, got 0", "create", 0);
+  const size_t limit = capacity_ / gran_;
+  if (count > limit) {  // before any table or allocation: the memfd could never hold them
+    throw HostOsError("create needs " + std::to_string(count) + " chunks, memfd has " +
+                          std::to_string(limit - static_cast<size_t>(num_chunks_)) + " free of " +
+                          std::to_string(limit),
+                      "create", ENOSPC);
+  }
   std::vector<int64_t> hs;
   hs.reserve(count);
   for (size_t i = 0; i < count; ++i) {
@@ -335,9 +343,17 @@ uint64_t HostVmm::reserve(size_t size, bool zero) {
                            std::to_string(gran_),
                        "reserve", 0);
   }
+  const size_t align = std::max(gran_, kTwoMiB);
+  // The mapping is over-allocated by `align` to trim it to an aligned start; a size that
+  // wraps that sum would map a small range and then trim (munmap) outside it.
+  if (size > kMaxReserve) {
+    throw HostArgError("reserve size " + std::to_string(size) + " exceeds the largest " +
+                           std::to_string(kMaxReserve) +
+                           " bytes (2^47, all mmap hands out without an address hint)",
+                       "reserve", 0);
+  }
   const std::string refusal = vma_refusal(1);
   if (!refusal.empty()) throw HostVmaError("reserve needs 1 VMA, " + refusal, "reserve", 1);
-  const size_t align = std::max(gran_, kTwoMiB);
   if (fault_now()) {
     throw HostOsError(os_message("mmap", errno, "reserving " + std::to_string(size) + " bytes"),
                       "reserve", errno);

@@ -102,7 +102,8 @@ struct Reservation {
   std::vector<SlotState> state;
   std::vector<int64_t> handle;  // -1 unless kMapped
   int64_t vmas = 1;
-  bool owned = true;  // false once free_reservation ran (views may still hold it)
+  bool owned = true;        // false once free_reservation ran (views may still hold it)
+  bool host_mapped = true;  // false: device memory another API reserved; never munmap'ed
   ~Reservation();
   size_t num_slots() const { return state.size(); }
   // 1 when slots i-1 and i cannot share a VMA, 0 when they merge (0 < i < num_slots).
