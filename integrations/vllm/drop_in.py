@@ -30,8 +30,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions
 
 
 def check_manager_args(

@@ -60,7 +60,9 @@ import vmm
 from integrations.kvcache.geometry import GroupGeometry
 from integrations.kvcache.translate import page_units, translate
 from integrations.vllm.compat import KVCacheTensor, create_kv_cache_views
-from integrations.vllm.layout import GroupLayout, JengaLayout, JengaVllmError
+from integrations.vllm.errors import JengaVllmError
+from integrations.vllm.layout import GroupLayout, JengaLayout
+from integrations.vllm.options import TensorGeometry
 
 _LAYER_COMPACT = ("LBHNC", "LBNHC")
 
@@ -84,9 +86,10 @@ class VmmKVCache:
         kv_cache_layout: Any,
         kernel_block_sizes: Sequence[int] | None = None,
     ) -> None:
-        if layout.options.page_geometry != "vmm":
+        geometry = layout.options.tensor_geometry
+        if not geometry.on_vmm_ranges:
             raise UnsupportedLayout(
-                f"the layout uses pages={layout.options.page_geometry!r} (vLLM's shared block "
+                "the layout uses pages='vllm' (vLLM's shared block "
                 "slots); VMM tensors need pages='vmm' (set kv_tensors='vmm')"
             )
         if pool.granularity != layout.options.chunk_bytes:
@@ -94,7 +97,7 @@ class VmmKVCache:
                 f"pool granularity {pool.granularity} B != jenga chunk_bytes "
                 f"{layout.options.chunk_bytes} B"
             )
-        per_group = layout.options.geometry == "per_group"
+        per_group = geometry is TensorGeometry.PER_GROUP
         if per_group and not kv_cache_layout.is_block_compact:
             raise UnsupportedLayout(
                 f"KV cache layout {kv_cache_layout.name} keeps heads outside blocks; the "

@@ -42,8 +42,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import vmm
+from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.kv_tensors import VmmKVCache
-from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.layout import build_layout
+from integrations.vllm.options import OPTIONS_KEY, JengaVllmOptions
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
 _log = logging.getLogger(__name__)
@@ -148,8 +150,8 @@ def _refuse_vmm(original: Callable[..., Any], runner: Any) -> Callable[..., Any]
 
 def wants_vmm_tensors(vllm_config: Any) -> bool:
     extra = getattr(vllm_config, "additional_config", None) or {}
-    opts = extra.get("jenga_vmm") if isinstance(extra, dict) else None
-    return bool(opts) and JengaVllmOptions.from_dict(opts).kv_tensors == "vmm"
+    opts = extra.get(OPTIONS_KEY) if isinstance(extra, dict) else None
+    return bool(opts) and JengaVllmOptions.from_dict(opts).vmm_tensors
 
 
 def vmm_allocate_kv_cache(

@@ -23,8 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 from integrations.vllm.compat import AsyncScheduler, Scheduler, aux_outputs_read_the_block_pool
-from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions
 from integrations.vllm.version import check_vllm_version
 
 
@@ -93,7 +95,7 @@ def attach_mapping_plans(scheduler: Any, output: Any) -> Any:
     N + 1, before which the worker applies them.
     """
     manager = scheduler.kv_cache_manager
-    if manager.layout.options.kv_tensors == "vmm":
+    if manager.layout.options.vmm_tensors:
         setattr(output, PLANS_ATTR, manager.take_mapping_plans())
     return output
 

@@ -95,7 +95,7 @@ class HostWorker:
 
 
 def compat_chunk_bytes(vllm_config: Any) -> int:
-    from integrations.vllm.layout import JengaVllmOptions
+    from integrations.vllm.options import JengaVllmOptions
 
     return JengaVllmOptions.from_vllm_config(vllm_config).chunk_bytes
 

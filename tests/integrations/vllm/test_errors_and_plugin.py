@@ -11,15 +11,15 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from integrations.vllm.harness import cases, replay
-from integrations.vllm.layout import (
+from integrations.vllm.errors import (
     InvalidOptions,
     JengaVllmError,
-    JengaVllmOptions,
     UnsupportedFeature,
     UnsupportedLayerKind,
-    build_layout,
 )
+from integrations.vllm.harness import cases, replay
+from integrations.vllm.layout import build_layout
+from integrations.vllm.options import JengaVllmOptions
 from integrations.vllm.scheduler import check_supported_config
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
