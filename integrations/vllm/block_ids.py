@@ -139,7 +139,7 @@ class RangeBlockIds(BlockIds):
             for i, b in enumerate(ids):
                 if row[i] is None:
                     row[i] = objects[b] = self._new_block_object(g, b)
-        return row  # type: ignore[return-value]
+        return row  # every entry is now an object
 
     def _new_block_object(self, g: int, block: int) -> KVCacheBlock:
         """The object of allocator block ``block`` of group ``g``, made on first use and

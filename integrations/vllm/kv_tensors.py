@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jenga.plan import MapPage, MappingPlan
 
@@ -63,6 +63,16 @@ from integrations.vllm.compat import KVCacheTensor, create_kv_cache_views
 from integrations.vllm.errors import JengaVllmError
 from integrations.vllm.layout import GroupLayout, JengaLayout
 from integrations.vllm.options import TensorGeometry
+
+if TYPE_CHECKING:
+    import torch
+
+    from integrations.vllm.compat import (
+        KVCacheConfig,
+        KVCacheLayout,
+        KVCacheSpec,
+        SchedulerOutput,
+    )
 
 _LAYER_COMPACT = ("LBHNC", "LBNHC")
 
@@ -80,10 +90,10 @@ class VmmKVCache:
 
     def __init__(
         self,
-        kv_cache_config: Any,
+        kv_cache_config: KVCacheConfig,
         layout: JengaLayout,
         pool: vmm.ChunkPool,
-        kv_cache_layout: Any,
+        kv_cache_layout: KVCacheLayout,
         kernel_block_sizes: Sequence[int] | None = None,
     ) -> None:
         geometry = layout.options.tensor_geometry
@@ -120,7 +130,7 @@ class VmmKVCache:
         self.geometries: tuple[GroupGeometry, ...] = layout.geometries()
         self.ranges: dict[str, vmm.VirtualRange] = {}  # by layer (per_layer) / group name
         self.group_ranges: list[list[vmm.VirtualRange]] = [[] for _ in layout.groups]
-        self.kv_caches: dict[str, Any] = {}
+        self.kv_caches: dict[str, torch.Tensor] = {}
         self.mapped_pages: list[set[int]] = [set() for _ in layout.groups]
         specs = [grp.kv_cache_spec for grp in kv_cache_config.kv_cache_groups]
         for g, spec in zip(layout.groups, specs, strict=True):
@@ -138,7 +148,7 @@ class VmmKVCache:
         return rng
 
     def _build_layer_ranges(
-        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+        self, g: GroupLayout, spec: KVCacheSpec, kv_layout: KVCacheLayout, kernel: int | None
     ) -> None:
         """per_layer: a range per layer, block b at ``b * page`` (vLLM's per-layer tensor)."""
         import torch
@@ -157,7 +167,7 @@ class VmmKVCache:
             self.kv_caches[name] = view
 
     def _build_group_range(
-        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+        self, g: GroupLayout, spec: KVCacheSpec, kv_layout: KVCacheLayout, kernel: int | None
     ) -> None:
         """per_group: one range; layer l of vLLM id v at ``l * B*S + v * S``
         (`integrations.vllm.placement`), viewed by vLLM's own `create_kv_cache_views`."""
@@ -229,7 +239,7 @@ class VmmKVCache:
                 self.mapped_pages[g_index].add(page)
         return len(added)
 
-    def apply_scheduler_output(self, scheduler_output: Any) -> int:
+    def apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
         """Before a step: apply the plans the scheduler attached (maps and unmaps), or,
         from a scheduler that attached none, map the pages of the step's block ids.
 
@@ -242,7 +252,7 @@ class VmmKVCache:
             self.apply_plan(plan)
         return sum(len(p) for p in plans)
 
-    def map_for_scheduler_output(self, scheduler_output: Any) -> int:
+    def map_for_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
         """`ensure_mapped` for every block id a vLLM `SchedulerOutput` hands the worker."""
         total = 0
         for new in scheduler_output.scheduled_new_reqs:
@@ -274,10 +284,10 @@ class VmmKVCache:
 
 
 def allocate_kv_cache_on_vmm(
-    kv_cache_config: Any,
+    kv_cache_config: KVCacheConfig,
     layout: JengaLayout,
     pool: vmm.ChunkPool,
-    kv_cache_layout: Any,
+    kv_cache_layout: KVCacheLayout,
     kernel_block_sizes: Sequence[int] | None = None,
 ) -> VmmKVCache:
     """What ``vllm.v1.worker.utils.allocate_kv_cache`` returns, on VMM (``.kv_caches``)."""

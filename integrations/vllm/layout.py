@@ -222,15 +222,3 @@ def _rules(options: JengaVllmOptions) -> AllocationRules:
         reuse_window_releases=reuse,
         pinned_lru_fair=options.per_group_vmm,
     )
-
-
-def _rules(options: JengaVllmOptions) -> AllocationRules:
-    """The allocator's rules: the order, window-release reuse (`window_reuse`) and, on
-    per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only)."""
-    reuse = options.window_reuse
-    return AllocationRules(
-        order=AllocationOrder(options.allocation_order),
-        demote_window_releases=reuse,
-        reuse_window_releases=reuse,
-        pinned_lru_fair=options.per_group_vmm,
-    )

@@ -327,8 +327,11 @@ class JengaKVCacheManager:
         state = self._requests.get(request.request_id)
         extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
         extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
-        held = state is not None and not extra  # most calls: decodes within held blocks
-        if held and self._step_within_held(state, request, num_new_tokens, num_lookahead_tokens):
+        if (  # most calls: decodes within held blocks
+            state is not None
+            and not extra
+            and self._step_within_held(state, request, num_new_tokens, num_lookahead_tokens)
+        ):
             return self.empty_kv_cache_blocks
         external = bool(num_external_computed_tokens or delay_cache_blocks)
         self._check_call(

@@ -128,27 +128,28 @@ def layer_spec_from_vllm(
         raise UnsupportedLayerKind(
             f"{where}: packed or compressed attention pages are not supported"
         )
-    common = {
-        "num_kv_heads": int(spec.num_heads),
-        "head_dim": int(spec.state_content_size_bytes) // 2,
-        "dtype_bytes": 1,
-        "block_size": int(spec.block_size),
-    }
+    kind, window, chunk = Kind.FULL, None, None
     if name == "SlidingWindowSpec":
-        return LayerSpec(
-            Kind.SLIDING_WINDOW, window=min(int(spec.sliding_window), max_model_len), **common
-        )
-    if name == "ChunkedLocalAttentionSpec":
-        return LayerSpec(Kind.CHUNKED_LOCAL, chunk=int(spec.attention_chunk_size), **common)
-    if name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
-        return LayerSpec(Kind.CROSS_ATTENTION, **common)
-    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        kind, window = Kind.SLIDING_WINDOW, min(int(spec.sliding_window), max_model_len)
+    elif name == "ChunkedLocalAttentionSpec":
+        kind, chunk = Kind.CHUNKED_LOCAL, int(spec.attention_chunk_size)
+    elif name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
+        kind = Kind.CROSS_ATTENTION
+    elif spec.sliding_window is not None or spec.attention_chunk_size is not None:
         raise UnsupportedLayerKind(
             f"{where}: a FullAttentionSpec carrying sliding_window/attention_chunk_size "
             "(hybrid manager disabled) is not supported; enable vLLM's hybrid KV-cache "
             "manager so such layers get SlidingWindowSpec/ChunkedLocalAttentionSpec"
         )
-    return LayerSpec(Kind.FULL, **common)
+    return LayerSpec(
+        kind,
+        num_kv_heads=int(spec.num_heads),
+        head_dim=int(spec.state_content_size_bytes) // 2,
+        dtype_bytes=1,
+        block_size=int(spec.block_size),
+        window=window,
+        chunk=chunk,
+    )
 
 
 def mamba_step_end_only(vgroups: Sequence[KVCacheGroupSpec]) -> bool:
