@@ -162,9 +162,7 @@ def build_layout(
     memory = kv_cache_memory_bytes(kv_cache_config)
     geometry = options.tensor_geometry
     shared = geometry is TensorGeometry.SHARED_SLOTS
-    slot = None
-    if shared:
-        slot = memory // max(1, int(kv_cache_config.num_blocks))
+    slot = memory // max(1, int(kv_cache_config.num_blocks)) if shared else None
     kv_groups: list[KVGroup] = []
     next_layer = 0
     for i, g in enumerate(vgroups):

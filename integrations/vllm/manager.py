@@ -327,10 +327,8 @@ class JengaKVCacheManager:
         state = self._requests.get(request.request_id)
         extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
         extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
-        if (  # most calls: decodes within held blocks
-            state is not None
-            and not extra
-            and self._step_within_held(state, request, num_new_tokens, num_lookahead_tokens)
+        if not extra and self._step_within_held(
+            state, request, num_new_tokens, num_lookahead_tokens
         ):
             return self.empty_kv_cache_blocks
         external = bool(num_external_computed_tokens or delay_cache_blocks)
@@ -339,8 +337,7 @@ class JengaKVCacheManager:
         )
         rid = request.request_id
         admitted = state is None
-        if state is None:
-            state = self._admit(request, num_new_computed_tokens)
+        state = state or self._admit(request, num_new_computed_tokens)
         if full_sequence_must_fit and not self._fits(
             rid, min(request.num_tokens, self.max_model_len)
         ):  # checked with the hit claimed, as vLLM counts its hit blocks as held
@@ -385,14 +382,16 @@ class JengaKVCacheManager:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
 
     def _step_within_held(
-        self, state: _RequestState, request: Request, num_new_tokens: int, lookahead: int
+        self, state: _RequestState | None, request: Request, num_new_tokens: int, lookahead: int
     ) -> bool:
         """A running request's plain step answered from the allocator's record: True (the
         step is done, caching included) when its slots are held and nothing leaves a
         window; False (nothing changed) when `allocate_slots` must do the full work."""
+        if state is None or num_new_tokens <= 0:  # not admitted yet / nothing to add
+            return False
         computed = request.num_computed_tokens
         target = min(computed + num_new_tokens + lookahead, self.max_model_len)
-        if num_new_tokens <= 0 or not self.allocator.grow_held(request.request_id, target):
+        if not self.allocator.grow_held(request.request_id, target):
             return False
         upto = computed + num_new_tokens
         if self.enable_caching and upto >= state.next_cache:
