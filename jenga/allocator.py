@@ -709,9 +709,9 @@ class JengaAllocator:
     def core_memory_bytes(self) -> int:
         return int(self._core.memory_bytes())  # C++ container capacities, not Python's
 
-    def grow_held(self, request_id: Hashable, length: int) -> bool:
-        """`grow` to ``length`` with no core call, if it needs none (`LiveRequest.grow_held`)."""
-        return self._request(request_id).grow_held(length)
+    def held_step(self, request_id: Hashable) -> Callable[[int], bool]:
+        """The live request's `grow` with no core call, bound (`LiveRequest.grow_held`)."""
+        return self._request(request_id).grow_held
 
     def is_cached_block(self, group: int, block: int) -> bool:
         return bool(self._core.block_info(group, block)[2])  # hashed: in the prefix index

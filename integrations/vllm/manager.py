@@ -78,7 +78,7 @@ Limitations
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -112,13 +112,16 @@ if TYPE_CHECKING:
 class _RequestState:
     """What the manager keeps of a live request beside the allocator's record.
 
-    ``num_known``: the request's tokens whose ids are final (the prompt, then computed
-    tokens; a sampled token vLLM may still replace is not), so `_cache` commits no block
-    past them. ``next_cache``: the computed length below which `_cache` has nothing to
-    commit. ``recorded`` (KV events on): per group, the leading blocks the event registry
-    has looked at.
+    ``grow_held``: the allocator's `grow` of this request for a step that needs no core
+    call (`JengaAllocator.held_step`, bound once; the held-step fast path). ``num_known``:
+    the request's tokens whose ids are final (the prompt, then computed tokens; a sampled
+    token vLLM may still replace is not), so `_cache` commits no block past them.
+    ``next_cache``: the computed length below which `_cache` has nothing to commit.
+    ``recorded`` (KV events on): per group, the leading blocks the event registry has
+    looked at. Nothing here repeats the allocator's record (tables, length, hit).
     """
 
+    grow_held: Callable[[int], bool]
     num_known: int
     next_cache: int = 0
     recorded: list[int] | None = None
@@ -391,7 +394,7 @@ class JengaKVCacheManager:
             return False
         computed = request.num_computed_tokens
         target = min(computed + num_new_tokens + lookahead, self.max_model_len)
-        if not self.allocator.grow_held(request.request_id, target):
+        if not state.grow_held(target):
             return False
         upto = computed + num_new_tokens
         if self.enable_caching and upto >= state.next_cache:
@@ -472,7 +475,8 @@ class JengaKVCacheManager:
                 f"request {rid!r}: the scheduler adopted {num_new_computed_tokens} cached "
                 f"tokens but the allocator's hit is {hit}"
             )
-        state = self._requests[rid] = _RequestState(len(tokens))
+        state = _RequestState(self.allocator.held_step(rid), len(tokens))
+        self._requests[rid] = state
         if self.identity.events_on:
             state.recorded = [
                 sum(1 for b in self.allocator.block_table(rid, g) if b != NULL_BLOCK)
