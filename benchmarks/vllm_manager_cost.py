@@ -86,8 +86,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from integrations.vllm.block_ids import RangeBlockIds
 from integrations.vllm.harness import cases, replay
-from integrations.vllm.manager import JengaKVCacheManager
 from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
 from jenga.specs import Kind
 from vllm.v1.core.block_pool import BlockPool
@@ -296,7 +296,7 @@ def _first_use_bytes(snapshot: tracemalloc.Snapshot) -> int:
     """Bytes of the block objects our manager made on first use (VMM ranges): per block,
     not per request, though the requests of the measurement are the first to use them
     (vLLM's `BlockPool` makes all of its objects before the measurement)."""
-    code = JengaKVCacheManager._new_block_object.__code__
+    code = RangeBlockIds._new_block_object.__code__
     lines = {line for _, _, line in code.co_lines() if line is not None}
     file = code.co_filename
     return sum(

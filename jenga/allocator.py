@@ -705,9 +705,12 @@ class JengaAllocator:
     def core_memory_bytes(self) -> int:
         return int(self._core.memory_bytes())  # C++ container capacities, not Python's
 
-    def live_request(self, request_id: Hashable) -> LiveRequest:
-        """The record of a live request (for `LiveRequest.grow_held`), until it is freed."""
-        return self._request(request_id)
+    def held_step(self, request_id: Hashable) -> Callable[[int], bool]:
+        """The live request's `grow` with no core call, bound (`LiveRequest.grow_held`)."""
+        return self._request(request_id).grow_held
+
+    def is_cached_block(self, group: int, block: int) -> bool:
+        return bool(self._core.block_info(group, block)[2])  # hashed: in the prefix index
 
     def eviction_order(self, group: int | str) -> list[int]:
         """Cached blocks of ``group`` in the order step 5 would evict them."""

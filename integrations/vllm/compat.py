@@ -24,7 +24,7 @@ Limitations
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -46,6 +46,9 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
     KVCacheTensor,
     MambaSpec,
     SlidingWindowSpec,
@@ -55,6 +58,16 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 import vllm
+
+if TYPE_CHECKING:  # types of the lazy accessors' results, never imported at run time
+    from vllm.config import VllmConfig
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.outputs import ModelRunnerOutput
 
 VLLM_VERSION = str(vllm.__version__)
 AT_LEAST_0_33 = tuple(int(p) for p in VLLM_VERSION.split("+")[0].split(".")[:2]) >= (0, 33)
@@ -80,13 +93,19 @@ __all__ = [
     "FullAttentionSpec",
     "KVCacheBlock",
     "KVCacheBlocks",
+    "KVCacheConfig",
     "KVCacheEvent",
+    "KVCacheGroupSpec",
+    "KVCacheLayout",
+    "KVCacheSpec",
     "KVCacheTensor",
     "MambaSpec",
     "PrefixCacheStats",
     "Request",
     "Scheduler",
+    "SchedulerOutput",
     "SlidingWindowSpec",
+    "VllmConfig",
     "create_kv_cache_views",
     "generate_block_hash_extra_keys",
     "maybe_convert_block_hash",
@@ -125,7 +144,7 @@ def platform_base_class() -> type:
 
 
 # -- configuration and requests (harness, tests) ------------------------------------------
-def config_classes() -> dict[str, Any]:
+def config_classes() -> dict[str, type]:
     """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
     from vllm import config
 
@@ -134,8 +153,8 @@ def config_classes() -> dict[str, Any]:
 
 
 def get_kv_cache_configs(
-    vllm_config: Any, layer_specs: list[dict[str, Any]], memory_bytes: list[int]
-) -> list[Any]:
+    vllm_config: VllmConfig, layer_specs: list[dict[str, KVCacheSpec]], memory_bytes: list[int]
+) -> list[KVCacheConfig]:
     """vLLM's grouping and block count per worker, as its engine core computes them.
 
     0.32: ``kv_cache_utils.get_kv_cache_configs(config, specs, memory)``. 0.33 moved it to
@@ -163,13 +182,13 @@ def mamba_state_calculators() -> tuple[Any, Any]:
     return MambaStateShapeCalculator, MambaStateDtypeCalculator
 
 
-def structured_output_manager(vllm_config: Any) -> Any:
+def structured_output_manager(vllm_config: VllmConfig) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     return StructuredOutputManager(vllm_config)
 
 
-def sampling_params(**kwargs: Any) -> Any:
+def sampling_params(**kwargs: Any) -> SamplingParams:
     from vllm.sampling_params import SamplingParams
 
     return SamplingParams(**kwargs)
@@ -185,7 +204,9 @@ def request_block_hasher(block_size: int, algorithm: str = "sha256") -> Any:
     return get_request_block_hasher(block_size, hash_fn)
 
 
-def multimodal_feature(identifier: str, offset: int, length: int, modality: str) -> Any:
+def multimodal_feature(
+    identifier: str, offset: int, length: int, modality: str
+) -> MultiModalFeatureSpec:
     """A `MultiModalFeatureSpec` with no data (vLLM's "already cached" form)."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
@@ -197,7 +218,7 @@ def multimodal_feature(identifier: str, offset: int, length: int, modality: str)
     )
 
 
-def model_runner_output(**kwargs: Any) -> Any:
+def model_runner_output(**kwargs: Any) -> ModelRunnerOutput:
     from vllm.v1.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput(**kwargs)
@@ -213,7 +234,7 @@ def scheduler_owns_output_update() -> bool:
     return AT_LEAST_0_33
 
 
-def aux_outputs_read_the_block_pool(vllm_config: Any) -> bool:
+def aux_outputs_read_the_block_pool(vllm_config: VllmConfig) -> bool:
     """Whether the scheduler's auxiliary-output connector needs vLLM's own block pool.
 
     0.32: ``AuxOutputSchedulerConnector()`` keeps its own state. 0.33: it is built with
@@ -237,19 +258,19 @@ def executor_base_class() -> type:
     return Executor
 
 
-def engine_core_request(**kwargs: Any) -> Any:
+def engine_core_request(**kwargs: Any) -> EngineCoreRequest:
     from vllm.v1.engine import EngineCoreRequest
 
     return EngineCoreRequest(**kwargs)
 
 
-def lora_request(name: str, adapter_id: int) -> Any:
+def lora_request(name: str, adapter_id: int) -> LoRARequest:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(lora_name=name, lora_int_id=adapter_id, lora_path="/nonexistent")
 
 
-def kv_cache_layout(name: str) -> Any:
+def kv_cache_layout(name: str) -> KVCacheLayout:
     """vLLM's `KVCacheLayout` member of this name (e.g. "LBNHC")."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 

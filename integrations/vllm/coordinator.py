@@ -24,7 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from integrations.vllm.compat import KVCacheConfig, KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class GroupView:
     """One KV-cache group as vLLM's single-type managers describe it."""
 
     kv_cache_group_id: int
-    kv_cache_spec: Any
+    kv_cache_spec: KVCacheSpec
     block_size: int
 
 
@@ -41,7 +44,9 @@ class CoordinatorView:
 
     enable_partial_hash_hits = False  # hits are whole blocks of the scheduler block size
 
-    def __init__(self, kv_cache_config: Any, blocks_needed: Callable[[str, int, int], int]) -> None:
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, blocks_needed: Callable[[str, int, int], int]
+    ) -> None:
         self.single_type_managers = tuple(
             GroupView(i, g.kv_cache_spec, int(g.kv_cache_spec.block_size))
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
@@ -49,12 +54,12 @@ class CoordinatorView:
         self._blocks_needed = blocks_needed
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, *, total_computed_tokens: int = 0, **_: Any
+        self, request_id: str, num_tokens: int, *, total_computed_tokens: int = 0, **_: object
     ) -> int:
         """Blocks (in vLLM's units) the request needs to reach ``num_tokens`` tokens."""
         return self._blocks_needed(request_id, num_tokens, total_computed_tokens)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         raise AttributeError(
             f"the jenga KV-cache manager's coordinator view does not serve {name!r} "
             "(vLLM's coordinator internals are not built)"

@@ -28,10 +28,15 @@ Limitations
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
-from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions
+
+if TYPE_CHECKING:
+    from integrations.vllm.compat import KVCacheConfig
 
 
 def check_manager_args(
@@ -60,7 +65,7 @@ RETAINING_SPECS = ("SlidingWindowSpec", "MambaSpec")
 """vLLM's spec classes whose cache entries a retention interval thins out."""
 
 
-def check_retention_interval(kv_cache_config: Any, scheduler_block_size: int) -> None:
+def check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_size: int) -> None:
     """vLLM's checks of ``prefix_cache_retention_interval`` (`ValueError`), then ours.
 
     As vLLM's coordinator: ``None`` (dense) and 0 always pass; a value on a model with no
@@ -91,9 +96,9 @@ def check_retention_interval(kv_cache_config: Any, scheduler_block_size: int) ->
 
 
 def jenga_kv_cache_manager(
-    kv_cache_config: Any,
+    kv_cache_config: KVCacheConfig,
     max_model_len: int,
-    *args: Any,
+    *args: object,
     enable_caching: bool = True,
     use_eagle: bool = False,
     num_hash_lookahead_tokens: int = 0,
@@ -104,7 +109,7 @@ def jenga_kv_cache_manager(
     hash_block_size: int | None = None,
     scheduler_block_size: int | None = None,
     jenga_options: JengaVllmOptions | None = None,
-    **_vllm_only: Any,
+    **_vllm_only: object,
 ) -> JengaKVCacheManager:
     """`JengaKVCacheManager` from the arguments vLLM's `KVCacheManager` takes.
 

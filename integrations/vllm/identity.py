@@ -36,7 +36,7 @@ Limitations
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Iterable
 
 from jenga.specs import Kind
 
@@ -135,7 +135,7 @@ class DigestRegistry:
         request: Request,
         group: int,
         indices: list[int],
-        hashes: list[Any],
+        hashes: list[bytes | int],
         start: int,
         stop: int,
     ) -> BlockStored:
@@ -162,7 +162,7 @@ class DigestRegistry:
             session_id=getattr(request, "session_id", None),
         )
 
-    def forget(self, group: int, blocks: Any) -> None:
+    def forget(self, group: int, blocks: Iterable[int]) -> None:
         """These block ids of ``group`` lost their content (reused or unmapped)."""
         known = self.digest[group]
         for block in blocks:

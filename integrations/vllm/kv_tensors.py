@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jenga.plan import MapPage, MappingPlan
 
@@ -60,7 +60,19 @@ import vmm
 from integrations.kvcache.geometry import GroupGeometry
 from integrations.kvcache.translate import page_units, translate
 from integrations.vllm.compat import KVCacheTensor, create_kv_cache_views
-from integrations.vllm.layout import GroupLayout, JengaLayout, JengaVllmError
+from integrations.vllm.errors import JengaVllmError
+from integrations.vllm.layout import GroupLayout, JengaLayout
+from integrations.vllm.options import TensorGeometry
+
+if TYPE_CHECKING:
+    import torch
+
+    from integrations.vllm.compat import (
+        KVCacheConfig,
+        KVCacheLayout,
+        KVCacheSpec,
+        SchedulerOutput,
+    )
 
 _LAYER_COMPACT = ("LBHNC", "LBNHC")
 
@@ -78,15 +90,16 @@ class VmmKVCache:
 
     def __init__(
         self,
-        kv_cache_config: Any,
+        kv_cache_config: KVCacheConfig,
         layout: JengaLayout,
         pool: vmm.ChunkPool,
-        kv_cache_layout: Any,
+        kv_cache_layout: KVCacheLayout,
         kernel_block_sizes: Sequence[int] | None = None,
     ) -> None:
-        if layout.options.page_geometry != "vmm":
+        geometry = layout.options.tensor_geometry
+        if not geometry.on_vmm_ranges:
             raise UnsupportedLayout(
-                f"the layout uses pages={layout.options.page_geometry!r} (vLLM's shared block "
+                "the layout uses pages='vllm' (vLLM's shared block "
                 "slots); VMM tensors need pages='vmm' (set kv_tensors='vmm')"
             )
         if pool.granularity != layout.options.chunk_bytes:
@@ -94,7 +107,7 @@ class VmmKVCache:
                 f"pool granularity {pool.granularity} B != jenga chunk_bytes "
                 f"{layout.options.chunk_bytes} B"
             )
-        per_group = layout.options.geometry == "per_group"
+        per_group = geometry is TensorGeometry.PER_GROUP
         if per_group and not kv_cache_layout.is_block_compact:
             raise UnsupportedLayout(
                 f"KV cache layout {kv_cache_layout.name} keeps heads outside blocks; the "
@@ -117,7 +130,7 @@ class VmmKVCache:
         self.geometries: tuple[GroupGeometry, ...] = layout.geometries()
         self.ranges: dict[str, vmm.VirtualRange] = {}  # by layer (per_layer) / group name
         self.group_ranges: list[list[vmm.VirtualRange]] = [[] for _ in layout.groups]
-        self.kv_caches: dict[str, Any] = {}
+        self.kv_caches: dict[str, torch.Tensor] = {}
         self.mapped_pages: list[set[int]] = [set() for _ in layout.groups]
         specs = [grp.kv_cache_spec for grp in kv_cache_config.kv_cache_groups]
         for g, spec in zip(layout.groups, specs, strict=True):
@@ -135,7 +148,7 @@ class VmmKVCache:
         return rng
 
     def _build_layer_ranges(
-        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+        self, g: GroupLayout, spec: KVCacheSpec, kv_layout: KVCacheLayout, kernel: int | None
     ) -> None:
         """per_layer: a range per layer, block b at ``b * page`` (vLLM's per-layer tensor)."""
         import torch
@@ -154,7 +167,7 @@ class VmmKVCache:
             self.kv_caches[name] = view
 
     def _build_group_range(
-        self, g: GroupLayout, spec: Any, kv_layout: Any, kernel: int | None
+        self, g: GroupLayout, spec: KVCacheSpec, kv_layout: KVCacheLayout, kernel: int | None
     ) -> None:
         """per_group: one range; layer l of vLLM id v at ``l * B*S + v * S``
         (`integrations.vllm.placement`), viewed by vLLM's own `create_kv_cache_views`."""
@@ -226,7 +239,7 @@ class VmmKVCache:
                 self.mapped_pages[g_index].add(page)
         return len(added)
 
-    def apply_scheduler_output(self, scheduler_output: Any) -> int:
+    def apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
         """Before a step: apply the plans the scheduler attached (maps and unmaps), or,
         from a scheduler that attached none, map the pages of the step's block ids.
 
@@ -239,7 +252,7 @@ class VmmKVCache:
             self.apply_plan(plan)
         return sum(len(p) for p in plans)
 
-    def map_for_scheduler_output(self, scheduler_output: Any) -> int:
+    def map_for_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
         """`ensure_mapped` for every block id a vLLM `SchedulerOutput` hands the worker."""
         total = 0
         for new in scheduler_output.scheduled_new_reqs:
@@ -271,10 +284,10 @@ class VmmKVCache:
 
 
 def allocate_kv_cache_on_vmm(
-    kv_cache_config: Any,
+    kv_cache_config: KVCacheConfig,
     layout: JengaLayout,
     pool: vmm.ChunkPool,
-    kv_cache_layout: Any,
+    kv_cache_layout: KVCacheLayout,
     kernel_block_sizes: Sequence[int] | None = None,
 ) -> VmmKVCache:
     """What ``vllm.v1.worker.utils.allocate_kv_cache`` returns, on VMM (``.kv_caches``)."""

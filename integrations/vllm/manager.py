@@ -34,12 +34,18 @@ Approach
     only, no `Allocation` object), and a request's tokens reach the allocator only when
     one of its blocks can complete.
 
-    Block ids: with vLLM's own KV tensors (``pages="vllm"``, the default) every group
-    overlays one buffer, so each mapped allocator page gets a vLLM block slot of its own
-    (`integrations.vllm.slots.SharedSlots`, driven by the same plan ops); with VMM tensors
-    (``pages="vmm"``) the allocator's ids are used as they are (per_layer geometry) or
-    spread so that page ``q`` starts at id ``q*M`` (per_group geometry,
-    `integrations.vllm.placement`).
+    Block ids: one strategy per tensor geometry, picked at construction
+    (`integrations.vllm.block_ids`). With vLLM's own KV tensors (``pages="vllm"``, the
+    default) every group overlays one buffer, so each mapped allocator page gets a vLLM
+    block slot of its own (`integrations.vllm.slots.SharedSlots`, driven by the same plan
+    ops); with VMM tensors (``pages="vmm"``) the allocator's ids are used as they are
+    (per_layer geometry) or spread so that page ``q`` starts at id ``q*M`` (per_group
+    geometry, `integrations.vllm.placement`).
+
+    Per-request state: the allocator's record (its tables, its length) is read through
+    the allocator's methods; the manager keeps beside it, in one `_RequestState` per
+    live request, only what vLLM adds (how far the request's token ids are final, when
+    the next commit can name a block, which blocks the KV events have seen).
 
     Blocks that leave a sliding window / local chunk (and old Mamba states) are released
     as vLLM releases them: in `allocate_slots` and `remove_skipped_blocks`, only those out
@@ -72,16 +78,15 @@ Limitations
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Hashable, Sequence
-from dataclasses import replace
-from itertools import repeat
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, LiveRequest, PrefixMatch
+from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
 from jenga.plan import OP_UNMAP, MappingPlan, plan_from_keys
 from jenga.specs import Kind
 
+from integrations.vllm.block_ids import PlanKeys, new_block_ids
 from integrations.vllm.compat import (
     AllBlocksCleared,
     KVCacheBlock,
@@ -91,21 +96,42 @@ from integrations.vllm.compat import (
     Request,
 )
 from integrations.vllm.coordinator import CoordinatorView
+from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
 from integrations.vllm.identity import (
     DigestRegistry,
     request_salt,
     stable_int,
 )
-from integrations.vllm.layout import JengaLayout, JengaVllmError, UnsupportedFeature
-from integrations.vllm.slots import SharedSlots
+from integrations.vllm.layout import JengaLayout
+
+if TYPE_CHECKING:
+    from integrations.vllm.compat import KVCacheConfig
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the manager keeps of a live request beside the allocator's record.
+
+    ``grow_held``: the allocator's `grow` of this request for a step that needs no core
+    call (`JengaAllocator.held_step`, bound once; the held-step fast path). ``num_known``:
+    the request's tokens whose ids are final (the prompt, then computed tokens; a sampled
+    token vLLM may still replace is not), so `_cache` commits no block past them.
+    ``next_cache``: the computed length below which `_cache` has nothing to commit.
+    ``recorded`` (KV events on): per group, the leading blocks the event registry has
+    looked at. Nothing here repeats the allocator's record (tables, length, hit).
+    """
+
+    grow_held: Callable[[int], bool]
+    num_known: int
+    next_cache: int = 0
+    recorded: list[int] | None = None
 
 
 class JengaKVCacheManager:
     """The Scheduler-facing surface of vLLM's `KVCacheManager`, on a `JengaAllocator`.
 
-    Invariants: ``_tokens_known[r]`` token ids of request r were handed to the allocator;
-    a request is in ``_live`` exactly while the allocator holds it; block objects are
-    interned per (group, id) so identity comparisons in the scheduler behave.
+    Invariants: a request is in ``_requests`` exactly while the allocator holds it; block
+    objects are interned per (group, id) so identity comparisons in the scheduler behave.
     """
 
     def __init__(
@@ -115,7 +141,7 @@ class JengaKVCacheManager:
         enable_caching: bool = True,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
-        kv_cache_config: Any = None,
+        kv_cache_config: KVCacheConfig | None = None,
         hash_block_size: int | None = None,
     ) -> None:
         self.layout = layout
@@ -127,32 +153,24 @@ class JengaKVCacheManager:
         self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
-        self._tokens_known: dict[Hashable, int] = {}
-        self._live: dict[Hashable, LiveRequest] = {}  # the allocator's record, by request
-        self._null_blocks = tuple(
-            KVCacheBlock(g.null_block_id, is_null=True) for g in layout.groups
-        )
-        self._block_objects = self._new_block_objects()
+        self._requests: dict[Hashable, _RequestState] = {}  # the live ones
+        self._block_ids = new_block_ids(layout)
         self._plans: list[MappingPlan] = []
         # encoder-decoder: the encoder input is not in the decoder prompt (cross groups)
         self._encoder_side = any(g.kind is Kind.CROSS_ATTENTION for g in layout.groups)
         # text groups commit blocks only at multiples of their block sizes: between two
         # multiples of their gcd `_cache` has nothing to commit (0: images commit at
-        # their end, call every time); `_next_cache[r]`: the next computed length to try
+        # their end, call every time); `_RequestState.next_cache`: the next length to try
         sizes = [g.block_size for g in layout.groups]
         self._cache_step = 0 if self._encoder_side else math.gcd(*sizes)
-        self._next_cache: dict[Hashable, int] = {}
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
-        self._queue_plans = layout.options.kv_tensors == "vmm"
-        self._slots = self._new_slots()
+        self._queue_plans = layout.options.vmm_tensors
         self._events: list[KVCacheEvent] = []
         self.kv_cache_config = kv_cache_config
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
         self.enable_kv_cache_events = enable_kv_cache_events
-        self._num_hit_blocks: dict[Hashable, list[int]] = {}  # per group, at admission
         # the last lookup (request id, match), adopted by that request's admission
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
-        self._recorded: dict[Hashable, list[int]] = {}  # per group: blocks recorded (events)
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
 
     @property
@@ -204,7 +222,7 @@ class JengaKVCacheManager:
 
     def blocks_needed(self, request_id: str, num_tokens: int, num_computed: int = 0) -> int:
         """Blocks (over all groups) the request must still get to hold ``num_tokens``."""
-        live = request_id in self._tokens_known
+        live = request_id in self._requests
         total = 0
         for g, policy in enumerate(self.allocator.policies):
             want = len(policy.active_blocks(num_tokens))
@@ -221,7 +239,7 @@ class JengaKVCacheManager:
         use = self.allocator.usage()
         need_units = 0
         avail = use.free_units
-        live = request_id in self._tokens_known
+        live = request_id in self._requests
         for g, (policy, group) in enumerate(
             zip(self.allocator.policies, self.layout.groups, strict=True)
         ):
@@ -282,11 +300,10 @@ class JengaKVCacheManager:
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request whose blocks are committed to the prefix cache."""
         rid = request.request_id
-        if not self.enable_caching or rid not in self._tokens_known:
+        state = self._requests.get(rid)
+        if not self.enable_caching or state is None:
             return 0
-        computed = min(
-            request.num_computed_tokens, self.allocator.num_tokens(rid), self._tokens_known[rid]
-        )
+        computed = min(request.num_computed_tokens, self.allocator.num_tokens(rid), state.num_known)
         sizes = [g.block_size for g in self.layout.groups if g.kind is not Kind.CROSS_ATTENTION]
         return min((computed // size * size for size in sizes), default=0)
 
@@ -303,27 +320,27 @@ class JengaKVCacheManager:
         num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
-        **_ignored: Any,
+        **_ignored: object,
     ) -> KVCacheBlocks | None:
         """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room.
 
         All-or-nothing for the new slots: on None, a request admitted by this call is
         released again, and a running request keeps what it had except the blocks it no
         longer reads (out of its window, old Mamba states), released as vLLM does."""
-        live = self._live.get(request.request_id)
+        state = self._requests.get(request.request_id)
         extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
         extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
-        held = live is not None and not extra  # most calls: decodes within held blocks
-        if held and self._step_within_held(live, request, num_new_tokens, num_lookahead_tokens):
+        if not extra and self._step_within_held(
+            state, request, num_new_tokens, num_lookahead_tokens
+        ):
             return self.empty_kv_cache_blocks
         external = bool(num_external_computed_tokens or delay_cache_blocks)
         self._check_call(
             request, num_new_tokens, num_new_computed_tokens, external, num_encoder_tokens
         )
         rid = request.request_id
-        admitted = rid not in self._tokens_known
-        if admitted:
-            self._admit(request, num_new_computed_tokens)
+        admitted = state is None
+        state = state or self._admit(request, num_new_computed_tokens)
         if full_sequence_must_fit and not self._fits(
             rid, min(request.num_tokens, self.max_model_len)
         ):  # checked with the hit claimed, as vLLM counts its hit blocks as held
@@ -347,7 +364,7 @@ class JengaKVCacheManager:
             self.counters["requests.rejected"] += 1
             return None
         if self.enable_caching:
-            self._cache(request, cache_upto)
+            self._cache(request, state, cache_upto)
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         return self._blocks_of(new_blocks)
@@ -368,18 +385,20 @@ class JengaKVCacheManager:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens")
 
     def _step_within_held(
-        self, live: LiveRequest, request: Request, num_new_tokens: int, lookahead: int
+        self, state: _RequestState | None, request: Request, num_new_tokens: int, lookahead: int
     ) -> bool:
         """A running request's plain step answered from the allocator's record: True (the
         step is done, caching included) when its slots are held and nothing leaves a
         window; False (nothing changed) when `allocate_slots` must do the full work."""
+        if state is None or num_new_tokens <= 0:  # not admitted yet / nothing to add
+            return False
         computed = request.num_computed_tokens
         target = min(computed + num_new_tokens + lookahead, self.max_model_len)
-        if num_new_tokens <= 0 or not live.grow_held(target):
+        if not state.grow_held(target):
             return False
         upto = computed + num_new_tokens
-        if self.enable_caching and upto >= self._next_cache[request.request_id]:
-            self._cache(request, min(upto, request.num_tokens))
+        if self.enable_caching and upto >= state.next_cache:
+            self._cache(request, state, min(upto, request.num_tokens))
         return True
 
     def _reserves_room(self, rid: str, target: int, reserved_blocks: int) -> bool:
@@ -387,7 +406,7 @@ class JengaKVCacheManager:
         free for other in-flight requests (vLLM's async KV-load gate; "vllm" pages only)."""
         if not reserved_blocks:
             return True
-        if self._slots is None:
+        if not self._block_ids.sizes_slots:
             raise UnsupportedFeature(
                 f"reserved_blocks={reserved_blocks} (async KV-connector loads) on VMM pages: "
                 "a vLLM block slot has no size there"
@@ -413,13 +432,6 @@ class JengaKVCacheManager:
                     self.identity.forget(g, blocks)  # a recorded block handed out again
         return got
 
-    def _new_slots(self) -> SharedSlots | None:
-        """Slot bookkeeping for vLLM's shared tensors ("vllm" pages), else None."""
-        if self.layout.options.page_geometry != "vllm":
-            return None
-        slots = self.layout.groups[0].capacity
-        return SharedSlots(len(self.layout.groups), slots, num_pages=slots)
-
     def _new_allocator(self) -> JengaAllocator:
         """The layout's allocator, naming text blocks by vLLM's own digests (one per
         ``hash_block_size`` tokens: one hash per block, vLLM's), its plan ops handed
@@ -430,7 +442,7 @@ class JengaKVCacheManager:
         allocator.plan_sink = self._apply_plan_keys
         return allocator
 
-    def _apply_plan_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
+    def _apply_plan_keys(self, keys: PlanKeys) -> None:
         """The allocator's ops as they happen: unmapped pages lose their identity, slots
         move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued.
         The one path for plan ops: with the sink set, `free` and `release_skipped`
@@ -439,12 +451,11 @@ class JengaKVCacheManager:
             for kind, group, page, _ in keys:
                 if kind == OP_UNMAP:
                     self.identity.forget_page(group, page)
-        if self._slots is not None:
-            self._slots.apply_keys(keys)
+        self._block_ids.apply_keys(keys)
         if self._queue_plans:
             self._plans.append(plan_from_keys(keys))
 
-    def _admit(self, request: Request, num_new_computed_tokens: int) -> None:
+    def _admit(self, request: Request, num_new_computed_tokens: int) -> _RequestState:
         rid = request.request_id
         tokens = request.all_token_ids
         use_cache = self.prefix_cache_lookup_enabled(request) and num_new_computed_tokens > 0
@@ -464,16 +475,16 @@ class JengaKVCacheManager:
                 f"request {rid!r}: the scheduler adopted {num_new_computed_tokens} cached "
                 f"tokens but the allocator's hit is {hit}"
             )
-        self._tokens_known[rid] = len(tokens)
-        self._live[rid] = self.allocator.live_request(rid)
-        self._next_cache[rid] = 0
+        state = _RequestState(self.allocator.held_step(rid), len(tokens))
+        self._requests[rid] = state
         if self.identity.events_on:
-            self._recorded[rid] = [
+            state.recorded = [
                 sum(1 for b in self.allocator.block_table(rid, g) if b != NULL_BLOCK)
                 for g in range(self.num_kv_cache_groups)
             ]
         self.counters["requests.admitted"] += 1
         self.counters["prefix.hit_tokens"] += hit
+        return state
 
     def _images(self, request: Request) -> tuple[ImageSpan, ...]:
         """The request's multimodal inputs as jenga images, keyed by vLLM's identifiers.
@@ -497,51 +508,54 @@ class JengaKVCacheManager:
 
     def _release(self, rid: Hashable) -> None:
         self.allocator.free(rid)  # its plan ops went to `_apply_plan_keys`
-        del self._tokens_known[rid]
-        del self._live[rid]
-        self._recorded.pop(rid, None)
-        self._next_cache.pop(rid, None)
+        del self._requests[rid]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the hashes of the request's blocks complete within the computed tokens."""
-        if self.enable_caching and request.request_id in self._tokens_known:
-            self._cache(request, num_computed_tokens)
+        state = self._requests.get(request.request_id)
+        if self.enable_caching and state is not None:
+            self._cache(request, state, num_computed_tokens)
 
-    def _cache(self, request: Request, num_computed_tokens: int) -> None:
+    def _cache(self, request: Request, state: _RequestState, num_computed_tokens: int) -> None:
         rid = request.request_id
-        if num_computed_tokens < self._next_cache.get(rid, 0):
+        if num_computed_tokens < state.next_cache:
             return  # no block of any group completes before then: tokens are handed later
         # only computed tokens: a sampled token not yet computed may still be replaced
         # (streaming-input sessions drop the chunk's last sampled token); the allocator
         # names blocks by the request's digests, so no token id is handed over
         upto = min(request.num_tokens, num_computed_tokens)
-        if upto > self._tokens_known[rid]:
-            self._tokens_known[rid] = upto
-        limit = min(self.allocator.num_tokens(rid), self._tokens_known[rid])
+        if upto > state.num_known:
+            state.num_known = upto
+        limit = min(self.allocator.num_tokens(rid), state.num_known)
         computed = max(0, min(num_computed_tokens, limit))
         hashes: Sequence[bytes] | None = getattr(request, "block_hashes", None)
         added = self.allocator.cache(rid, computed, digests=() if hashes is None else hashes)
         if added and self.identity.events_on:
-            self._record(request, computed)
+            self._record(request, state, computed)
         if self._cache_step:
             # a block is named only once its digest exists: with lookahead hashes the
             # digests lag the computed tokens, so the next call must look again
             named = computed if hashes is None else len(hashes) * self.hash_block_size
             upto = min(computed, named)
-            self._next_cache[rid] = (upto // self._cache_step + 1) * self._cache_step
+            state.next_cache = (upto // self._cache_step + 1) * self._cache_step
 
-    def _record(self, request: Request, computed: int) -> None:
+    def _record(self, request: Request, state: _RequestState, computed: int) -> None:
         """Hand the registry the blocks this request just entered in the index (complete
-        within ``computed`` tokens; blocks below ``_recorded`` were looked at before)."""
+        within ``computed`` tokens; blocks below ``state.recorded`` were looked at before)."""
         rid = request.request_id
-        done = self._recorded[rid]
+        done = state.recorded
+        if done is None:
+            raise JengaVllmError(
+                f"request {rid!r}: KV events were turned on after it was admitted, so its "
+                "earlier blocks were never recorded"
+            )
         for g, group in enumerate(self.layout.groups):
             table = self.allocator.block_table(rid, g)
             stop = min(len(table), computed // group.block_size)
             new = {
                 i: b
                 for i in range(done[g], stop)
-                if (b := table[i]) != NULL_BLOCK and self._is_cached_page_block(g, b)
+                if (b := table[i]) != NULL_BLOCK and self.allocator.is_cached_block(g, b)
             }
             if stop > done[g]:
                 self.identity.record(request, g, new, done[g], stop)
@@ -549,7 +563,7 @@ class JengaKVCacheManager:
 
     def free(self, request: Request) -> None:
         """Finish or preempt: hashed blocks stay cached; unknown requests are ignored."""
-        if request.request_id in self._tokens_known:
+        if request.request_id in self._requests:
             self._release(request.request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
@@ -561,7 +575,7 @@ class JengaKVCacheManager:
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
     ) -> None:
         """Release the blocks out of the window as of ``processed_computed_tokens``."""
-        if request_id in self._tokens_known:
+        if request_id in self._requests:
             self.allocator.release_skipped(request_id, release_upto=processed_computed_tokens)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -569,11 +583,11 @@ class JengaKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while any request holds blocks."""
-        if self._tokens_known:
+        if self._requests:
             return False
         self.allocator = self._new_allocator()
         self._last_match = None
-        self._slots = self._new_slots()
+        self._block_ids.reset()
         self.identity.clear()
         if self._queue_plans:
             self._plans.append(MappingPlan())  # marker: the worker unmaps everything
@@ -586,7 +600,7 @@ class JengaKVCacheManager:
 
     # -- queries ----------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        if request_id not in self._tokens_known:
+        if request_id not in self._requests:
             return self.empty_kv_cache_blocks
         tables = tuple(
             self.allocator.block_table(request_id, g) for g in range(self.num_kv_cache_groups)
@@ -607,20 +621,14 @@ class JengaKVCacheManager:
 
     def is_cached_block(self, group: int, block_id: int) -> bool:
         """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
-        if self._slots is not None:
-            return self._is_cached_page_block(group, self._slots.page(group, block_id))
-        return self._is_cached_page_block(
-            group, self.layout.groups[group].allocator_block(block_id)
+        return self.allocator.is_cached_block(
+            group, self._block_ids.allocator_block(group, block_id)
         )
-
-    def _is_cached_page_block(self, group: int, block: int) -> bool:
-        """Whether allocator block ``block`` of ``group`` is in the prefix cache's index."""
-        return bool(self.allocator._core.block_info(group, block)[2])
 
     @property
     def shares_block_ids(self) -> bool:
         """True when block ids are vLLM's slots, unique across groups (``pages="vllm"``)."""
-        return self._slots is not None
+        return self._block_ids.shares_block_ids
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * self.num_kv_cache_groups
@@ -628,50 +636,10 @@ class JengaKVCacheManager:
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 
-    def _new_block_objects(self) -> list[list[KVCacheBlock | None]]:
-        """Interned block objects, so the scheduler sees one object per block id.
-
-        vLLM's tensors: every slot's object up front, as vLLM's `BlockPool` makes them
-        (one list shared by all groups, index = slot). VMM ranges: per group a list
-        indexed by allocator block (whose vLLM id never changes), objects made on first
-        use (a group's ids span the whole pool, most never used; the last entry, at
-        ``NULL_BLOCK`` = -1, is the group's null block)."""
-        if self.layout.options.page_geometry == "vllm":
-            return [[KVCacheBlock(i) for i in range(self.layout.groups[0].capacity)]]
-        return [
-            [None] * g.capacity + [null]
-            for g, null in zip(self.layout.groups, self._null_blocks, strict=True)
-        ]
-
-    def _blocks_of(self, tables: Any) -> KVCacheBlocks:
+    def _blocks_of(self, tables: Sequence[Sequence[int]]) -> KVCacheBlocks:
         if not any(tables):
             return self.empty_kv_cache_blocks
-        if self._slots is None:
-            return self.create_kv_cache_blocks(
-                tuple(self._row_of(g, ids) for g, ids in enumerate(tables))
-            )
-        slot_objects = self._block_objects[0]
-        out: list[list[KVCacheBlock | None]] = []
-        for g, ids in enumerate(tables):
-            slot_of = self._slots.slot_of[g]  # one block per page: the page's vLLM slot
-            null = self._null_blocks[g]
-            out.append([null if b == NULL_BLOCK else slot_objects[slot_of[b]] for b in ids])
-        return self.create_kv_cache_blocks(tuple(out))  # type: ignore[arg-type]
-
-    def _row_of(self, g: int, ids: Sequence[int]) -> list[KVCacheBlock]:
-        """Group ``g``'s blocks on VMM ranges: one list lookup per block."""
-        objects = self._block_objects[g]
-        row = [objects[b] for b in ids]
-        if not all(map(operator.is_not, row, repeat(None))):  # `in` would call __eq__
-            for i, b in enumerate(ids):
-                if row[i] is None:
-                    row[i] = objects[b] = self._new_block_object(g, b)
-        return row  # type: ignore[return-value]
-
-    def _new_block_object(self, g: int, block: int) -> KVCacheBlock:
-        """The object of allocator block ``block`` of group ``g`` on VMM ranges, made on
-        first use and kept (`_row_of`; the memory benchmark counts these apart)."""
-        return KVCacheBlock(self.layout.groups[g].vllm_id(block))
+        return self.create_kv_cache_blocks(self._block_ids.rows(tables))
 
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:
@@ -689,7 +657,7 @@ class JengaKVCacheManager:
     def take_new_block_ids(self) -> list[int]:
         return []
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+    def take_kv_cache_block_copies(self) -> tuple[list[object], list[KVCacheBlock]]:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
@@ -709,10 +677,8 @@ class JengaKVCacheManager:
     def check_invariants(self, expensive: bool = False) -> None:
         """The allocator's checks plus: every live request is known to the allocator."""
         self.allocator.check_invariants(expensive)
-        if self._slots is not None:
-            self._slots.check_invariants()
-            assert self._slots.num_mapped == self.allocator.usage().used_units
-        for rid in self._tokens_known:
+        self._block_ids.check_invariants(self.allocator.usage().used_units)
+        for rid in self._requests:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
 
 

@@ -39,15 +39,25 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import vmm
+from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.kv_tensors import VmmKVCache
-from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.layout import build_layout
+from integrations.vllm.options import OPTIONS_KEY, JengaVllmOptions
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
+
+if TYPE_CHECKING:
+    import torch
+
+    from integrations.vllm.compat import KVCacheConfig, KVCacheLayout, SchedulerOutput, VllmConfig
 
 _log = logging.getLogger(__name__)
 _MARK = "_jenga_vmm_wrapped"
+_ALLOCATE = "allocate_kv_cache"  # vLLM's module-level allocator, swapped while we allocate
+_EXECUTE = "execute_model"  # the runner's step, wrapped to apply the plans first
 
 
 def register() -> None:
@@ -70,16 +80,16 @@ def register() -> None:
     _wrap_runner(v2.GPUModelRunner, "initialize_kv_cache", v2_alloc)
 
 
-def _wrap_runner(runner: Any, init_name: str, alloc_module: Any) -> None:
+def _wrap_runner(runner: type, init_name: str, alloc_module: ModuleType) -> None:
     """Wrap one runner class's KV-cache initialisation and step, once."""
     init = getattr(runner, init_name)
     if getattr(init, _MARK, False):
         return
-    if not hasattr(alloc_module, "allocate_kv_cache"):
+    if not hasattr(alloc_module, _ALLOCATE):
         setattr(runner, init_name, _refuse_vmm(init, runner))
         return
     setattr(runner, init_name, _wrap_initialize(init, alloc_module))
-    runner.execute_model = _wrap_execute(runner.execute_model)
+    setattr(runner, _EXECUTE, _wrap_execute(getattr(runner, _EXECUTE)))
 
 
 def _wrap_hybrid_alignment(platform: type) -> None:
@@ -99,7 +109,7 @@ def _wrap_hybrid_alignment(platform: type) -> None:
         return
 
     @functools.wraps(original)
-    def update_block_size_for_backend(cls: Any, vllm_config: Any) -> Any:
+    def update_block_size_for_backend(cls: type, vllm_config: VllmConfig) -> Any:
         if wants_vmm_tensors(vllm_config):
             cls = keep_block_size(cls)
         return original(cls, vllm_config)
@@ -114,9 +124,9 @@ def _wrap_hybrid_alignment(platform: type) -> None:
 def keep_block_size(platform: type) -> type:
     """``platform`` whose hybrid alignment keeps the block size and pads no state."""
 
-    class KeepBlockSize(platform):  # type: ignore[valid-type,misc]
+    class KeepBlockSize(platform):  # type: ignore[valid-type,misc,unused-ignore]
         @classmethod
-        def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+        def _align_hybrid_block_size(cls, vllm_config: VllmConfig, backend_cls: type) -> None:
             cache = vllm_config.cache_config
             if cache.mamba_cache_mode == "align":
                 cache.mamba_block_size = cache.block_size
@@ -129,7 +139,7 @@ def keep_block_size(platform: type) -> type:
     return KeepBlockSize
 
 
-def _refuse_vmm(original: Callable[..., Any], runner: Any) -> Callable[..., Any]:
+def _refuse_vmm(original: Callable[..., Any], runner: type) -> Callable[..., Any]:
     """A runner whose allocation we cannot reach: refuse VMM tensors, never ignore them."""
 
     @functools.wraps(original)
@@ -146,16 +156,16 @@ def _refuse_vmm(original: Callable[..., Any], runner: Any) -> Callable[..., Any]
     return initialize
 
 
-def wants_vmm_tensors(vllm_config: Any) -> bool:
+def wants_vmm_tensors(vllm_config: VllmConfig) -> bool:
     extra = getattr(vllm_config, "additional_config", None) or {}
-    opts = extra.get("jenga_vmm") if isinstance(extra, dict) else None
-    return bool(opts) and JengaVllmOptions.from_dict(opts).kv_tensors == "vmm"
+    opts = extra.get(OPTIONS_KEY) if isinstance(extra, dict) else None
+    return bool(opts) and JengaVllmOptions.from_dict(opts).vmm_tensors
 
 
 def vmm_allocate_kv_cache(
-    vllm_config: Any,
-    kv_cache_config: Any,
-    kv_cache_layout: Any,
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig,
+    kv_cache_layout: KVCacheLayout,
     kernel_block_sizes: Sequence[int] | None = None,
     *,
     backend: vmm.Backend | None = None,
@@ -196,27 +206,37 @@ def _join_shared_pool(options: JengaVllmOptions, budget: int) -> vmm.Backend:
 
 @contextlib.contextmanager
 def vmm_allocation(
-    module: Any, vllm_config: Any, made: list[VmmKVCache], backend: vmm.Backend | None = None
+    module: ModuleType,
+    vllm_config: VllmConfig,
+    made: list[VmmKVCache],
+    backend: vmm.Backend | None = None,
 ) -> Iterator[None]:
     """While inside, ``module.allocate_kv_cache`` builds `VmmKVCache` s (kept in ``made``)."""
 
-    def allocate(config: Any, device: Any, layout: Any, kernel_sizes: Any = None) -> Any:
+    def allocate(
+        config: KVCacheConfig,
+        device: object,
+        layout: KVCacheLayout,
+        kernel_sizes: Sequence[int] | None = None,
+    ) -> dict[str, torch.Tensor]:
         made.append(
             vmm_allocate_kv_cache(vllm_config, config, layout, kernel_sizes, backend=backend)
         )
         return made[-1].kv_caches
 
-    saved = module.allocate_kv_cache
-    module.allocate_kv_cache = allocate
+    saved = getattr(module, _ALLOCATE)
+    setattr(module, _ALLOCATE, allocate)
     try:
         yield
     finally:
-        module.allocate_kv_cache = saved
+        setattr(module, _ALLOCATE, saved)
 
 
-def _wrap_initialize(original: Callable[..., Any], module: Any) -> Callable[..., Any]:
+def _wrap_initialize(original: Callable[..., Any], module: ModuleType) -> Callable[..., Any]:
     @functools.wraps(original)
-    def initialize_kv_cache_tensors(self: Any, kv_cache_config: Any, *args: Any, **kw: Any) -> Any:
+    def initialize_kv_cache_tensors(
+        self: Any, kv_cache_config: KVCacheConfig, *args: Any, **kw: Any
+    ) -> Any:
         if not wants_vmm_tensors(self.vllm_config):
             return original(self, kv_cache_config, *args, **kw)
         made: list[VmmKVCache] = []
@@ -231,7 +251,7 @@ def _wrap_initialize(original: Callable[..., Any], module: Any) -> Callable[...,
 
 def _wrap_execute(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kw: Any) -> Any:
+    def execute_model(self: Any, scheduler_output: SchedulerOutput, *args: Any, **kw: Any) -> Any:
         cache = getattr(self, "jenga_vmm_kv_cache", None)
         if cache is not None:
             cache.apply_scheduler_output(scheduler_output)

@@ -20,15 +20,20 @@ Limitations
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from integrations.vllm.compat import AsyncScheduler, Scheduler, aux_outputs_read_the_block_pool
-from integrations.vllm.layout import JengaVllmOptions, UnsupportedFeature, build_layout
+from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions
 from integrations.vllm.version import check_vllm_version
 
+if TYPE_CHECKING:
+    from integrations.vllm.compat import SchedulerOutput, VllmConfig
 
-def check_supported_config(vllm_config: Any) -> None:
+
+def check_supported_config(vllm_config: VllmConfig) -> None:
     """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
     problems = []
     if vllm_config.kv_transfer_config is not None:
@@ -72,7 +77,7 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         kv_cache_config=scheduler.kv_cache_config,
         hash_block_size=getattr(scheduler, "hash_block_size", None),
     )
-    scheduler.kv_cache_manager = manager  # type: ignore[assignment]
+    scheduler.kv_cache_manager = manager
     # Flags vLLM derived from its own manager's coordinator.
     scheduler.mamba_partial_cache_hit = False
     scheduler.mamba_shared_prefix_checkpoint = False
@@ -83,7 +88,7 @@ PLANS_ATTR = "jenga_vmm_plans"
 """Attribute of a `SchedulerOutput` holding the mapping plans made since the last one."""
 
 
-def attach_mapping_plans(scheduler: Any, output: Any) -> Any:
+def attach_mapping_plans(scheduler: Scheduler, output: SchedulerOutput) -> SchedulerOutput:
     """Hand the worker the plans queued since the last step (VMM tensors only).
 
     The plans ride on the `SchedulerOutput` (a plain dataclass, pickled to worker
@@ -93,7 +98,7 @@ def attach_mapping_plans(scheduler: Any, output: Any) -> Any:
     N + 1, before which the worker applies them.
     """
     manager = scheduler.kv_cache_manager
-    if manager.layout.options.kv_tensors == "vmm":
+    if manager.layout.options.vmm_tensors:
         setattr(output, PLANS_ATTR, manager.take_mapping_plans())
     return output
 
@@ -108,7 +113,8 @@ class _JengaManagerMixin:
         install_jenga_manager(self)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        return attach_mapping_plans(self, super().schedule(*args, **kwargs))
+        scheduled = super().schedule(*args, **kwargs)  # type: ignore[misc]  # a mixin: vLLM's
+        return attach_mapping_plans(self, scheduled)
 
 
 class JengaScheduler(_JengaManagerMixin, Scheduler):

@@ -56,7 +56,7 @@ class SharedSlots:
         """Group ``group``'s page → slot table, grown to hold ``page``."""
         table = self.slot_of[group]
         if page >= len(table):
-            table.extend(bytes(4 * (page + 1 - len(table))))  # type: ignore[arg-type]
+            table.extend(bytes(4 * (page + 1 - len(table))))
         return table
 
     def _map(self, group: int, page: int) -> int:

@@ -17,7 +17,7 @@ specs vLLM would then use (that block size, the state padded to the attention pa
 
 Cross attention (Llama 3.2 Vision style) has no case: vLLM 0.32 ships no ``mllama``
 model and only schedules cross-attention blocks for encoder-decoder models, which the
-jenga manager refuses (see `integrations.vllm.layout.SUPPORTED_SPECS`).
+jenga manager refuses (see `integrations.vllm.specs.SUPPORTED_SPECS`).
 """
 
 from __future__ import annotations

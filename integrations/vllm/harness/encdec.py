@@ -124,7 +124,11 @@ def layer_specs(*, block_size: int = 16, decoder_layers: int = 2) -> dict[str, A
     return specs
 
 
-WHISPER_SETUP_LIMITS = {"max_model_len": 448, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
+WHISPER_SETUP_LIMITS: dict[str, Any] = {
+    "max_model_len": 448,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+}
 """Scheduler limits of the tiny Whisper runs (448: Whisper's decoder positions; the
 batch holds one whole 1,500-position encoder input)."""
 

@@ -27,6 +27,7 @@ from typing import Any
 import vmm
 from integrations.vllm import compat
 from integrations.vllm.harness import cases
+from integrations.vllm.kv_tensors import VmmKVCache
 from integrations.vllm.plugin import vmm_allocate_kv_cache, wants_vmm_tensors
 
 
@@ -37,7 +38,7 @@ class HostWorker:
         self.vllm_config = vllm_config
         self.specs = cases.layer_specs(case, block_size=vllm_config.cache_config.block_size)
         self.memory_bytes = memory_bytes
-        self.kv_cache = None
+        self.kv_cache: VmmKVCache | None = None
         self.lengths: dict[str, int] = {}
         self.steps = 0
         self.pending: Any = None
@@ -95,7 +96,7 @@ class HostWorker:
 
 
 def compat_chunk_bytes(vllm_config: Any) -> int:
-    from integrations.vllm.layout import JengaVllmOptions
+    from integrations.vllm.options import JengaVllmOptions
 
     return JengaVllmOptions.from_vllm_config(vllm_config).chunk_bytes
 
@@ -122,8 +123,8 @@ def host_executor_class(case: str, memory_bytes: int) -> type:
             return _done([result]) if non_block else [result]
 
         def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
-            result = self.worker.execute_model(scheduler_output)
-            return _done(result) if non_block else result
+            self.worker.execute_model(scheduler_output)  # the host worker returns nothing
+            return _done(None) if non_block else None
 
         def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
             result = self.worker.sample_tokens(grammar_output)

@@ -180,7 +180,7 @@ class PeakCommitted:
         if self.on_vmm:
             self.bytes = 0
         else:
-            from integrations.vllm.layout import kv_cache_memory_bytes
+            from integrations.vllm.specs import kv_cache_memory_bytes
 
             self.bytes = kv_cache_memory_bytes(scheduler.kv_cache_config)
 

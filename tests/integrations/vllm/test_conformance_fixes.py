@@ -19,7 +19,8 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 import torch
 from integrations.vllm.drop_in import jenga_kv_cache_manager
-from integrations.vllm.layout import JengaVllmError, JengaVllmOptions, UnsupportedFeature
+from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
+from integrations.vllm.options import JengaVllmOptions
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 

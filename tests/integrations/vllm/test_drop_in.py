@@ -12,8 +12,8 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.drop_in import jenga_kv_cache_manager
+from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.harness import cases, replay
-from integrations.vllm.layout import UnsupportedFeature
 from integrations.vllm.manager import JengaKVCacheManager
 
 

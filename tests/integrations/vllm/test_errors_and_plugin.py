@@ -11,15 +11,15 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from integrations.vllm.harness import cases, replay
-from integrations.vllm.layout import (
+from integrations.vllm.errors import (
     InvalidOptions,
     JengaVllmError,
-    JengaVllmOptions,
     UnsupportedFeature,
     UnsupportedLayerKind,
-    build_layout,
 )
+from integrations.vllm.harness import cases, replay
+from integrations.vllm.layout import build_layout
+from integrations.vllm.options import JengaVllmOptions, TensorGeometry
 from integrations.vllm.scheduler import check_supported_config
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
@@ -95,8 +95,24 @@ def test_options_are_checked() -> None:
     assert JengaVllmOptions.from_dict({"order": "paper"}).order == "paper"
     with pytest.raises(InvalidOptions, match=r"kv_tensors='vmm' needs pages='vmm'"):
         JengaVllmOptions(kv_tensors="vmm", pages="vllm")
-    assert JengaVllmOptions().page_geometry == "vllm"
-    assert JengaVllmOptions(kv_tensors="vmm").page_geometry == "vmm"
+    assert JengaVllmOptions().tensor_geometry is TensorGeometry.SHARED_SLOTS
+    assert JengaVllmOptions(kv_tensors="vmm").tensor_geometry is TensorGeometry.PER_GROUP
+
+
+def test_option_strings_become_the_tensor_geometry() -> None:
+    """The config boundary takes the option strings; everything past it sees the enum."""
+    per_layer = JengaVllmOptions.from_dict({"kv_tensors": "vmm", "geometry": "per_layer"})
+    assert per_layer.geometry is TensorGeometry.PER_LAYER
+    assert per_layer.tensor_geometry is TensorGeometry.PER_LAYER
+    assert JengaVllmOptions(pages="vmm").tensor_geometry is TensorGeometry.PER_GROUP
+    shared = JengaVllmOptions(pages="vllm", geometry="per_layer")
+    assert shared.tensor_geometry is TensorGeometry.SHARED_SLOTS
+    assert not shared.tensor_geometry.on_vmm_ranges and per_layer.tensor_geometry.on_vmm_ranges
+    with pytest.raises(
+        InvalidOptions,
+        match=r"geometry must be one of \('per_group', 'per_layer'\), got 'shared_slots'",
+    ):
+        JengaVllmOptions(geometry="shared_slots")
 
 
 @pytest.mark.parametrize(("geometry", "chunks"), [("per_group", 64), ("per_layer", 58)])

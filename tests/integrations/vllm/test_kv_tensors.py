@@ -14,8 +14,9 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.harness import cases, replay
 from integrations.vllm.kv_tensors import UnsupportedLayout, VmmKVCache
-from integrations.vllm.layout import JengaVllmOptions, build_layout
+from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions
 
 import vmm
 

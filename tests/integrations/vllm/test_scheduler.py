@@ -119,7 +119,7 @@ def test_prompt_images_hit_only_the_same_image(model_dir: Path) -> None:
 
 
 def test_encoder_tokens_without_a_cross_attention_group_are_refused(model_dir: Path) -> None:
-    from integrations.vllm.layout import JengaVllmError
+    from integrations.vllm.errors import JengaVllmError
 
     manager = _scheduler(model_dir, "llama", 64).kv_cache_manager
     (request,) = replay.make_requests([[5] * 40], [1], BLOCK)

@@ -13,8 +13,8 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
+from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.harness import cases, engine, replay
-from integrations.vllm.layout import UnsupportedFeature
 from integrations.vllm.scheduler import check_supported_config
 
 import vmm

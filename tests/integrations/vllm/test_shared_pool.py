@@ -10,9 +10,11 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
+from integrations.vllm.errors import InvalidOptions
 from integrations.vllm.harness import cases, replay
-from integrations.vllm.layout import InvalidOptions, JengaVllmOptions, build_layout
+from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions
 from integrations.vllm.plugin import vmm_allocate_kv_cache
 from vmm.shared.cli import pool_state
 

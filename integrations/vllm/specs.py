@@ -1,0 +1,172 @@
+"""vLLM KV-cache specs → jenga `LayerSpec` s, and the memory budget vLLM's config gives.
+
+Rationale
+    vLLM describes each KV-cache group by a spec object (`FullAttentionSpec`,
+    `SlidingWindowSpec`, `MambaSpec`, ...); jenga's allocator needs a `LayerSpec` whose
+    page equals the spec's *unpadded* page. The translation, its refusals and the
+    byte budget are one concern, kept apart from the page tables built on them
+    (`integrations.vllm.page_tables`) and the layout that joins both
+    (`integrations.vllm.layout`).
+
+Approach
+    Specs are recognised by class name (`SUPPORTED_SPECS`), so a spec vLLM adds later is
+    refused by name (`UnsupportedLayerKind`), never mistaken for its base class. The
+    budget is vLLM's single backing allocation (`kv_cache_memory_bytes`). Mamba groups
+    follow vLLM's cache mode (`mamba_step_end_only`).
+
+Limitations
+    Encoder-only, MLA, sink, R-SWA, uniform-type and HiSparse specs are refused. A
+    sliding window wider than ``max_model_len`` is clamped to it (it then behaves as
+    full).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from jenga.specs import Kind, LayerSpec
+
+from integrations.vllm.errors import JengaVllmError, UnsupportedLayerKind
+
+if TYPE_CHECKING:
+    from integrations.vllm.compat import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
+
+SUPPORTED_SPECS = (
+    "FullAttentionSpec",
+    "SlidingWindowSpec",
+    "ChunkedLocalAttentionSpec",
+    "MambaSpec",
+    "CrossAttentionSpec",
+)
+
+
+def declared_page_bytes(spec: KVCacheSpec) -> int | None:
+    """Bytes of one block of one layer as vLLM's spec declares them (padded), or None.
+
+    None for a `MambaSpec` with no ``page_size_padded`` whose ``shapes`` are not a tuple
+    of shapes (vLLM's own tests build ``MambaSpec(shapes=(1, 1))``): vLLM's manager never
+    sizes a page, so such a spec is valid to it, and only the block slot sizes it.
+    """
+    if type(spec).__name__ == "MambaSpec":
+        if spec.page_size_padded is not None:
+            return int(spec.page_size_padded)
+        if not all(isinstance(shape, tuple | list) for shape in spec.shapes):
+            return None
+    return int(spec.page_size_bytes)
+
+
+def kv_cache_memory_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes vLLM would allocate for this config (its one backing buffer)."""
+    tensors = kv_cache_config.kv_cache_tensors
+    if tensors:
+        return max(int(t.size) for t in tensors)
+    sized = [
+        (page, g)
+        for g in kv_cache_config.kv_cache_groups
+        if (page := declared_page_bytes(g.kv_cache_spec)) is not None
+    ]
+    if not sized:
+        raise JengaVllmError(
+            "the KV-cache config lists no tensors and no group's spec gives a page size "
+            f"({[type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups]})"
+        )
+    per_block = max(page * len(g.layer_names) for page, g in sized)
+    return int(kv_cache_config.num_blocks) * per_block
+
+
+def _mamba_state_bytes(
+    spec: KVCacheSpec, where: str, slot_bytes: int | None, num_layers: int
+) -> int:
+    """One layer's Mamba state: the spec's unpadded size, else its padded page, else (on
+    vLLM's shared slots, where every page is padded to the slot) the slot's share."""
+    if all(isinstance(shape, tuple | list) for shape in spec.shapes):
+        return int(spec.real_page_size_bytes)
+    if spec.page_size_padded is not None:
+        return int(spec.page_size_padded)
+    if slot_bytes is not None:
+        return slot_bytes // max(1, num_layers)
+    raise JengaVllmError(
+        f"{where}: shapes {spec.shapes!r} are not a tuple of state shapes and the spec has "
+        "no page_size_padded, so the state size is unknown; pages='vmm' needs it"
+    )
+
+
+def check_spec_kind(spec: KVCacheSpec, group_index: int) -> None:
+    """Raise `UnsupportedLayerKind` for a vLLM spec class this manager does not serve."""
+    name = type(spec).__name__
+    if name not in SUPPORTED_SPECS:
+        raise UnsupportedLayerKind(
+            f"KV-cache group {group_index} ({name}): jenga-vmm's vLLM manager supports "
+            f"{', '.join(SUPPORTED_SPECS)}; {name} is not supported"
+        )
+
+
+def layer_spec_from_vllm(
+    spec: KVCacheSpec,
+    max_model_len: int,
+    group_index: int,
+    slot_bytes: int | None = None,
+    num_layers: int = 1,
+) -> LayerSpec:
+    """The jenga `LayerSpec` whose page equals the vLLM spec's unpadded page.
+
+    ``slot_bytes``: vLLM's block slot when blocks live in its shared tensors (sizes a
+    Mamba state its spec does not size, see `declared_page_bytes`).
+    """
+    name = type(spec).__name__
+    where = f"KV-cache group {group_index} ({name})"
+    check_spec_kind(spec, group_index)
+    if name == "MambaSpec":
+        return LayerSpec(
+            Kind.MAMBA,
+            state_bytes=_mamba_state_bytes(spec, where, slot_bytes, num_layers),
+            checkpoint_interval=int(spec.block_size),
+            block_size=int(spec.block_size),
+        )
+    if getattr(spec, "tokens_per_state", 1) != 1 or spec.state_content_size_bytes % 2:
+        raise UnsupportedLayerKind(
+            f"{where}: packed or compressed attention pages are not supported"
+        )
+    kind, window, chunk = Kind.FULL, None, None
+    if name == "SlidingWindowSpec":
+        kind, window = Kind.SLIDING_WINDOW, min(int(spec.sliding_window), max_model_len)
+    elif name == "ChunkedLocalAttentionSpec":
+        kind, chunk = Kind.CHUNKED_LOCAL, int(spec.attention_chunk_size)
+    elif name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
+        kind = Kind.CROSS_ATTENTION
+    elif spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        raise UnsupportedLayerKind(
+            f"{where}: a FullAttentionSpec carrying sliding_window/attention_chunk_size "
+            "(hybrid manager disabled) is not supported; enable vLLM's hybrid KV-cache "
+            "manager so such layers get SlidingWindowSpec/ChunkedLocalAttentionSpec"
+        )
+    return LayerSpec(
+        kind,
+        num_kv_heads=int(spec.num_heads),
+        head_dim=int(spec.state_content_size_bytes) // 2,
+        dtype_bytes=1,
+        block_size=int(spec.block_size),
+        window=window,
+        chunk=chunk,
+    )
+
+
+def mamba_step_end_only(vgroups: Sequence[KVCacheGroupSpec]) -> bool:
+    """Whether Mamba states exist only where a step ends (vLLM's "align" cache mode).
+
+    With "none" (prefix caching off in a real engine; vLLM's own tests also build it with
+    caching on) vLLM's manager treats every Mamba block as a state written and cacheable,
+    as it treats attention blocks; jenga's Mamba policy then keeps every checkpoint.
+    """
+    modes = {
+        str(getattr(g.kv_cache_spec, "mamba_cache_mode", "none"))
+        for g in vgroups
+        if type(g.kv_cache_spec).__name__ == "MambaSpec"
+    }
+    if len(modes) > 1:
+        raise UnsupportedLayerKind(
+            f"Mamba groups with different mamba_cache_mode values {sorted(modes)} "
+            "(vLLM sets one mode per engine)"
+        )
+    return modes != {"none"}
