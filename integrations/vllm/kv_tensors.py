@@ -193,9 +193,11 @@ class VmmKVCache:
         return self.group_ranges[g.index]
 
     def apply_plan(self, plan: MappingPlan) -> None:
-        """Carry out one scheduler plan atomically; an empty plan unmaps every page."""
-        if not plan:
+        """Carry out one scheduler plan atomically; `MappingPlan.unmap_all` unmaps every
+        page first (a prefix-cache reset), an empty plan does nothing."""
+        if plan.reset:
             self._unmap_all()
+        if not len(plan):
             return
         ranges = [self._group_ranges(g) for g in self.layout.groups]
         batch, _ = translate(plan, self.geometries, ranges)

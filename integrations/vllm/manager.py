@@ -26,13 +26,12 @@ Approach
 
     Like vLLM, blocks are committed to the prefix cache when they are allocated for
     tokens about to be computed, so a request admitted later in the same step can hit
-    them. Every call that changes physical needs hands the manager the core's raw plan
-    ops as it happens (``JengaAllocator.plan_sink``); only with ``kv_tensors="vmm"`` is
-    a `jenga.plan.MappingPlan` built from them and queued in order for the worker's VMM
-    tensors (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to each
-    `SchedulerOutput`). Allocation goes through ``JengaAllocator.grow`` (new block ids
-    only, no `Allocation` object), and a request's tokens reach the allocator only when
-    one of its blocks can complete.
+    them. Every allocator call that changes physical needs returns its plan; the manager
+    replays the plan's raw op keys into its tables (`_apply_plan`: no op object is
+    built), and only with ``kv_tensors="vmm"`` queues the plan in order for the worker's
+    VMM tensors (`take_mapping_plans`; `integrations.vllm.scheduler` attaches them to
+    each `SchedulerOutput`). A request's tokens reach the allocator only when one of its
+    blocks can complete.
 
     Block ids: one strategy per tensor geometry, picked at construction
     (`integrations.vllm.block_ids`). With vLLM's own KV tensors (``pages="vllm"``, the
@@ -83,10 +82,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
-from jenga.plan import OP_UNMAP, MappingPlan, plan_from_keys
+from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
 
-from integrations.vllm.block_ids import PlanKeys, new_block_ids
+from integrations.vllm.block_ids import new_block_ids
 from integrations.vllm.compat import (
     AllBlocksCleared,
     KVCacheBlock,
@@ -360,7 +359,7 @@ class JengaKVCacheManager:
             if admitted:
                 self._release(rid)
             else:  # as vLLM: skipped blocks go even when the request cannot grow
-                self.allocator.release_skipped(rid, release_upto=processed)  # ops: the sink
+                self._apply_plan(self.allocator.release_skipped(rid, release_upto=processed))
             self.counters["requests.rejected"] += 1
             return None
         if self.enable_caching:
@@ -423,37 +422,38 @@ class JengaKVCacheManager:
         Mamba groups with ``mamba_step_end_only`` (vLLM writes a state only where a chunk
         ends), so a long chunk holds the state it starts from and the one it ends at.
         """
-        got = self.allocator.grow(request.request_id, need, release_upto=processed)
+        got = self.allocator.allocate(request.request_id, need, release_upto=processed)
         if got is None:
             return None
+        self._apply_plan(got.plan)
+        blocks = got.new_blocks
         if self.identity.events_on:
-            for g, blocks in enumerate(got):
-                if blocks and self.identity.digest[g]:
-                    self.identity.forget(g, blocks)  # a recorded block handed out again
-        return got
+            for g, ids in enumerate(blocks):
+                if ids and self.identity.digest[g]:
+                    self.identity.forget(g, ids)  # a recorded block handed out again
+        return blocks
 
     def _new_allocator(self) -> JengaAllocator:
         """The layout's allocator, naming text blocks by vLLM's own digests (one per
-        ``hash_block_size`` tokens: one hash per block, vLLM's), its plan ops handed
-        straight to `_apply_plan_keys`."""
+        ``hash_block_size`` tokens: one hash per block, vLLM's)."""
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
-        allocator = JengaAllocator(replace(config, identity=identity))
-        allocator.plan_sink = self._apply_plan_keys
-        return allocator
+        return JengaAllocator(replace(config, identity=identity))
 
-    def _apply_plan_keys(self, keys: PlanKeys) -> None:
-        """The allocator's ops as they happen: unmapped pages lose their identity, slots
-        move, and only for a worker (VMM tensors) is a `MappingPlan` built and queued.
-        The one path for plan ops: with the sink set, `free` and `release_skipped`
-        return empty plans."""
+    def _apply_plan(self, plan: MappingPlan) -> None:
+        """Every plan the allocator returns, in order: unmapped pages lose their identity,
+        slots move (from the raw op keys), and only for a worker (VMM tensors) is the plan
+        queued."""
+        if not plan:
+            return
+        keys = plan.keys
         if self.identity.events_on:
             for kind, group, page, _ in keys:
                 if kind == OP_UNMAP:
                     self.identity.forget_page(group, page)
         self._block_ids.apply_keys(keys)
         if self._queue_plans:
-            self._plans.append(plan_from_keys(keys))
+            self._plans.append(plan)
 
     def _admit(self, request: Request, num_new_computed_tokens: int) -> _RequestState:
         rid = request.request_id
@@ -470,7 +470,7 @@ class JengaKVCacheManager:
             digests=_digests(request),
         )
         if hit != num_new_computed_tokens:
-            self.allocator.free(rid)
+            self._apply_plan(self.allocator.free(rid))
             raise JengaVllmError(
                 f"request {rid!r}: the scheduler adopted {num_new_computed_tokens} cached "
                 f"tokens but the allocator's hit is {hit}"
@@ -507,7 +507,7 @@ class JengaKVCacheManager:
         )
 
     def _release(self, rid: Hashable) -> None:
-        self.allocator.free(rid)  # its plan ops went to `_apply_plan_keys`
+        self._apply_plan(self.allocator.free(rid))
         del self._requests[rid]
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -576,7 +576,9 @@ class JengaKVCacheManager:
     ) -> None:
         """Release the blocks out of the window as of ``processed_computed_tokens``."""
         if request_id in self._requests:
-            self.allocator.release_skipped(request_id, release_upto=processed_computed_tokens)
+            self._apply_plan(
+                self.allocator.release_skipped(request_id, release_upto=processed_computed_tokens)
+            )
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")
@@ -590,7 +592,7 @@ class JengaKVCacheManager:
         self._block_ids.reset()
         self.identity.clear()
         if self._queue_plans:
-            self._plans.append(MappingPlan())  # marker: the worker unmaps everything
+            self._plans.append(MappingPlan.unmap_all())
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         if self.log_stats:

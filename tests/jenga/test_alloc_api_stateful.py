@@ -6,7 +6,7 @@ small pool, with requests that share prefixes and an image. After every rule:
 USED block whose refcount equals the live tables holding it), plus:
 - "no room" changes nothing (usage, tables, token counts),
 - a hit never covers the whole prompt and is a multiple of every text block size,
-- a request that just cached its blocks is found by `match_prefix`,
+- a request that just cached its blocks is found by `prefix_match`,
 - units are conserved (used + free == total) and plans only unmap mapped pages.
 """
 

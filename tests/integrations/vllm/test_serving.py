@@ -142,7 +142,10 @@ def test_blocks_are_named_by_vllms_digests_never_shared_across_lora_or_salt(
     b = _request("b", PROMPT, lora_request=compat.lora_request("ad1", 2))
     c = _request("c", PROMPT, cache_salt="tenant")
     _run(manager, a)
-    match = manager.allocator.match_prefix
+
+    def match(prompt: list[int], digests: list[bytes]) -> int:
+        return manager.allocator.prefix_match(prompt, digests=digests).hit
+
     assert match(PROMPT, digests=a.block_hashes) == 96
     assert match(PROMPT, digests=b.block_hashes) == match(PROMPT, digests=c.block_hashes) == 0
     assert _hit(manager, b) == _hit(manager, c) == 0
