@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from jenga.pages import GroupPages, PageTable, static_page_table, vmm_page_table
+from jenga.pages import GroupPages, PageTable, capacity_units, static_page_table, vmm_page_table
 from jenga.specs import KVGroup, ModelSpec, SpecError
 
 from integrations.vllm.errors import JengaVllmError
@@ -100,7 +100,10 @@ def group_page_table(
 
 def check_room(table: PageTable, memory: int, options: JengaVllmOptions) -> int:
     """The pool's chunk count; raises when one request's large page per group does not fit."""
-    total_units = memory // options.chunk_bytes
+    try:
+        total_units = capacity_units(memory, options.chunk_bytes)
+    except SpecError as exc:
+        raise JengaVllmError(f"the KV cache holds no chunk: {exc}") from exc
     one_each = sum(row.units_per_large_page for row in table.groups)
     if one_each > total_units:
         raise JengaVllmError(
