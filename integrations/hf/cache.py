@@ -42,9 +42,10 @@ from jenga.hf import HfOptions, model_spec_from_config
 from jenga.hf_states import STATE_ALIGN, linear_state
 from jenga.pages import vmm_page_table
 from jenga.specs import Kind, KVGroup, ModelSpec
-from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 import vmm
+from integrations.hf.compat import DummyLayer, layer_types_and_kwargs
 from integrations.hf.layers import (
     UnsupportedLayer,
     VmmChunkedLayer,
@@ -314,7 +315,7 @@ class VmmCache(Cache):
             state = linear_state(text.to_dict())
             conv = state.conv_channels * state.conv_kernel  # elements; bytes on open
         self.store = RowStore(self._open, image_tokens, conv)
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, per_layer_kwargs = layer_types_and_kwargs(text)
         layers = [
             self._make_layer(i, kind, kwargs, structure)
             for i, (kind, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True))

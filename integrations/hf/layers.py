@@ -26,8 +26,9 @@ Approach
     A state block holds ``conv [channels, kernel]`` then, at the next 16-byte boundary,
     the recurrent state. The batch dimension is a strided view over the rows' blocks (one
     uniform stride), so transformers' in-place updates land in our memory. When a row's
-    live state moves to a new checkpoint block, `RowStore` copies every state block and
-    the layers re-point their views (`repoint`).
+    live state moves to a new checkpoint block, the store (`RowStore`) copies every state
+    block and the layers re-point their views (`repoint`). The store is typed by the
+    `LayerStore` protocol (`integrations.hf.store`).
 
 Limitations
     Released positions of a chunked layer read as zeros, correct only under the chunked
@@ -38,7 +39,7 @@ Limitations
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from jenga.allocator import NULL_BLOCK
@@ -50,10 +51,8 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from integrations.hf.store import LayerStore
 from integrations.kvcache.access import read_kv, token_slots, write_kv
-
-if TYPE_CHECKING:
-    from integrations.hf.cache import RowStore
 
 
 class UnsupportedLayer(NotImplementedError):
@@ -67,7 +66,7 @@ def _unsupported(self: Any, *args: Any, **kwargs: Any) -> None:
 class AttentionPart:
     """Write new K/V into each row's blocks; return positions [start, stop) gathered."""
 
-    store: RowStore
+    store: LayerStore
     layer_idx: int
     seen: int = 0  # tokens written so far
 
@@ -155,7 +154,7 @@ class SlidingAttentionPart(AttentionPart):
 class VmmLayer(FullAttentionPart, DynamicLayer):
     """Full attention: every position stays and is returned."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
 
@@ -163,7 +162,7 @@ class VmmLayer(FullAttentionPart, DynamicLayer):
 class VmmSlidingLayer(SlidingAttentionPart, DynamicSlidingWindowLayer):
     """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
 
-    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+    def __init__(self, store: LayerStore, layer_idx: int, sliding_window: int, **kwargs: Any):
         super().__init__(sliding_window=sliding_window)
         self.store, self.layer_idx = store, layer_idx
 
@@ -176,7 +175,7 @@ class VmmChunkedLayer(VmmSlidingLayer):
 class StatePart:
     """Conv and recurrent states as views over each row's live block in the Mamba group."""
 
-    store: RowStore
+    store: LayerStore
     layer_idx: int
     conv_states: dict[int, torch.Tensor | None]
     recurrent_states: dict[int, torch.Tensor | None]
@@ -269,7 +268,7 @@ class StatePart:
 class VmmMambaLayer(StatePart, LinearAttentionLayer):
     """Mamba / Mamba2 / gated delta-net: states in the row's live Mamba-group block."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
@@ -281,7 +280,7 @@ class VmmMambaLayer(StatePart, LinearAttentionLayer):
 class VmmHybridLayer(StatePart, FullAttentionPart, LinearAttentionAndFullAttentionLayer):
     """Attention and a state in one layer (Falcon-H1, Zamba2): two groups, one layer id."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
@@ -295,7 +294,7 @@ class VmmHybridSlidingLayer(
 ):
     """A sliding-window attention part beside a state (``hybrid_sliding``)."""
 
-    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+    def __init__(self, store: LayerStore, layer_idx: int, sliding_window: int, **kwargs: Any):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
@@ -309,7 +308,7 @@ class VmmCrossLayer(DynamicLayer):
     group's blocks; `keys` / `values` gather them from there on every read (transformers
     reads them directly on decode steps)."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
         self.length = 0

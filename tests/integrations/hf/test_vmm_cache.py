@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from jenga.specs import SpecError  # noqa: E402
 
-from integrations.hf import VmmCache  # noqa: E402
+from integrations.hf import VmmCache, cache_kwargs  # noqa: E402
 
 SMALL = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -74,7 +74,7 @@ def inputs(batch: int) -> dict[str, torch.Tensor]:
 
 def generate(model, cache=None):
     out = model.generate(
-        **inputs(generate.batch), past_key_values=cache, return_dict_in_generate=True, **GENERATE
+        **inputs(generate.batch), **cache_kwargs(cache), return_dict_in_generate=True, **GENERATE
     )
     return out.sequences, torch.stack(out.logits)
 
@@ -171,7 +171,7 @@ def test_long_generation_fits_the_default_budget():
     model = tiny_model("llama")  # max_position_embeddings 512
     ids = torch.randint(1, 128, (1, 300))
     cache = VmmCache(model.config)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                          max_new_tokens=200, min_new_tokens=200, do_sample=False)  # fmt: skip
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200,
                          min_new_tokens=200, do_sample=False)  # fmt: skip
@@ -218,7 +218,7 @@ def test_mllama_cross_attention_bitwise_equal(batch: int):
     ref = model.generate(**kwargs)
     # 2 tiles x (4 patches + 1) = 10 cross-attention tokens per row
     cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=4 << 20, image_tokens=10)
-    ours = model.generate(**kwargs, past_key_values=cache)
+    ours = model.generate(**kwargs, **cache_kwargs(cache))
     assert torch.equal(ours.sequences, ref.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(ref.logits))
     assert cache.kv.stats()["blocks.used.cross_attention"] == batch  # 10 tokens: one block
