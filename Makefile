@@ -127,7 +127,7 @@ test-hf-oldest: hf-venv
 	$(HF_VENV)/bin/python -c "import transformers; assert transformers.__version__ == '$(HF_OLDEST)', transformers.__version__"
 	$(HF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/hf tests/integrations/engine
 
-# Every GPU check in one run (tools/gpu-check.py): on a lent GPU machine `make test-gpu`
+# Every GPU check in one run (tools/gpu_check.py): on a lent GPU machine `make test-gpu`
 # uses its own python3 (torch with CUDA, cuda-bindings; no venv, no downloads) and writes
 # docs/results/gpu-DATE.md; `make test-gpu BACKEND=host` runs the same parts on the host
 # backend in .venv and writes build/gpu-check/host.md (CI).
@@ -135,10 +135,10 @@ BACKEND ?= cuda
 ifeq ($(BACKEND),cuda)
 test-gpu:
 	python3 -m pip install -q --no-build-isolation --no-deps --no-index -e .
-	python3 tools/gpu-check.py --backend cuda $(if $(OUT),--out $(OUT))
+	python3 tools/gpu_check.py --backend cuda $(if $(OUT),--out $(OUT))
 else
 test-gpu: build
-	$(PY) tools/gpu-check.py --backend $(BACKEND) --out $(or $(OUT),build/gpu-check/$(BACKEND).md)
+	$(PY) tools/gpu_check.py --backend $(BACKEND) --out $(or $(OUT),build/gpu-check/$(BACKEND).md)
 endif
 
 clean:
