@@ -381,10 +381,10 @@ def _make_pool(cfg: EngineConfig) -> vmm.ChunkPool:
             )
         return vmm.ChunkPool(backend, backend.tenant.max_bytes)
     if cfg.backend == "host":
-        backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
+        own = vmm.get_backend("host", granularity=cfg.chunk_bytes)
     else:
-        backend = vmm.get_backend(cfg.backend)
-    return vmm.ChunkPool(backend, cfg.budget_bytes)
+        own = vmm.get_backend(cfg.backend)
+    return vmm.ChunkPool(own, cfg.budget_bytes)
 
 
 def _shared_gate(kv: KVCache, pool: vmm.ChunkPool) -> Any:

@@ -161,7 +161,9 @@ class CrossImages:
         self.cross_tokens = self.states.shape[0] * self.states.shape[1]
         # the mask is the processor's function of the tokens and the images' tiles (checked)
         hashed = content_hash({k: v for k, v in inputs.items() if k != "cross_attention_mask"})
-        self.spans = (ImageSpan(0, self.cross_tokens, content_hash=hashed, in_text=False),)
+        self.spans: tuple[ImageSpan, ...] = (
+            ImageSpan(0, self.cross_tokens, content_hash=hashed, in_text=False),
+        )
 
     def inputs(self, seg: Segment, ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Token ids, the mask rows of the segment and, at position 0, the states."""

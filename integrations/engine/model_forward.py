@@ -178,7 +178,7 @@ class ModelForward:
         store = RequestStore(self.kv, seg, tables)
         store.recurrent_offset = self.recurrent_offset
         store.image_tokens = cross_tokens
-        layers = []
+        layers: list[Any] = []
         for i, (kind, kwargs) in enumerate(zip(self.layer_types, self.layer_kwargs, strict=True)):
             if i in self.cross_layers:
                 layers.append(self._cross_layer(store, i, seg))

@@ -39,7 +39,7 @@ Limitations
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jenga.allocator import NULL_BLOCK
@@ -122,7 +122,7 @@ class FullAttentionPart(AttentionPart):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
-            DynamicLayer.lazy_initialization(self, key_states, value_states)
+            DynamicLayer.lazy_initialization(cast(DynamicLayer, self), key_states, value_states)
         return self._attend(key_states, value_states)
 
     def get_seq_length(self) -> int:
@@ -145,7 +145,9 @@ class SlidingAttentionPart(AttentionPart):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
-            DynamicSlidingWindowLayer.lazy_initialization(self, key_states, value_states)
+            DynamicSlidingWindowLayer.lazy_initialization(
+                cast(DynamicSlidingWindowLayer, self), key_states, value_states
+            )
         out = self._attend(key_states, value_states)
         self.cumulative_length = self.seen
         return out
@@ -179,8 +181,17 @@ class StatePart:
     layer_idx: int
     conv_states: dict[int, torch.Tensor | None]
     recurrent_states: dict[int, torch.Tensor | None]
+    # set by transformers' LinearAttentionCacheLayerMixin (typed there by inference)
+    conv_kernel_size: dict[int, Any]
+    is_conv_states_initialized: dict[int, Any]
+    is_recurrent_states_initialized: dict[int, Any]
+    has_previous_state: dict[int, Any]
+    dtype: Any
+    device: Any
 
-    def _state_view(self, rows: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...]):
+    def _state_view(
+        self, rows: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         store = self.store
         store.ensure(rows, max(store.length, 1), dtype, check_dtype=False)
         kv, group = store.kv, store.state_group(self.layer_idx)
@@ -252,7 +263,7 @@ class StatePart:
         conv = self.conv_states[0]
         assert conv is not None
         self.conv_kernel_size[0] = conv.shape[-1]
-        self.dtype, self.device = conv.dtype, conv.device  # type: ignore[assignment]
+        self.dtype, self.device = conv.dtype, conv.device
         for flags in (self.is_conv_states_initialized, self.is_recurrent_states_initialized,
                       self.has_previous_state):  # fmt: skip
             flags[0] = True
@@ -277,7 +288,11 @@ class VmmMambaLayer(StatePart, LinearAttentionLayer):
         self._init_states(LinearAttentionLayer, *args, **kwargs)
 
 
-class VmmHybridLayer(StatePart, FullAttentionPart, LinearAttentionAndFullAttentionLayer):
+# transformers' hybrid layers mix a writable `is_croppable` (DynamicLayer) with a read-only
+# property (LinearAttentionCacheLayerMixin); mypy flags the mix wherever it is subclassed
+class VmmHybridLayer(  # type: ignore[override]
+    StatePart, FullAttentionPart, LinearAttentionAndFullAttentionLayer
+):
     """Attention and a state in one layer (Falcon-H1, Zamba2): two groups, one layer id."""
 
     def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
@@ -289,7 +304,7 @@ class VmmHybridLayer(StatePart, FullAttentionPart, LinearAttentionAndFullAttenti
         self._init_states(LinearAttentionAndFullAttentionLayer, *args, **kwargs)
 
 
-class VmmHybridSlidingLayer(
+class VmmHybridSlidingLayer(  # type: ignore[override]
     StatePart, SlidingAttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
 ):
     """A sliding-window attention part beside a state (``hybrid_sliding``)."""
@@ -308,12 +323,15 @@ class VmmCrossLayer(DynamicLayer):
     group's blocks; `keys` / `values` gather them from there on every read (transformers
     reads them directly on decode steps)."""
 
+    dtype: Any  # set by `lazy_initialization` (or by the engine for a layer it resumes)
+    device: Any
+
     def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
         self.length = 0
 
-    @property  # type: ignore[override]
+    @property
     def keys(self) -> torch.Tensor:
         return self._gather()[0]
 
@@ -321,7 +339,7 @@ class VmmCrossLayer(DynamicLayer):
     def keys(self, value: Any) -> None:  # storage is ours; transformers' assignments are dropped
         pass
 
-    @property  # type: ignore[override]
+    @property
     def values(self) -> torch.Tensor:
         return self._gather()[1]
 
