@@ -33,11 +33,10 @@ Limitations
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import importlib.util
 
 import torch
 import torch.nn.functional as F

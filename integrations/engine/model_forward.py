@@ -11,7 +11,8 @@ Rationale
 
 Approach
     Each scheduled segment [start, stop) of request r becomes one call
-    ``model(ids[start:stop], cache=cache)`` (``past_key_values=`` before transformers 5.24), where `cache` is a transformers
+    ``model(ids[start:stop], cache=cache)`` (``past_key_values=`` before transformers
+    5.24: `integrations.hf.compat.cache_kwargs`), where `cache` is a transformers
     `Cache` built from `integrations.hf` layer classes over `RequestStore`: batch row 0
     is request r, the block tables are the ones taken in `prepare` (before an overlapped
     allocation could release a block this step reads), nothing is allocated (the
@@ -244,5 +245,6 @@ class ModelForward:
                 for i in range(seg.num_tokens)
             ]
         for step in steps:
-            logits = self.model(**step, **cache_kwargs(cache, self.model.forward), use_cache=True).logits
+            given = cache_kwargs(cache, self.model.forward)
+            logits = self.model(**step, **given, use_cache=True).logits
         return logits[0, -1]

@@ -140,8 +140,8 @@ def takes_cache_argument(fn: Callable[..., Any]) -> bool:
 
 def cache_kwargs(cache: Any, fn: Callable[..., Any] | None = None) -> dict[str, Any]:
     """The keyword that hands `cache` to `fn` (default: `generate`) on this release:
-    ``model.generate(**inputs, **cache_kwargs(cache))``, ``model(**cache_kwargs(c, model.forward))``.
-    """
+    ``model.generate(**inputs, **cache_kwargs(cache))``,
+    ``model(ids, **cache_kwargs(cache, model.forward))``."""
     if fn is None:
         from transformers.generation.utils import GenerationMixin
 

@@ -15,9 +15,8 @@ import sys
 
 def main() -> int:
     import torch
-    from vmm.cuda import CudaBackend
-
     from vmm.backend import SharedChunks
+    from vmm.cuda import CudaBackend
 
     request = json.loads(sys.stdin.readline())
     fds, g = request["fds"], request["granularity"]
@@ -29,10 +28,11 @@ def main() -> int:
     backend.map([va, va + g], handles)
 
     class _Raw:
-        __cuda_array_interface__ = {
-            "shape": (2 * g,), "typestr": "|u1", "data": (va, False), "version": 3,
-            "strides": None,
-        }  # fmt: skip
+        def __init__(self) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (2 * g,), "typestr": "|u1", "data": (va, False), "version": 3,
+                "strides": None,
+            }  # fmt: skip
 
     view = torch.as_tensor(_Raw(), device="cuda")
     view[g:].fill_(0x22)

@@ -18,11 +18,11 @@ import torch
 pytest.importorskip("transformers")
 
 from integrations.hf.cache import config_dict
+from integrations.hf.compat import layer_types_and_kwargs
 from jenga.hf import model_spec_from_config
 from jenga.specs import Kind
 
 from integrations.hf import VmmCache, cache_kwargs
-from integrations.hf.compat import layer_types_and_kwargs
 from tests.integrations.hf.families import CHECKPOINT, FAMILIES, SMALL, text_inputs, tiny_model
 
 GENERATE = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
