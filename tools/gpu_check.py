@@ -129,7 +129,8 @@ def part_pytest(args: argparse.Namespace, part: Part) -> None:
            "cuda or gpu", f"--junitxml={junit}", "tests"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     counts, failed, lost = _junit_summary(junit)
-    part.lines.append(f"`python {shlex.join(cmd[1:])}`: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items())
+    part.lines.append(f"`python {shlex.join(cmd[1:])}`: {summary}")
     if lost:
         worst = max(lost, key=lambda kv: kv[1])
         part.lines.append(
