@@ -1,7 +1,8 @@
 """A transformers 5.x `Cache` whose storage is a jenga-driven vmm KV cache.
 
 Rationale
-    `model.generate(..., past_key_values=VmmCache(model.config))` should run any decoder
+    `model.generate(..., cache=VmmCache(model.config))` (``past_key_values=`` before
+    transformers 5.24; `integrations.hf.compat.cache_kwargs`) should run any decoder
     whose layer kinds jenga stores, unchanged, while every layer's K/V (or recurrent
     state) lives in chunks mapped into per-layer virtual ranges, the jenga allocator
     deciding which chunks back which layer type (sliding-window and chunk blocks leave
@@ -10,7 +11,7 @@ Rationale
 
 Approach
     Each batch row is one allocator request. The layer objects (`integrations.hf.layers`)
-    follow transformers' own layer types (`get_layer_types_and_kwargs`); the jenga
+    follow transformers' own layer types (`compat.layer_types_and_kwargs`); the jenga
     ModelSpec comes from the config (`jenga.hf.model_spec_from_config`: layer types,
     windows, chunks, KV sharing, state shapes). The `KVCache` and its chunk pool are
     built on first use, when the batch size and the model's K/V dtype are known::
