@@ -133,8 +133,9 @@ test-hf-oldest: hf-venv
 # backend in .venv and writes build/gpu-check/host.md (CI).
 BACKEND ?= cuda
 ifeq ($(BACKEND),cuda)
+# (PIP_BREAK_SYSTEM_PACKAGES: the machine's python3 may be marked externally managed)
 test-gpu:
-	python3 -m pip install -q --no-build-isolation --no-deps --no-index -e .
+	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e .
 	python3 tools/gpu_check.py --backend cuda $(if $(OUT),--out $(OUT))
 else
 test-gpu: build

@@ -123,11 +123,27 @@ def hf_skip_reason() -> str | None:
 
 
 # ---- parts -------------------------------------------------------------------------------
+PYTEST_TIMEOUT_S = 240  # the whole check is meant to take under 5 minutes on a GPU
+BENCH_TIMEOUT_S = 180
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`cmd` from the repository root; a run past `timeout` seconds is killed and reported
+    as exit status 124 with what it printed."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        note = f"killed after {timeout} s"
+        return subprocess.CompletedProcess(cmd, 124, out + "\n" + note, err + "\n" + note)
+
+
 def part_pytest(args: argparse.Namespace, part: Part) -> None:
     junit = Path(args.work) / "pytest.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
            "cuda or gpu", f"--junitxml={junit}", "tests"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = _run(cmd, PYTEST_TIMEOUT_S)
     counts, failed, lost = _junit_summary(junit)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items())
     part.lines.append(f"`python {shlex.join(cmd[1:])}`: {summary}")
@@ -174,7 +190,7 @@ def part_bench(args: argparse.Namespace, part: Part) -> None:
            "--no-progress", "--json", str(report)]  # fmt: skip
     if args.backend == "cuda":  # the bars are GPU figures; a shared CI core would flake them
         cmd.append("--check")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = _run(cmd, BENCH_TIMEOUT_S)
     part.lines.append(f"`vmm-bench {shlex.join(cmd[3:])}` exit {proc.returncode}")
     part.lines.extend(["```", *proc.stdout.rstrip().splitlines()[-60:], "```"])
     if proc.returncode != 0:
