@@ -116,7 +116,7 @@ $(HF_STAMP): pyproject.toml
 	$(HF_VENV)/bin/python -m pip install -q --upgrade pip
 	$(HF_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(HF_VENV)/bin/python -m pip install -q "transformers==$(HF_OLDEST)" "numpy>=1.26" "rich>=13" \
-	  "pytest>=8" "hypothesis>=6.100" "scikit-build-core>=0.10" "pybind11>=2.13"
+	  "pillow" "pytest>=8" "hypothesis>=6.100" "scikit-build-core>=0.10" "pybind11>=2.13"
 	$(HF_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps $(HF_BUILD) -e .
 	touch $(HF_STAMP)
 
