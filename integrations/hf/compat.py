@@ -14,6 +14,9 @@ Approach
                                     both become a list of dicts, one per cache layer
         cache_kwargs(cache, fn)     {"cache": c} where `fn` takes ``cache=`` (generate and
                                     model forwards from 5.24), else {"past_key_values": c}
+        cross_mask_from_zero()      Mllama's forward indexes ``cross_attention_mask`` by
+                                    absolute position before 5.18 (it needs the rows from
+                                    position 0); from 5.18 it takes the forward's rows
 
     Before 5.23 a KV-sharing model (Gemma 3n) has no cache layer for its reader layers:
     the layer list is cut at the first reader, as the library's own cache does; from 5.23
@@ -114,6 +117,13 @@ def _kwargs_for(kind: str, shared: dict[str, Any]) -> dict[str, Any]:
     if kind in ("conv", "linear_attention", "hybrid", "hybrid_sliding"):
         out["number_of_states"] = shared.get("number_of_states", 1)
     return out
+
+
+def cross_mask_from_zero() -> bool:
+    """Whether Mllama's forward wants ``cross_attention_mask`` rows from position 0 up to
+    the last position of the forward (before 5.18: it picks ``past + arange(n)`` itself)
+    rather than the forward's own rows."""
+    return version()[:2] < (5, 18)
 
 
 @functools.cache
