@@ -8,7 +8,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLi
 CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
                    -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs stubs-check clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan
+.PHONY: run test lint format build stubs stubs-check clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan test-hf-oldest hf-venv test-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -125,5 +125,44 @@ test-vllm: vllm-venv
 test-vllm-conformance: vllm-venv
 	nice $(VLLM_VENV)/bin/python tests/integrations/vllm/conformance/run_conformance.py $(VLLM)
 
+# The HF cache and the mini engine on the oldest supported transformers (`hf` extra's lower
+# bound; .venv runs the newest): a small venv .venv-hf-VERSION (torch CPU from local disk,
+# transformers and what it needs, this package editable in its own CMake tree).
+HF_OLDEST   ?= 5.16.0
+HF_VENV     ?= .venv-hf-$(HF_OLDEST)
+HF_STAMP    := $(HF_VENV)/.jenga-vmm-installed
+HF_BUILD    := --config-settings=build-dir=build/$(patsubst .%,%,$(notdir $(HF_VENV)))/{wheel_tag}
+
+$(HF_STAMP): pyproject.toml
+	python3 -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(HF_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(HF_VENV)/bin/python -m pip install -q "transformers==$(HF_OLDEST)" "numpy>=1.26" "rich>=13" \
+	  "pillow" "pytest>=8" "hypothesis>=6.100" "scikit-build-core>=0.10" "pybind11>=2.13"
+	$(HF_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps $(HF_BUILD) -e .
+	touch $(HF_STAMP)
+
+hf-venv: $(HF_STAMP)
+	@$(HF_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps $(HF_BUILD) -e . 2>&1 | grep -v "^$$" || true
+
+test-hf-oldest: hf-venv
+	$(HF_VENV)/bin/python -c "import transformers; assert transformers.__version__ == '$(HF_OLDEST)', transformers.__version__"
+	$(HF_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/hf tests/integrations/engine
+
+# Every GPU check in one run (tools/gpu_check.py): on a lent GPU machine `make test-gpu`
+# uses its own python3 (torch with CUDA, cuda-bindings; no venv, no downloads) and writes
+# docs/results/gpu-DATE.md; `make test-gpu BACKEND=host` runs the same parts on the host
+# backend in .venv and writes build/gpu-check/host.md (CI).
+BACKEND ?= cuda
+ifeq ($(BACKEND),cuda)
+# (PIP_BREAK_SYSTEM_PACKAGES: the machine's python3 may be marked externally managed)
+test-gpu:
+	PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e .
+	python3 tools/gpu_check.py --backend cuda $(if $(OUT),--out $(OUT))
+else
+test-gpu: build
+	$(PY) tools/gpu_check.py --backend $(BACKEND) --out $(or $(OUT),build/gpu-check/$(BACKEND).md)
+endif
+
 clean:
-	rm -rf build $(VENV) .venv-vllm-* .conformance
+	rm -rf build $(VENV) .venv-vllm-* .venv-hf-* .conformance

@@ -9,18 +9,27 @@
   leaves handles, mappings, reservations, streams or context retains behind.
 * Otherwise `cuda` tests skip with the reason. `emulator` tests (the emulator's own rules)
   run only when it is selected.
+* On a real GPU every `cuda` test is checked for leaks (`_gpu_left_clean`): each
+  `CudaBackend` it created is closed by its end, and the device's free memory
+  (`cuMemGetInfo`, through `torch.cuda.mem_get_info`, after torch's caches are emptied)
+  is back to where it started, within `GPU_LEAK_SLACK_BYTES` (kernel modules torch
+  loads on first use take device memory that is never given back).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from tests.vmm import emulator as _emulator
 
 EMULATOR = _emulator.preload()  # before any test imports cuda-bindings
+GPU_LEAK_SLACK_BYTES = int(os.environ.get("JENGA_VMM_GPU_LEAK_SLACK_MIB", "16")) << 20
 _unexpected_skips: list[str] = []
 
 
@@ -94,4 +103,52 @@ def _emulator_left_clean(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(
             f"test left objects in the emulated CUDA driver: {live}; "
             f"{new_faults} stream operation(s) hit an address that was not mapped read-write"
+        )
+
+
+def _settled_free_bytes() -> int:
+    """Free device memory once torch has given back what it caches."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+@pytest.fixture(autouse=True)
+def _gpu_left_clean(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On a real GPU, a cuda test closes every `CudaBackend` it opened and leaves the
+    device's free memory where it found it (within `GPU_LEAK_SLACK_BYTES`)."""
+    checked = EMULATOR is None and request.node.get_closest_marker("cuda") is not None
+    if not checked or _gpu_missing() is not None:
+        yield
+        return
+    from vmm.cuda import CudaBackend
+
+    opened: list[Any] = []
+    init = CudaBackend.__init__
+
+    def tracking_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    free_before = _settled_free_bytes()
+    CudaBackend.__init__ = tracking_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        CudaBackend.__init__ = init  # type: ignore[method-assign]
+    left_open = [b for b in opened if not b._closed]
+    for backend in left_open:
+        backend.close()
+    lost = free_before - _settled_free_bytes()
+    request.node.user_properties.append(("gpu_free_bytes_lost", lost))
+    if left_open or lost > GPU_LEAK_SLACK_BYTES:
+        pytest.fail(
+            f"GPU leak: {len(left_open)} of {len(opened)} CudaBackend(s) left open; device "
+            f"free memory {lost} bytes below the start (slack {GPU_LEAK_SLACK_BYTES})"
         )

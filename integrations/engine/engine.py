@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 import vmm
-from integrations.engine.forward import PackedForward, Segment
+from integrations.engine.forward import PackedForward, Segment, flash_kernel
 from integrations.engine.images import IMAGE_ADAPTERS, RequestImages
 from integrations.engine.model_forward import ModelForward
 from integrations.kvcache import KVCache, KVCacheConfig
@@ -67,7 +67,9 @@ class EngineConfig:
     overlap: bool = False  # allocate step t+1's decode tokens ahead; map them during step t
     backend: str = "host"  # "host" | "cuda" | "auto" (model must be on the backend's device)
     # "sdpa": the model's own forward per request (every family the HF cache stores);
-    # "flash": the packed Llama-style forward with flash_attn_with_kvcache (CUDA only, untested)
+    # "flash": the packed Llama-style forward with flash_attn_with_kvcache when flash-attn is
+    # installed (CUDA, block_size % 256 == 0), else torch's FlashAttention kernel through SDPA
+    # (math backend on CPU); `PackedForward.flash_kernel` says which
     attention: str = "sdpa"
     checkpoint_interval: int = 16  # tokens per recurrent-state block (prefix hits on Mamba)
     # Join the shared pool of this name (`vmm-pool start NAME`) instead of owning a pool;
@@ -142,7 +144,7 @@ class MiniEngine:
         dtype = next(model.parameters()).dtype
         spec = _engine_spec(model, cfg, torch.empty((), dtype=dtype).element_size())
         use_flash = cfg.attention == "flash"
-        if use_flash and cfg.block_size % 256:
+        if use_flash and flash_kernel() == "flash_attn" and cfg.block_size % 256:
             raise ValueError(
                 f"flash-attn paged KV needs block_size % 256 == 0, got {cfg.block_size}"
             )
@@ -385,10 +387,10 @@ def _make_pool(cfg: EngineConfig) -> vmm.ChunkPool:
             )
         return vmm.ChunkPool(backend, backend.tenant.max_bytes)
     if cfg.backend == "host":
-        backend = vmm.get_backend("host", granularity=cfg.chunk_bytes)
+        own = vmm.get_backend("host", granularity=cfg.chunk_bytes)
     else:
-        backend = vmm.get_backend(cfg.backend)
-    return vmm.ChunkPool(backend, cfg.budget_bytes)
+        own = vmm.get_backend(cfg.backend)
+    return vmm.ChunkPool(own, cfg.budget_bytes)
 
 
 def _shared_gate(kv: KVCache, pool: vmm.ChunkPool) -> Any:

@@ -20,23 +20,31 @@ Approach
 Limitations
     Llama-style decoders only (LlamaForCausalLM, MistralForCausalLM: q/k/v/o projections,
     RMSNorm, rotary, gated MLP). One SDPA call per request and layer (no varlen kernel on
-    CPU). With `use_flash` (CUDA backend, flash-attn installed, kv_split, block size a
-    multiple of 256) `flash_attn_with_kvcache` reads the block table instead; released
-    window blocks (-1) are passed as block 0, outside the window. Written against the
-    flash-attn 2 API and not yet run on a GPU (tests marked `cuda`).
+    CPU). With `use_flash` the kernel is `flash_kernel()`'s choice:
+
+    * ``"flash_attn"`` (the flash-attn package is installed; CUDA backend, kv_split, block
+      size a multiple of 256): `flash_attn_with_kvcache` reads the block table itself;
+      released window blocks (-1) are passed as block 0, outside the window.
+    * ``"sdpa_flash"`` (no flash-attn): torch's own FlashAttention kernel (SDPA restricted
+      to the flash backend; on CPU the math backend) over the gathered K/V, K/V heads
+      repeated for GQA. Its mask is lower-right causal; a sliding-window layer whose chunk
+      spans more than the window runs one query at a time over that query's window.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import get_layer_types_and_kwargs
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from integrations.hf.compat import layer_types_and_kwargs
 from integrations.kvcache import KVCache
 from integrations.kvcache.access import TokenSlots, read_kv, token_slots, write_kv
 
@@ -56,7 +64,7 @@ class Segment:
 
 def layer_windows(model: Any) -> list[int | None]:
     """Per decoder layer: its sliding window (tokens attended) or None for full attention."""
-    types, kwargs = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    types, kwargs = layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     return [
         kw["sliding_window"] if t == "sliding_attention" else None
         for t, kw in zip(types, kwargs, strict=True)
@@ -75,6 +83,51 @@ def causal_mask(
     return mask
 
 
+def flash_attn_installed() -> bool:
+    """Whether the flash-attn package is importable."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_kernel() -> str:
+    """The kernel ``attention='flash'`` runs: ``"flash_attn"`` when the flash-attn package
+    is installed, else ``"sdpa_flash"`` (torch's own FlashAttention through SDPA)."""
+    return "flash_attn" if flash_attn_installed() else "sdpa_flash"
+
+
+def sdpa_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, key_start: int,
+    window: int | None, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of queries at positions ``[start, start + n)`` over keys at
+    ``[key_start, start + n)`` (``[1, H, n, D]`` and ``[1, Hkv, L, D]``) with torch's
+    FlashAttention kernel on CUDA (an error, not a silent fallback, where it cannot run)
+    and SDPA's math backend elsewhere; causal, and within `window` when given."""
+    n, length = q.shape[2], k.shape[2]
+    if q.shape[1] != k.shape[1]:  # GQA: each K/V head serves H / Hkv query heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if q.device.type != "cuda":
+        mask = causal_mask(start, start + n, key_start, window, q.device)
+        with sdpa_kernel([SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        if n == 1:  # one query sees every key it was given
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        if window is None or length <= window:
+            bias = causal_lower_right(n, length)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        outs = []
+        for i in range(n):  # the chunk spans more than the window: each query its own span
+            lo = max(key_start, start + i - window + 1) - key_start
+            hi = start + i + 1 - key_start
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, i : i + 1], k[:, :, lo:hi], v[:, :, lo:hi], scale=scale
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+
 class PackedForward:
     """Runs `model` over packed segments, storing and reading K/V in `kv`."""
 
@@ -82,6 +135,7 @@ class PackedForward:
         self.model = model
         self.kv = kv
         self.use_flash = use_flash
+        self.flash_kernel = flash_kernel() if use_flash else None
         self.device = next(model.parameters()).device
         self.windows = layer_windows(model)
         inner = model.model
@@ -155,7 +209,7 @@ class PackedForward:
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         group = self.kv.group_of(index).index
         window = self.windows[index]
-        if self.use_flash:
+        if self.flash_kernel == "flash_attn":
             merged = self._flash(index, group, window, q, k, v, segments)
             return attn.o_proj(merged.reshape(1, tokens, -1))
         outputs = []
@@ -168,19 +222,24 @@ class PackedForward:
             key_start = _key_start(seg, window)
             past = self._group_slots(slots, i, seg, group, key_start)
             keys, values = read_kv(self.kv, index, past)
-            mask = causal_mask(seg.start, seg.stop, key_start, window, self.device)
-            out = F.scaled_dot_product_attention(
-                q[:, :, offset : offset + n],
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
+            out = self._sdpa(q[:, :, offset : offset + n], keys, values, seg, key_start, window)
             outputs.append(out)
             offset += n
         merged = torch.cat(outputs, dim=2).transpose(1, 2).reshape(1, tokens, -1)
         return attn.o_proj(merged)
+
+    def _sdpa(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seg: Segment,
+        key_start: int, window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """One segment's attention over its gathered K/V (``[L, Hkv, D]``)."""
+        k, v = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        if self.flash_kernel == "sdpa_flash":
+            return sdpa_flash(q, k, v, seg.start, key_start, window, self.scaling)
+        mask = causal_mask(seg.start, seg.stop, key_start, window, self.device)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True
+        )
 
     def _flash(
         self,
@@ -193,8 +252,7 @@ class PackedForward:
         segments: Sequence[Segment],
     ) -> torch.Tensor:
         """flash-attn over the paged cache (kv_split block views ``[blocks, T, H, D]``): the
-        kernel appends each segment's K/V at ``cache_seqlens`` itself. GPU only; not yet run
-        on a GPU."""
+        kernel appends each segment's K/V at ``cache_seqlens`` itself (GPU only)."""
         from flash_attn import flash_attn_with_kvcache
 
         k_cache, v_cache = self.kv.block_view(index, 0), self.kv.block_view(index, 1)

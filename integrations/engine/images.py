@@ -56,6 +56,7 @@ import torch
 from jenga.requests import ImageSpan
 
 from integrations.engine.forward import Segment
+from integrations.hf.compat import cross_mask_from_zero
 
 SEQUENCE_INPUTS = frozenset({"input_ids", "inputs_embeds", "position_ids", "cross_attention_mask"})
 """Model inputs whose dimension 1 is the token position (sliced for one-token steps)."""
@@ -161,14 +162,18 @@ class CrossImages:
         self.cross_tokens = self.states.shape[0] * self.states.shape[1]
         # the mask is the processor's function of the tokens and the images' tiles (checked)
         hashed = content_hash({k: v for k, v in inputs.items() if k != "cross_attention_mask"})
-        self.spans = (ImageSpan(0, self.cross_tokens, content_hash=hashed, in_text=False),)
+        self.spans: tuple[ImageSpan, ...] = (
+            ImageSpan(0, self.cross_tokens, content_hash=hashed, in_text=False),
+        )
 
     def inputs(self, seg: Segment, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Token ids, the mask rows of the segment and, at position 0, the states."""
+        """Token ids, the mask rows of the segment (from position 0 where the release's
+        forward wants them: `cross_mask_from_zero`) and, at position 0, the states."""
         num_prompt = self.mask.shape[1]
-        rows = self.mask[:, seg.start : min(seg.stop, num_prompt)]
+        first = 0 if cross_mask_from_zero() else seg.start
+        rows = self.mask[:, first : min(seg.stop, num_prompt)]
         if seg.stop > num_prompt:
-            last = self.mask[:, -1:].expand(-1, seg.stop - max(seg.start, num_prompt), -1, -1)
+            last = self.mask[:, -1:].expand(-1, seg.stop - max(first, num_prompt), -1, -1)
             rows = torch.cat([rows, last], dim=1)
         out = {"input_ids": ids, "cross_attention_mask": rows}
         if seg.start == 0:

@@ -11,7 +11,8 @@ Rationale
 
 Approach
     Each scheduled segment [start, stop) of request r becomes one call
-    ``model(ids[start:stop], past_key_values=cache)``, where `cache` is a transformers
+    ``model(ids[start:stop], cache=cache)`` (``past_key_values=`` before transformers
+    5.24: `integrations.hf.compat.cache_kwargs`), where `cache` is a transformers
     `Cache` built from `integrations.hf` layer classes over `RequestStore`: batch row 0
     is request r, the block tables are the ones taken in `prepare` (before an overlapped
     allocation could release a block this step reads), nothing is allocated (the
@@ -55,11 +56,12 @@ from typing import Any
 
 import torch
 from jenga.specs import Kind
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from integrations.engine.forward import Segment
 from integrations.engine.images import SEQUENCE_INPUTS, RequestImages
 from integrations.hf.cache import LAYER_CLASSES
+from integrations.hf.compat import cache_kwargs, layer_types_and_kwargs
 from integrations.hf.layers import AttentionPart, StatePart, UnsupportedLayer, VmmCrossLayer
 from integrations.kvcache import KVCache
 
@@ -109,7 +111,7 @@ class ModelForward:
         self.kv = kv
         self.device = next(model.parameters()).device
         text = model.config.get_text_config(decoder=True)
-        self.layer_types, self.layer_kwargs = get_layer_types_and_kwargs(text)
+        self.layer_types, self.layer_kwargs = layer_types_and_kwargs(text)
         unknown = [(i, t) for i, t in enumerate(self.layer_types) if t not in LAYER_CLASSES]
         if unknown:
             raise UnsupportedLayer(
@@ -177,7 +179,7 @@ class ModelForward:
         store = RequestStore(self.kv, seg, tables)
         store.recurrent_offset = self.recurrent_offset
         store.image_tokens = cross_tokens
-        layers = []
+        layers: list[Any] = []
         for i, (kind, kwargs) in enumerate(zip(self.layer_types, self.layer_kwargs, strict=True)):
             if i in self.cross_layers:
                 layers.append(self._cross_layer(store, i, seg))
@@ -243,5 +245,6 @@ class ModelForward:
                 for i in range(seg.num_tokens)
             ]
         for step in steps:
-            logits = self.model(**step, past_key_values=cache, use_cache=True).logits
+            given = cache_kwargs(cache, self.model.forward)
+            logits = self.model(**step, **given, use_cache=True).logits
         return logits[0, -1]

@@ -1,9 +1,12 @@
 """transformers integration: `VmmCache`, a `transformers.Cache` stored in vmm chunks.
 
 Importing this package imports torch and transformers (it is an integration, not core).
+Hand the cache over with ``model.generate(**inputs, **cache_kwargs(cache))``: ``cache=``
+from transformers 5.24, ``past_key_values=`` before.
 """
 
 from integrations.hf.cache import RowStore, VmmCache, default_budget_bytes
+from integrations.hf.compat import cache_kwargs
 from integrations.hf.layers import (
     UnsupportedLayer,
     VmmChunkedLayer,
@@ -26,5 +29,6 @@ __all__ = [
     "VmmLayer",
     "VmmMambaLayer",
     "VmmSlidingLayer",
+    "cache_kwargs",
     "default_budget_bytes",
 ]

@@ -1,7 +1,8 @@
 """A transformers 5.x `Cache` whose storage is a jenga-driven vmm KV cache.
 
 Rationale
-    `model.generate(..., past_key_values=VmmCache(model.config))` should run any decoder
+    `model.generate(..., cache=VmmCache(model.config))` (``past_key_values=`` before
+    transformers 5.24; `integrations.hf.compat.cache_kwargs`) should run any decoder
     whose layer kinds jenga stores, unchanged, while every layer's K/V (or recurrent
     state) lives in chunks mapped into per-layer virtual ranges, the jenga allocator
     deciding which chunks back which layer type (sliding-window and chunk blocks leave
@@ -10,7 +11,7 @@ Rationale
 
 Approach
     Each batch row is one allocator request. The layer objects (`integrations.hf.layers`)
-    follow transformers' own layer types (`get_layer_types_and_kwargs`); the jenga
+    follow transformers' own layer types (`compat.layer_types_and_kwargs`); the jenga
     ModelSpec comes from the config (`jenga.hf.model_spec_from_config`: layer types,
     windows, chunks, KV sharing, state shapes). The `KVCache` and its chunk pool are
     built on first use, when the batch size and the model's K/V dtype are known::
@@ -42,9 +43,10 @@ from jenga.hf import HfOptions, model_spec_from_config
 from jenga.hf_states import STATE_ALIGN, linear_state
 from jenga.pages import vmm_page_table
 from jenga.specs import Kind, KVGroup, ModelSpec
-from transformers.cache_utils import Cache, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 import vmm
+from integrations.hf.compat import DummyLayer, layer_types_and_kwargs
 from integrations.hf.layers import (
     UnsupportedLayer,
     VmmChunkedLayer,
@@ -314,7 +316,7 @@ class VmmCache(Cache):
             state = linear_state(text.to_dict())
             conv = state.conv_channels * state.conv_kernel  # elements; bytes on open
         self.store = RowStore(self._open, image_tokens, conv)
-        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, per_layer_kwargs = layer_types_and_kwargs(text)
         layers = [
             self._make_layer(i, kind, kwargs, structure)
             for i, (kind, kwargs) in enumerate(zip(layer_types, per_layer_kwargs, strict=True))

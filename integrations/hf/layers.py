@@ -26,8 +26,9 @@ Approach
     A state block holds ``conv [channels, kernel]`` then, at the next 16-byte boundary,
     the recurrent state. The batch dimension is a strided view over the rows' blocks (one
     uniform stride), so transformers' in-place updates land in our memory. When a row's
-    live state moves to a new checkpoint block, `RowStore` copies every state block and
-    the layers re-point their views (`repoint`).
+    live state moves to a new checkpoint block, the store (`RowStore`) copies every state
+    block and the layers re-point their views (`repoint`). The store is typed by the
+    `LayerStore` protocol (`integrations.hf.store`).
 
 Limitations
     Released positions of a chunked layer read as zeros, correct only under the chunked
@@ -38,7 +39,7 @@ Limitations
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import torch
 from jenga.allocator import NULL_BLOCK
@@ -50,10 +51,8 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from integrations.hf.store import LayerStore
 from integrations.kvcache.access import read_kv, token_slots, write_kv
-
-if TYPE_CHECKING:
-    from integrations.hf.cache import RowStore
 
 
 class UnsupportedLayer(NotImplementedError):
@@ -67,7 +66,7 @@ def _unsupported(self: Any, *args: Any, **kwargs: Any) -> None:
 class AttentionPart:
     """Write new K/V into each row's blocks; return positions [start, stop) gathered."""
 
-    store: RowStore
+    store: LayerStore
     layer_idx: int
     seen: int = 0  # tokens written so far
 
@@ -123,7 +122,7 @@ class FullAttentionPart(AttentionPart):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
-            DynamicLayer.lazy_initialization(self, key_states, value_states)
+            DynamicLayer.lazy_initialization(cast(DynamicLayer, self), key_states, value_states)
         return self._attend(key_states, value_states)
 
     def get_seq_length(self) -> int:
@@ -146,7 +145,9 @@ class SlidingAttentionPart(AttentionPart):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
-            DynamicSlidingWindowLayer.lazy_initialization(self, key_states, value_states)
+            DynamicSlidingWindowLayer.lazy_initialization(
+                cast(DynamicSlidingWindowLayer, self), key_states, value_states
+            )
         out = self._attend(key_states, value_states)
         self.cumulative_length = self.seen
         return out
@@ -155,7 +156,7 @@ class SlidingAttentionPart(AttentionPart):
 class VmmLayer(FullAttentionPart, DynamicLayer):
     """Full attention: every position stays and is returned."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
 
@@ -163,7 +164,7 @@ class VmmLayer(FullAttentionPart, DynamicLayer):
 class VmmSlidingLayer(SlidingAttentionPart, DynamicSlidingWindowLayer):
     """Sliding window w: returns the last ``w - 1`` cached positions plus the new ones."""
 
-    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+    def __init__(self, store: LayerStore, layer_idx: int, sliding_window: int, **kwargs: Any):
         super().__init__(sliding_window=sliding_window)
         self.store, self.layer_idx = store, layer_idx
 
@@ -176,12 +177,21 @@ class VmmChunkedLayer(VmmSlidingLayer):
 class StatePart:
     """Conv and recurrent states as views over each row's live block in the Mamba group."""
 
-    store: RowStore
+    store: LayerStore
     layer_idx: int
     conv_states: dict[int, torch.Tensor | None]
     recurrent_states: dict[int, torch.Tensor | None]
+    # set by transformers' LinearAttentionCacheLayerMixin (typed there by inference)
+    conv_kernel_size: dict[int, Any]
+    is_conv_states_initialized: dict[int, Any]
+    is_recurrent_states_initialized: dict[int, Any]
+    has_previous_state: dict[int, Any]
+    dtype: Any
+    device: Any
 
-    def _state_view(self, rows: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...]):
+    def _state_view(
+        self, rows: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         store = self.store
         store.ensure(rows, max(store.length, 1), dtype, check_dtype=False)
         kv, group = store.kv, store.state_group(self.layer_idx)
@@ -253,7 +263,7 @@ class StatePart:
         conv = self.conv_states[0]
         assert conv is not None
         self.conv_kernel_size[0] = conv.shape[-1]
-        self.dtype, self.device = conv.dtype, conv.device  # type: ignore[assignment]
+        self.dtype, self.device = conv.dtype, conv.device
         for flags in (self.is_conv_states_initialized, self.is_recurrent_states_initialized,
                       self.has_previous_state):  # fmt: skip
             flags[0] = True
@@ -269,7 +279,7 @@ class StatePart:
 class VmmMambaLayer(StatePart, LinearAttentionLayer):
     """Mamba / Mamba2 / gated delta-net: states in the row's live Mamba-group block."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
@@ -278,10 +288,14 @@ class VmmMambaLayer(StatePart, LinearAttentionLayer):
         self._init_states(LinearAttentionLayer, *args, **kwargs)
 
 
-class VmmHybridLayer(StatePart, FullAttentionPart, LinearAttentionAndFullAttentionLayer):
+# transformers' hybrid layers mix a writable `is_croppable` (DynamicLayer) with a read-only
+# property (LinearAttentionCacheLayerMixin); mypy flags the mix wherever it is subclassed
+class VmmHybridLayer(  # type: ignore[override]
+    StatePart, FullAttentionPart, LinearAttentionAndFullAttentionLayer
+):
     """Attention and a state in one layer (Falcon-H1, Zamba2): two groups, one layer id."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
@@ -290,12 +304,12 @@ class VmmHybridLayer(StatePart, FullAttentionPart, LinearAttentionAndFullAttenti
         self._init_states(LinearAttentionAndFullAttentionLayer, *args, **kwargs)
 
 
-class VmmHybridSlidingLayer(
+class VmmHybridSlidingLayer(  # type: ignore[override]
     StatePart, SlidingAttentionPart, LinearAttentionAndSlidingWindowAttentionLayer
 ):
     """A sliding-window attention part beside a state (``hybrid_sliding``)."""
 
-    def __init__(self, store: RowStore, layer_idx: int, sliding_window: int, **kwargs: Any):
+    def __init__(self, store: LayerStore, layer_idx: int, sliding_window: int, **kwargs: Any):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.store, self.layer_idx = store, layer_idx
         store.state_layers.append(self)
@@ -309,12 +323,15 @@ class VmmCrossLayer(DynamicLayer):
     group's blocks; `keys` / `values` gather them from there on every read (transformers
     reads them directly on decode steps)."""
 
-    def __init__(self, store: RowStore, layer_idx: int, **kwargs: Any) -> None:
+    dtype: Any  # set by `lazy_initialization` (or by the engine for a layer it resumes)
+    device: Any
+
+    def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
         self.length = 0
 
-    @property  # type: ignore[override]
+    @property
     def keys(self) -> torch.Tensor:
         return self._gather()[0]
 
@@ -322,7 +339,7 @@ class VmmCrossLayer(DynamicLayer):
     def keys(self, value: Any) -> None:  # storage is ours; transformers' assignments are dropped
         pass
 
-    @property  # type: ignore[override]
+    @property
     def values(self) -> torch.Tensor:
         return self._gather()[1]
 

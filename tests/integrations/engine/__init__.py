@@ -1,0 +1,3 @@
+from tests.integrations.transformers_gate import skip_unless_supported
+
+skip_unless_supported()

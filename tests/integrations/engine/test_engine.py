@@ -140,10 +140,76 @@ def test_overlap_maps_next_step_during_compute_with_identical_outputs(kind: str,
     engine.close()
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_flash_without_flash_attn_runs_torch_sdpa_and_matches_reference(kind, monkeypatch):
+    """``attention='flash'`` without the flash-attn package: torch's SDPA (math backend
+    on CPU) under the flash path's lower-right causal / per-query window masks; Mistral's
+    window (8) is narrower than the 16-token prefill chunks."""
+    from integrations.engine import forward
+
+    monkeypatch.setattr(forward, "flash_attn_installed", lambda: False)
+    model = tiny(kind)
+    requests = workload(num=4, new_tokens=8)
+    engine = run_engine(
+        model, requests, token_budget=16, budget_bytes=64 * CHUNK, attention="flash"
+    )
+    assert engine.forward.flash_kernel == "sdpa_flash"
+    assert engine.outputs == reference(model, requests)
+    engine.close()
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_sdpa_flash_equals_masked_sdpa_on_cpu(n, window):
+    from integrations.engine.forward import causal_mask, sdpa_flash
+
+    gen = torch.Generator().manual_seed(n)
+    start = 20
+    key_start = 0 if window is None else max(0, start - window + 1)
+    q = torch.randn(1, 4, n, 16, generator=gen)
+    k = torch.randn(1, 2, start + n - key_start, 16, generator=gen)
+    v = torch.randn(1, 2, start + n - key_start, 16, generator=gen)
+    mask = causal_mask(start, start + n, key_start, window)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    got = sdpa_flash(q, k, v, start, key_start, window, 0.25)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.cuda
 @pytest.mark.gpu
-def test_flash_attention_on_cuda_matches_reference():
-    pytest.importorskip("flash_attn")
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_sdpa_flash_runs_torch_flash_kernel_on_cuda(n, window):
+    """On CUDA `sdpa_flash` is torch's FlashAttention kernel alone (SDPA restricted to the
+    flash backend raises where it cannot run) and agrees with the masked math path."""
+    from integrations.engine.forward import causal_mask, sdpa_flash
+
+    gen = torch.Generator().manual_seed(n)
+    start = 20
+    key_start = 0 if window is None else max(0, start - window + 1)
+    shape_k = (1, 2, start + n - key_start, 64)
+    q = torch.randn(1, 4, n, 64, generator=gen).cuda().half()
+    k, v = (torch.randn(*shape_k, generator=gen).cuda().half() for _ in range(2))
+    got = sdpa_flash(q, k, v, start, key_start, window, 0.125)
+    mask = causal_mask(start, start + n, key_start, window, "cuda")
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["flash_attn", "sdpa_flash"])
+def test_flash_attention_on_cuda_matches_reference(kernel, monkeypatch):
+    from integrations.engine import forward
+
+    if kernel == "flash_attn":
+        pytest.importorskip("flash_attn")
+    else:
+        monkeypatch.setattr(forward, "flash_attn_installed", lambda: False)
     model = tiny("mistral").to("cuda", torch.float16)
     requests = workload(num=4, new_tokens=8)
     ref = reference(model, requests)  # the library's own generate, same GPU and dtype
@@ -151,6 +217,7 @@ def test_flash_attention_on_cuda_matches_reference():
         model, requests, token_budget=512, budget_bytes=64 << 21, chunk_bytes=2 << 20,
         block_size=256, backend="cuda", attention="flash",
     )  # fmt: skip
+    assert engine.forward.flash_kernel == kernel
     assert engine.outputs == ref
     engine.close()
 

@@ -18,11 +18,11 @@ import torch
 pytest.importorskip("transformers")
 
 from integrations.hf.cache import config_dict
+from integrations.hf.compat import layer_types_and_kwargs
 from jenga.hf import model_spec_from_config
 from jenga.specs import Kind
-from transformers.cache_utils import get_layer_types_and_kwargs
 
-from integrations.hf import VmmCache
+from integrations.hf import VmmCache, cache_kwargs
 from tests.integrations.hf.families import CHECKPOINT, FAMILIES, SMALL, text_inputs, tiny_model
 
 GENERATE = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
@@ -46,7 +46,7 @@ def test_family_logits_bitwise_equal_to_transformers_cache(name, dtype, batch):
     inputs = text_inputs(batch)
     ref = model.generate(**inputs, **GENERATE)
     cache = VmmCache(model.config, chunk_bytes=4096, block_size=4, checkpoint_interval=CHECKPOINT)
-    ours = model.generate(**inputs, **GENERATE, past_key_values=cache)
+    ours = model.generate(**inputs, **GENERATE, **cache_kwargs(cache))
     assert torch.equal(ours.sequences, ref.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(ref.logits))
     assert len(ours.logits) == 12
@@ -76,11 +76,13 @@ TYPE_TO_KINDS = {
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_jenga_kinds_match_transformers_layer_types(name):
     """The spec read from the config agrees, layer by layer, with the cache layer types
-    transformers itself builds (`dummy` = a KV-sharing reader: no memory of its own)."""
+    transformers itself builds (`dummy` = a KV-sharing reader: no memory of its own;
+    before transformers 5.23 the readers have no cache layer at all: the list stops at the
+    first one)."""
     config_name, _, extra = FAMILIES[name]
     config = getattr(pytest.importorskip("transformers"), config_name)(**SMALL, **extra)
     text = config.get_text_config(decoder=True)
-    types, _ = get_layer_types_and_kwargs(text)
+    types, _ = layer_types_and_kwargs(text)
     spec = model_spec_from_config(config_dict(config, text))
     kinds: dict[int, set[Kind]] = {i: set() for i in range(len(types))}
     for g in spec.groups:
@@ -88,4 +90,5 @@ def test_jenga_kinds_match_transformers_layer_types(name):
             kinds[layer].add(g.spec.kind)
     assert [kinds[i] for i in range(len(types))] == [TYPE_TO_KINDS[t] for t in types]
     readers = [r for g in spec.groups for r, _ in g.readers]
-    assert readers == [i for i, t in enumerate(types) if t == "dummy"]
+    uncached = range(len(types), text.num_hidden_layers)
+    assert readers == [i for i, t in enumerate(types) if t == "dummy"] + list(uncached)

@@ -21,7 +21,7 @@ Image = pytest.importorskip("PIL.Image")
 from jenga.hf import model_spec_from_config  # noqa: E402
 
 import vmm  # noqa: E402
-from integrations.hf import VmmCache  # noqa: E402
+from integrations.hf import VmmCache, cache_kwargs  # noqa: E402
 from integrations.kvcache import KVCache  # noqa: E402
 
 IMAGE = 127
@@ -94,7 +94,7 @@ def test_llava_onevision_with_images_bitwise_equal(dtype: torch.dtype, batch: in
               "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
     ref = model.generate(**inputs, **kwargs)
     cache = VmmCache(model.config, chunk_bytes=4096, block_size=4)
-    ours = model.generate(**inputs, **kwargs, past_key_values=cache)
+    ours = model.generate(**inputs, **kwargs, **cache_kwargs(cache))
     assert torch.equal(ours.sequences, ref.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(ref.logits))
     # the decoder's groups only: vision embeddings are recomputed by transformers

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import transformers
 from jenga.specs import Kind
 
-from integrations.hf import VmmCache
+from integrations.hf import VmmCache, cache_kwargs
 from tests.integrations.hf.families import SMALL
 
 NEW_TOKENS = 6
@@ -41,7 +41,7 @@ def test_jamba_whole_page_state_crosses_checkpoints_bitwise(prompt_len: int) -> 
            "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
     ref = model.generate(input_ids=ids, **gen)
     cache = VmmCache(model.config, chunk_bytes=4096)
-    ours = model.generate(input_ids=ids, **gen, past_key_values=cache)
+    ours = model.generate(input_ids=ids, **gen, **cache_kwargs(cache))
     assert torch.equal(ours.sequences, ref.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(ref.logits))
     kv = cache.kv

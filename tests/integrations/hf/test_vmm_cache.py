@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from jenga.specs import SpecError  # noqa: E402
 
-from integrations.hf import VmmCache  # noqa: E402
+from integrations.hf import VmmCache, cache_kwargs  # noqa: E402
 
 SMALL = {
     "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
@@ -74,7 +74,7 @@ def inputs(batch: int) -> dict[str, torch.Tensor]:
 
 def generate(model, cache=None):
     out = model.generate(
-        **inputs(generate.batch), past_key_values=cache, return_dict_in_generate=True, **GENERATE
+        **inputs(generate.batch), **cache_kwargs(cache), return_dict_in_generate=True, **GENERATE
     )
     return out.sequences, torch.stack(out.logits)
 
@@ -140,12 +140,13 @@ def test_jamba_mamba_states_live_in_the_mamba_group_blocks():
 
 
 def test_unstorable_layer_types_are_refused_naming_the_layer():
+    # a type every supported release accepts (5.18+ renames it "indexed_attention")
     config = transformers.LlamaConfig(
-        **SMALL, num_hidden_layers=2, layer_types=["full_attention", "indexed_attention"]
-    )
-    with pytest.raises(
-        SpecError, match=r"unknown layer_types \['indexed_attention'\] \(layers \[1\]\)"
-    ):
+        **SMALL, num_hidden_layers=2,
+        layer_types=["full_attention", "deepseek_sparse_attention"],
+    )  # fmt: skip
+    unknown = r"\['(indexed_attention|deepseek_sparse_attention)'\]"
+    with pytest.raises(SpecError, match=rf"unknown layer_types {unknown} \(layers \[1\]\)"):
         VmmCache(config)
 
 
@@ -171,7 +172,7 @@ def test_long_generation_fits_the_default_budget():
     model = tiny_model("llama")  # max_position_embeddings 512
     ids = torch.randint(1, 128, (1, 300))
     cache = VmmCache(model.config)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(cache),
                          max_new_tokens=200, min_new_tokens=200, do_sample=False)  # fmt: skip
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200,
                          min_new_tokens=200, do_sample=False)  # fmt: skip
@@ -218,7 +219,7 @@ def test_mllama_cross_attention_bitwise_equal(batch: int):
     ref = model.generate(**kwargs)
     # 2 tiles x (4 patches + 1) = 10 cross-attention tokens per row
     cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=4 << 20, image_tokens=10)
-    ours = model.generate(**kwargs, past_key_values=cache)
+    ours = model.generate(**kwargs, **cache_kwargs(cache))
     assert torch.equal(ours.sequences, ref.sequences)
     assert torch.equal(torch.stack(ours.logits), torch.stack(ref.logits))
     assert cache.kv.stats()["blocks.used.cross_attention"] == batch  # 10 tokens: one block
