@@ -52,26 +52,36 @@ PlanOp = MapPage | UnmapPage
 class MappingPlan:
     """An ordered list of page ops; apply in order.
 
-    Empty when physical needs did not change. `reset` plans come from `MappingPlan.reset`
-    only: "unmap every page of every group first" (an engine dropping its whole cache), so
-    no empty plan ever means anything but "nothing to do".
+    Empty when physical needs did not change. Two explicit whole-pool ops ride on a plan,
+    never implied by an empty one: ``reset`` (from `MappingPlan.unmap_all`: unmap every
+    page of every group first, an engine dropping its whole cache) and ``resize_units``
+    (from `MappingPlan.resize`: after the ops, the pool holds that many units; the
+    allocator's `set_total_units` moved, and whoever owns the memory follows).
 
     The allocator hands out plans built from the core's raw ``(kind, group, page,
     reused_units)`` keys (`plan_from_keys`); the op objects are made on first use of
     `ops`, so an engine that replays `keys` into its own tables builds none.
     """
 
-    __slots__ = ("_keys", "_ops", "reset")
+    __slots__ = ("_keys", "_ops", "reset", "resize_units")
 
-    def __init__(self, ops: Sequence[PlanOp] = (), *, reset: bool = False) -> None:
+    def __init__(
+        self, ops: Sequence[PlanOp] = (), *, reset: bool = False, resize_units: int | None = None
+    ) -> None:
         self._ops: tuple[PlanOp, ...] | None = tuple(ops)
         self._keys: list[tuple[int, int, int, int]] | None = None
         self.reset = reset
+        self.resize_units = resize_units
 
     @classmethod
     def unmap_all(cls) -> MappingPlan:
         """The plan that unmaps every page of every group (the engine's cache is reset)."""
         return cls(reset=True)
+
+    @classmethod
+    def resize(cls, plan: MappingPlan, units: int) -> MappingPlan:
+        """``plan``'s ops, then the pool resized to ``units`` units."""
+        return cls(plan.ops, reset=plan.reset, resize_units=units)
 
     @property
     def ops(self) -> tuple[PlanOp, ...]:
@@ -91,18 +101,22 @@ class MappingPlan:
         return len(self._keys) if self._ops is None else len(self._ops)  # type: ignore[arg-type]
 
     def __bool__(self) -> bool:
-        return self.reset or len(self) > 0
+        return self.reset or self.resize_units is not None or len(self) > 0
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MappingPlan):
             return NotImplemented
-        return self.reset == other.reset and self.ops == other.ops
+        mine = (self.reset, self.resize_units, self.ops)
+        return mine == (other.reset, other.resize_units, other.ops)
 
     def __hash__(self) -> int:
-        return hash((self.reset, self.ops))
+        return hash((self.reset, self.resize_units, self.ops))
 
     def __repr__(self) -> str:
-        return f"MappingPlan({self.ops!r}{', reset=True' if self.reset else ''})"
+        extra = ", reset=True" if self.reset else ""
+        if self.resize_units is not None:
+            extra += f", resize_units={self.resize_units}"
+        return f"MappingPlan({self.ops!r}{extra})"
 
     @property
     def num_maps(self) -> int:
@@ -158,5 +172,5 @@ def plan_from_keys(keys: list[tuple[int, int, int, int]]) -> MappingPlan:
     """A plan over the core's `drain_plan`: ``(kind, group, page, reused)`` tuples, kind
     `OP_MAP` or `OP_UNMAP` (ops are built when first read)."""
     plan = MappingPlan.__new__(MappingPlan)
-    plan._keys, plan._ops, plan.reset = keys, None, False
+    plan._keys, plan._ops, plan.reset, plan.resize_units = keys, None, False, None
     return plan

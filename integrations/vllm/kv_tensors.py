@@ -194,11 +194,16 @@ class VmmKVCache:
 
     def apply_plan(self, plan: MappingPlan) -> None:
         """Carry out one scheduler plan atomically; `MappingPlan.unmap_all` unmaps every
-        page first (a prefix-cache reset), an empty plan does nothing."""
+        page first (a prefix-cache reset), a ``resize_units`` moves the pool's budget after
+        the ops (the manager's `set_capacity`); an empty plan does nothing."""
         if plan.reset:
             self._unmap_all()
-        if not len(plan):
-            return
+        if len(plan):
+            self._apply_ops(plan)
+        if plan.resize_units is not None:
+            self.pool.set_budget(plan.resize_units * self.pool.granularity)
+
+    def _apply_ops(self, plan: MappingPlan) -> None:
         ranges = [self._group_ranges(g) for g in self.layout.groups]
         batch, _ = translate(plan, self.geometries, ranges)
         mapped = [set(s) for s in self.mapped_pages]

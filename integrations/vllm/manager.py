@@ -188,7 +188,9 @@ class JengaKVCacheManager:
         used = sum(
             n * g.block_bytes for n, g in zip(use.used_blocks, self.layout.groups, strict=True)
         )
-        return used / self.layout.memory_bytes
+        return (
+            used * self.layout.total_units / (self.layout.memory_bytes * self.allocator.total_units)
+        )
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         if not self.log_stats:
@@ -583,11 +585,30 @@ class JengaKVCacheManager:
     def evict_blocks(self, block_ids: set[int]) -> None:
         raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")
 
+    def set_capacity(self, num_units: int) -> None:
+        """Grow or shrink the KV cache to ``num_units`` units (chunks on VMM tensors, block
+        slots on vLLM's own), at most the layout's ``total_units`` (what the ranges or
+        vLLM's buffer hold). The allocator owns the count (`JengaAllocator.set_total_units`):
+        a shrink evicts cached pages first and below what live requests hold raises
+        `jenga.errors.CapacityInUse` with nothing changed. On VMM tensors the worker's pool
+        follows through the plan queue (`MappingPlan.resize`, after the evictions)."""
+        limit = self.layout.total_units
+        if not 0 < num_units <= limit:
+            raise JengaVllmError(
+                f"capacity {num_units} units is outside (0, {limit}]: the layout holds {limit}"
+            )
+        self._apply_plan(self.allocator.set_total_units(num_units))
+        if self._queue_plans:
+            self._plans.append(MappingPlan(resize_units=num_units))
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while any request holds blocks."""
         if self._requests:
             return False
+        units = self.allocator.total_units
         self.allocator = self._new_allocator()
+        if units != self.allocator.total_units:  # a capacity set at run time stays
+            self.allocator.set_total_units(units)
         self._last_match = None
         self._block_ids.reset()
         self.identity.clear()
@@ -652,7 +673,8 @@ class JengaKVCacheManager:
         return self.identity.take_events() + events
 
     def take_mapping_plans(self) -> list[MappingPlan]:
-        """Plans since the last call, in order (an empty plan = reset: unmap everything)."""
+        """Plans since the last call, in order (`MappingPlan.reset` / `resize_units` mark a
+        prefix-cache reset and a capacity change)."""
         plans, self._plans = self._plans, []
         return plans
 
