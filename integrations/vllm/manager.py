@@ -82,6 +82,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
+from jenga.pages import capacity_units
 from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
 
@@ -437,10 +438,22 @@ class JengaKVCacheManager:
 
     def _new_allocator(self) -> JengaAllocator:
         """The layout's allocator, naming text blocks by vLLM's own digests (one per
-        ``hash_block_size`` tokens: one hash per block, vLLM's)."""
+        ``hash_block_size`` tokens: one hash per block, vLLM's), sized by `_gated_units`."""
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
-        return JengaAllocator(replace(config, identity=identity))
+        units = self._gated_units()
+        return JengaAllocator(replace(config, identity=identity, total_units=units))
+
+    def _gated_units(self) -> int:
+        """The units the allocator may map: the layout's, or on a shared pool the chunks
+        the owner guarantees the tenant (``tenant_min_bytes``), so no plan the scheduler
+        queues can fail at the worker for chunks the owner did not lend. More is handed to
+        the allocator with `set_capacity` once the owner has lent it."""
+        options = self.layout.options
+        total = self.layout.total_units
+        if not options.shared_pool:
+            return total
+        return min(total, capacity_units(options.tenant_min_bytes, options.chunk_bytes))
 
     def _apply_plan(self, plan: MappingPlan) -> None:
         """Every plan the allocator returns, in order: unmapped pages lose their identity,
@@ -607,7 +620,8 @@ class JengaKVCacheManager:
             return False
         units = self.allocator.total_units
         self.allocator = self._new_allocator()
-        if units != self.allocator.total_units:  # a capacity set at run time stays
+        # a capacity set at run time stays
+        if units != self.allocator.total_units:
             self.allocator.set_total_units(units)
         self._last_match = None
         self._block_ids.reset()

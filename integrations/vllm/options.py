@@ -94,6 +94,8 @@ class JengaVllmOptions:
     ``kv_tensors="vmm"``, draw the chunks from the shared pool of that name (`vmm-pool
     start NAME`, docs/multi-tenant.md) as tenant ``tenant_name`` with byte limits
     ``tenant_min_bytes`` / ``tenant_max_bytes`` instead of a private pool (host backend).
+    The scheduler maps only the chunks the owner guarantees (``tenant_min_bytes``, which
+    must then be > 0) until `JengaKVCacheManager.set_capacity` hands it more.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -112,6 +114,11 @@ class JengaVllmOptions:
     def __post_init__(self) -> None:
         if self.shared_pool and self.kv_tensors != "vmm":
             raise InvalidOptions("shared_pool needs kv_tensors='vmm' (chunks come from the pool)")
+        if self.shared_pool and self.tenant_min_bytes <= 0:
+            raise InvalidOptions(
+                f"shared_pool needs tenant_min_bytes > 0, got {self.tenant_min_bytes}: the "
+                "scheduler maps only the chunks the owner guarantees"
+            )
         if self.kv_tensors not in ("torch", "vmm"):
             raise InvalidOptions(f"kv_tensors must be 'torch' or 'vmm', got {self.kv_tensors!r}")
         if self.pages not in ("auto", "vllm", "vmm"):
