@@ -119,6 +119,7 @@ from jenga.requests import (
     ImageSpan,
     LiveRequest,
     PrefixMatch,
+    check_live_tables,
     checked_images,
     release_length,
 )
@@ -555,6 +556,32 @@ class JengaAllocator:
         it (``config.total_units`` follows), everything else reads it."""
         return int(self._core.total_units)
 
+    def blocks_to_hold(self, num_tokens: int, request_id: Hashable | None = None) -> list[int]:
+        """Per group, the blocks a request must still get to hold ``num_tokens`` tokens
+        (a live request's held blocks count; ``None``: a new request). No state changes."""
+        req = None if request_id is None else self._requests.get(request_id)
+        return [
+            max(0, len(p.active_blocks(num_tokens)) - (0 if req is None else req.held(g)))
+            for g, p in enumerate(self.policies)
+        ]
+
+    def fits(
+        self, num_tokens: int, request_id: Hashable | None = None, *, reserved_units: int = 0
+    ) -> bool:
+        """Whether a request could hold ``num_tokens`` tokens now (admission control): the
+        blocks it lacks beyond each group's free blocks, in whole pages, against free units
+        plus whole pages' worth of cached blocks, less ``reserved_units``. No changes."""
+        use = self.usage()
+        need, avail = reserved_units, use.free_units
+        missing = self.blocks_to_hold(num_tokens, request_id)
+        for g, group in enumerate(self.config.groups):
+            short = max(0, missing[g] - use.free_blocks[g])
+            need += -(-short // group.blocks_per_large_page) * group.units_per_large_page
+            avail += (
+                use.cached_blocks[g] // group.blocks_per_large_page * group.units_per_large_page
+            )
+        return need <= avail
+
     def units_needed(self, request_id: Hashable, num_new_tokens: int) -> int:
         """Most units ``allocate(request_id, num_new_tokens)`` can newly map: per group,
         the large pages its new blocks would fill if no page held a free block for them
@@ -751,37 +778,13 @@ class JengaAllocator:
         """Raise AssertionError when bookkeeping disagrees (C++ core + Python tables).
 
         Cheap: unit accounting and set sizes. Expensive: every page and block, plus every
-        live request's table entries are USED blocks, with per-block reference counts equal
-        to the number of live tables holding them.
-        """
+        live request's table (`jenga.requests.check_live_tables`)."""
         try:
             self._core.check_invariants(expensive)
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from exc
-        if not expensive:
-            return
-        for g in range(self.num_groups):
-            refs: dict[int, int] = {}
-            for rid, req in self._requests.items():
-                table = req.tables[g].tolist()
-                assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
-                    f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
-                )
-                for b in table[req.first_live[g] :]:
-                    if b == NULL_BLOCK and self.policies[g].holds_state:
-                        continue  # a checkpoint inside one step's span, never held
-                    assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
-                    refs[b] = refs.get(b, 0) + 1
-            for b, n in refs.items():
-                state, refcount = self._core.block_info(g, b)[:2]
-                assert state == 1 and refcount == n, (
-                    f"group {g} block {b}: {n} live tables hold it, core says state {state} "
-                    f"refcount {refcount}"
-                )
-            used = self._core.group_counts(g)[3]
-            assert used == len(refs), (
-                f"group {g}: core has {used} used blocks, live tables hold {len(refs)}"
-            )
+        if expensive:
+            check_live_tables(self._requests, self.policies, self._core)
 
 
 def _core_rules(rules: AllocationRules, policies: Sequence[Policy]) -> _core.Rules:

@@ -26,7 +26,7 @@ Limitations
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,10 @@ class LiveRequest:
                 self.num_tokens = length
             return True
         return False
+
+    def held(self, g: int) -> int:
+        """Blocks the request holds in group g (released entries are `NULL_BLOCK`)."""
+        return int(np.count_nonzero(self.tables[g].view(0) != NULL_BLOCK))
 
     def skipped(self, g: int, policy: Policy, length: int) -> tuple[np.ndarray, int]:
         """Group g's blocks the request no longer reads at ``length`` (a state kind:
@@ -271,3 +275,32 @@ def release_length(request_id: Hashable, num_tokens: int, release_upto: int | No
     if release_upto < 0:
         raise InvalidSize(f"request {request_id!r}: release_upto must be >= 0, got {release_upto}")
     return min(release_upto, num_tokens)
+
+
+def check_live_tables(
+    requests: Mapping[Hashable, LiveRequest], policies: Sequence[Policy], core: _core.Core
+) -> None:
+    """`JengaAllocator.check_invariants`' expensive half: every live request's table entries
+    are USED blocks, with per-block reference counts equal to the live tables holding them."""
+    for g, policy in enumerate(policies):
+        refs: dict[int, int] = {}
+        for rid, req in requests.items():
+            table = req.tables[g].tolist()
+            assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
+                f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
+            )
+            for b in table[req.first_live[g] :]:
+                if b == NULL_BLOCK and policy.holds_state:
+                    continue  # a checkpoint inside one step's span, never held
+                assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
+                refs[b] = refs.get(b, 0) + 1
+        for b, n in refs.items():
+            state, refcount = core.block_info(g, b)[:2]
+            assert state == 1 and refcount == n, (
+                f"group {g} block {b}: {n} live tables hold it, core says state {state} "
+                f"refcount {refcount}"
+            )
+        used = core.group_counts(g)[3]
+        assert used == len(refs), (
+            f"group {g}: core has {used} used blocks, live tables hold {len(refs)}"
+        )

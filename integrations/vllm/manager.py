@@ -224,36 +224,14 @@ class JengaKVCacheManager:
 
     def blocks_needed(self, request_id: str, num_tokens: int, num_computed: int = 0) -> int:
         """Blocks (over all groups) the request must still get to hold ``num_tokens``."""
-        live = request_id in self._requests
-        total = 0
-        for g, policy in enumerate(self.allocator.policies):
-            want = len(policy.active_blocks(num_tokens))
-            held = 0
-            if live:
-                table = self.allocator.block_table(request_id, g)
-                held = sum(1 for b in table if b != NULL_BLOCK)
-            total += max(0, want - held)
-        return total
+        live = request_id if request_id in self._requests else None
+        return sum(self.allocator.blocks_to_hold(num_tokens, live))
 
     def _fits(self, request_id: str, num_tokens: int, reserved_units: int = 0) -> bool:
-        """Whether ``num_tokens`` of the request fit now (free units + evictable pages),
-        leaving ``reserved_units`` of them to others."""
-        use = self.allocator.usage()
-        need_units = 0
-        avail = use.free_units
-        live = request_id in self._requests
-        for g, (policy, group) in enumerate(
-            zip(self.allocator.policies, self.layout.groups, strict=True)
-        ):
-            per_page, units = group.pages.blocks_per_large_page, group.pages.units_per_large_page
-            want = len(policy.active_blocks(num_tokens))
-            held = 0
-            if live:
-                held = sum(1 for b in self.allocator.block_table(request_id, g) if b != NULL_BLOCK)
-            missing = max(0, want - held - use.free_blocks[g])
-            need_units += -(-missing // per_page) * units
-            avail += use.cached_blocks[g] // per_page * units
-        return need_units + reserved_units <= avail
+        """Whether ``num_tokens`` of the request fit now, leaving ``reserved_units`` to
+        others: the allocator's answer (`JengaAllocator.fits`)."""
+        live = request_id if request_id in self._requests else None
+        return self.allocator.fits(num_tokens, live, reserved_units=reserved_units)
 
     def stats(self) -> dict[str, int]:
         """The allocator's dotted counters plus ``requests.*`` of this manager."""
