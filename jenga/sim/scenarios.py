@@ -23,6 +23,7 @@ Limitations
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -93,11 +94,11 @@ class Scenario:
 
     def kv_bytes(self, model: ModelSpec) -> int:
         if self.kv_gib is not None:
-            if self.kv_gib <= 0:
-                raise SimError(f"kv_gib must be > 0, got {self.kv_gib}")
+            if not 0 < self.kv_gib < math.inf:  # NaN compares false: refused too
+                raise SimError(f"kv_gib must be > 0 and finite, got {self.kv_gib}")
             return int(self.kv_gib * GiB)
-        if self.reserved_gib < 0:
-            raise SimError(f"reserved_gib must be >= 0, got {self.reserved_gib}")
+        if not 0 <= self.reserved_gib < math.inf:
+            raise SimError(f"reserved_gib must be >= 0 and finite, got {self.reserved_gib}")
         return get_gpu(self.gpu).kv_budget_bytes(
             model.weight_bytes, self.reserved_share, int(self.reserved_gib * GiB)
         )
