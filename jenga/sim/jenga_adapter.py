@@ -16,9 +16,9 @@ Approach
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
     ``jenga_vmm_group`` is ``jenga_vmm`` with the ``per_group`` layout (one range per
-    group). ``jenga_vmm_compact`` (compact step order), ``jenga_static_demote`` /
-    ``jenga_vmm_demote`` (window-release demotion on) and ``jenga_vmm_single_pass`` (no
-    frugal retry) vary the rules, for side-by-side runs.
+    group). ``jenga_vmm_compact`` / ``jenga_static_compact`` (compact step order),
+    ``jenga_static_demote`` / ``jenga_vmm_demote`` (window-release demotion on) and
+    ``jenga_vmm_single_pass`` (no frugal retry) vary the rules, for side-by-side runs.
 
     The MAX baseline of the paper's §4.4 (``max_page``) is the same core with a static
     page table whose unit is the largest group block, every other group's block padded
@@ -198,6 +198,9 @@ VARIANTS: dict[str, tuple[Callable[[ModelSpec], PageTable], AllocationRules]] = 
     "jenga_vmm": (_vmm_table, AllocationRules()),
     "jenga_vmm_group": (_vmm_group_table, AllocationRules()),
     "jenga_vmm_compact": (_vmm_table, AllocationRules(order=AllocationOrder.COMPACT)),
+    # the paper's LCM pages in compact order: what the LCM geometry costs without the
+    # paper's request association (docs/reproduction.md, "Why two Jenga rows lose")
+    "jenga_static_compact": (_lcm_table, AllocationRules(order=AllocationOrder.COMPACT)),
     "jenga_static_demote": (_lcm_table, AllocationRules(demote_window_releases=True)),
     "jenga_vmm_demote": (_vmm_table, AllocationRules(demote_window_releases=True)),
     # a refused allocation is final (the paper's single pass): the engine waits instead of
