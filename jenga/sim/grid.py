@@ -35,10 +35,16 @@ from rich.table import Table
 
 from jenga.sim.metrics import Summary, summarize
 from jenga.sim.protocol import SimError
-from jenga.sim.scenarios import JENGA_NAMES, SCENARIOS, Scenario, get_scenario, run_scenario
+from jenga.sim.scenarios import (
+    JENGA_NAMES,
+    RECOMMENDED,
+    SCENARIOS,
+    Scenario,
+    get_scenario,
+    run_scenario,
+)
 
 BASELINE = "vllm_v1"
-RECOMMENDED = "jenga_vmm_group"
 # every shipped scenario vllm_v1 can serve (it does not model cross attention: the
 # Llama 3.2 Vision scenario has no baseline row)
 QUICK_SCENARIOS = tuple(sorted(n for n in SCENARIOS if n != "mmmu-llama-vision"))

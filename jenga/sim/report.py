@@ -187,7 +187,7 @@ def print_report(
     console.print(table(scenario, summaries, missing))
     line = headline_line(scenario, summaries)
     if line:
-        console.print(f"[bold]{line}")
+        console.print(f"[bold]{line}", soft_wrap=True)  # one line, however wide
     for name, r in ratios(summaries).items():
         if name != "uniform":
             hit = f"x{r['hit_rate_x']:.2f}" if r["hit_rate_x"] else "n/a"

@@ -10,9 +10,12 @@ Rationale
 Approach
     `ALLOCATORS` maps a CLI name to ``factory(model, kv_bytes) -> SimAllocator``. The
     Jenga entries come from `jenga.sim.jenga_adapter` (its `VARIANTS` table).
-    `run_scenario` builds the trace once and runs every allocator on it with a fresh
-    engine; ``prefix_cache=False`` turns every allocator's lookups off and
-    ``block_size`` rewrites the model's tokens per block first. A scenario's
+    A scenario that names no allocators runs `DEFAULT_ALLOCATORS`: the paper's rows and
+    `RECOMMENDED` (``jenga_vmm_group``, per-group VMM ranges, the geometry the vLLM
+    integration recommends). `run_scenario` builds the trace once and runs every
+    allocator on it with a fresh engine; ``prefix_cache=False`` turns every
+    allocator's lookups off and ``block_size`` rewrites the model's tokens per block
+    first. A scenario's
     ``headline`` names the metric and the baseline its one-line verdict under the table
     compares against (`report.headline_line`).
 
@@ -57,7 +60,10 @@ PAPER_ALLOCATORS = (
     "jenga_vmm",
     "jenga_vmm_compact",
 )
-DEFAULT_ALLOCATORS = PAPER_ALLOCATORS
+RECOMMENDED = "jenga_vmm_group"  # per-group VMM ranges: the geometry docs/vllm.md recommends
+# the paper's rows and the recommended geometry (the only Jenga row that does not lose
+# prefix hits to request-owned large pages on a Mamba chat: docs/reproduction.md)
+DEFAULT_ALLOCATORS = (*PAPER_ALLOCATORS, RECOMMENDED)
 MAMBA_ALLOCATORS = ("vllm_v1", "jenga_static", "jenga_vmm", "jenga_vmm_group")
 # vLLM 0.6.3 as the Jenga paper ran it: the whole prompt allocated at admission, prefill in
 # steps of its own, a token budget of max_model_len (its default without chunked prefill)

@@ -31,6 +31,7 @@ def test_json_has_every_allocator_and_ratios(tmp_path, capsys):
         "jenga_static",
         "jenga_vmm",
         "jenga_vmm_compact",
+        "jenga_vmm_group",  # the recommended geometry is in every default set
     ]
     assert doc["not_run"] == {}
     assert doc["scenario"]["workload_params"] == {
