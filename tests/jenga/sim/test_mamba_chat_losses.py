@@ -15,10 +15,8 @@ evict nothing and hit as often as per-group pages do (docs/reproduction.md).
 from dataclasses import replace
 
 import pytest
-from jenga.sim.engine import Engine
-from jenga.sim.hardware import get_gpu
-from jenga.sim.metrics import summarize
-from jenga.sim.scenarios import build_trace, get_scenario, make_allocator
+from jenga.sim.diagnose import diagnose, main
+from jenga.sim.scenarios import get_scenario
 
 SMALL_CHAT = replace(
     get_scenario("mamba-chat"),
@@ -26,30 +24,33 @@ SMALL_CHAT = replace(
     workload_params={**get_scenario("mamba-chat").workload_params, "num_clients": 8,
                      "num_rounds": 3},
 )  # fmt: skip
-
-
-def _run(name: str) -> tuple[float, dict[str, int]]:
-    model = SMALL_CHAT.model_spec()
-    alloc = make_allocator(name, model, SMALL_CHAT.kv_bytes(model))
-    result = Engine(model, get_gpu(SMALL_CHAT.gpu), alloc, SMALL_CHAT.engine).run(
-        build_trace(SMALL_CHAT)
-    )
-    return summarize(result).hit_rate, alloc.core.stats()  # type: ignore[attr-defined]
+# per client: prompts 700, 1,500, 2,300 tokens; a state every 512 tokens: hits 0, 1,024,
+# 2,048, so 8 x 3,072 of 8 x 4,500 prompt tokens when nothing the next turn needs is evicted
+EVERY_TURN_HITS = 8 * 3072
 
 
 @pytest.mark.parametrize(
-    ("paper", "compact"),
-    [("jenga_static", "jenga_static_compact"), ("jenga_vmm", "jenga_vmm_compact")],
+    ("paper", "compact", "short_group"),
+    [("jenga_static", "jenga_static_compact", "mamba"), ("jenga_vmm", "jenga_vmm_compact", "full")],
 )
-def test_paper_order_evicts_whole_cached_pages_that_compact_order_keeps(paper, compact):
-    paper_hit, paper_stats = _run(paper)
-    compact_hit, compact_stats = _run(compact)
-    group_hit, _ = _run("jenga_vmm_group")
-    # per client: prompts 700, 1,500, 2,300 tokens; a state every 512 tokens: hits 0,
-    # 1,024, 2,048 = 3,072 of 4,500 prompt tokens when nothing the next turn needs is evicted
-    assert compact_hit == group_hit == 3072 / 4500
-    assert compact_stats["pages.evicted"] == 0 and compact_stats["blocks.evicted"] == 0
+def test_paper_order_evicts_whole_cached_pages_that_compact_order_keeps(
+    paper, compact, short_group
+):
+    mine, kept, group = (diagnose(SMALL_CHAT, n) for n in (paper, compact, "jenga_vmm_group"))
+    assert mine.prompt_tokens == kept.prompt_tokens == 8 * 4500
+    assert kept.hit_tokens == group.hit_tokens == EVERY_TURN_HITS
+    assert kept.alone_tokens == {"mamba": EVERY_TURN_HITS, "full": EVERY_TURN_HITS}
+    assert kept.counters["pages.evicted"] == kept.counters["blocks.evicted"] == 0
     # the paper's order evicted whole cached pages (step 3) to give requests pages of
-    # their own
-    assert paper_stats["alloc.step.3"] > 0 and paper_stats["pages.evicted"] > 0
-    assert paper_hit < 0.3 * compact_hit  # 2.8 % (LCM pages), 17.1 % (per-layer VMM)
+    # their own, and one group lost what the next turns needed: the Mamba states under
+    # 4.3 GiB LCM pages, attention blocks under 621-chunk per-layer Mamba pages
+    assert mine.counters["alloc.step.3"] > 0 and mine.counters["pages.evicted"] > 0
+    assert mine.hit_tokens < 0.3 * kept.hit_tokens  # 2.8 % and 17.1 % against 68.3 %
+    other = "full" if short_group == "mamba" else "mamba"
+    assert mine.alone_tokens[short_group] < mine.alone_tokens[other] < EVERY_TURN_HITS
+    assert mine.hit_tokens <= mine.alone_tokens[short_group]
+
+
+def test_diagnose_cli_prints_every_row_and_refuses_other_allocators(capsys):
+    assert main(["--kv-gib", "14", "--allocators", "vllm_v1"]) == 2
+    assert "vllm_v1 is not a Jenga row" in capsys.readouterr().err
