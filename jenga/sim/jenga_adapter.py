@@ -41,6 +41,10 @@ Images
     image is being computed, ``1 + n - image_tokens`` after it (`_core_length`).
 
 Limitations
+    Mamba groups keep every checkpoint a step computes (``mamba_step_end_only=False``, the
+    rows' setting); vLLM's "align" mode writes a state only where a step ends, which
+    ``mamba_step_end_only=True`` models (no row uses it; docs/reproduction.md, "Why two
+    Jenga rows lose").
     In encoder mode the placeholder takes one slot of every self-attention group (the
     real model stores its KV too; the waste model counts only text tokens), and the
     image is committed to the prefix cache once the engine computed all of its tokens.
@@ -71,6 +75,8 @@ class JengaCoreAllocator:
         kv_bytes: int,
         table: PageTable,
         rules: AllocationRules | None = None,
+        *,
+        mamba_step_end_only: bool = False,
     ) -> None:
         self.name = name
         self.use_prefix_cache = True  # False: no lookups, nothing committed (--no-prefix-cache)
@@ -79,7 +85,11 @@ class JengaCoreAllocator:
         self._total_units = kv_bytes // table.unit_bytes
         self.core = JengaAllocator(
             AllocatorConfig.from_page_table(
-                model, table, self._total_units, rules or AllocationRules()
+                model,
+                table,
+                self._total_units,
+                rules or AllocationRules(),
+                mamba_step_end_only=mamba_step_end_only,
             )
         )
         # bytes a block is charged: its share of a large page (padding and tails included)

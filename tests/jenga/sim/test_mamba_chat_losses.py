@@ -15,8 +15,12 @@ evict nothing and hit as often as per-group pages do (docs/reproduction.md).
 from dataclasses import replace
 
 import pytest
+from jenga.pages import vmm_page_table
 from jenga.sim.diagnose import diagnose, main
-from jenga.sim.scenarios import get_scenario
+from jenga.sim.engine import Engine
+from jenga.sim.hardware import get_gpu
+from jenga.sim.jenga_adapter import JengaCoreAllocator
+from jenga.sim.scenarios import build_trace, get_scenario
 
 SMALL_CHAT = replace(
     get_scenario("mamba-chat"),
@@ -54,3 +58,19 @@ def test_paper_order_evicts_whole_cached_pages_that_compact_order_keeps(
 def test_diagnose_cli_prints_every_row_and_refuses_other_allocators(capsys):
     assert main(["--kv-gib", "14", "--allocators", "vllm_v1"]) == 2
     assert "vllm_v1 is not a Jenga row" in capsys.readouterr().err
+
+
+def test_step_end_states_alone_still_serve_every_turn_under_per_group_pages():
+    """vLLM's "align" mode writes a Mamba state only where a step ends. The state a next
+    turn needs is the last checkpoint before the conversation's end, inside the 600-token
+    answer, and a decode step ends at every token: per-group pages still hit every turn."""
+    model = SMALL_CHAT.model_spec()
+    table = vmm_page_table(model, epsilon=0.01, layout="per_group")
+    alloc = JengaCoreAllocator(
+        "jenga_vmm_group", model, SMALL_CHAT.kv_bytes(model), table, mamba_step_end_only=True
+    )
+    assert alloc.core.config.mamba_step_end_only
+    result = Engine(model, get_gpu(SMALL_CHAT.gpu), alloc, SMALL_CHAT.engine).run(
+        build_trace(SMALL_CHAT)
+    )
+    assert result.hit_tokens == EVERY_TURN_HITS
