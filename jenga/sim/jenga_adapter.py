@@ -16,7 +16,9 @@ Approach
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
     ``jenga_vmm_group`` is ``jenga_vmm`` with the ``per_group`` layout (one range per
-    group). ``jenga_vmm_compact`` / ``jenga_static_compact`` (compact step order),
+    group); ``jenga_vmm_group_pinned`` adds the rules the vLLM integration sets on such
+    pages (pinned order, LRU-fair, window releases demoted and reused).
+    ``jenga_vmm_compact`` / ``jenga_static_compact`` (compact step order),
     ``jenga_static_demote`` / ``jenga_vmm_demote`` (window-release demotion on) and
     ``jenga_vmm_single_pass`` (no frugal retry) vary the rules, for side-by-side runs.
 
@@ -207,6 +209,17 @@ VARIANTS: dict[str, tuple[Callable[[ModelSpec], PageTable], AllocationRules]] = 
     "jenga_static": (_lcm_table, AllocationRules()),  # paper-faithful: LCM pages, one buffer
     "jenga_vmm": (_vmm_table, AllocationRules()),
     "jenga_vmm_group": (_vmm_group_table, AllocationRules()),
+    # per-group pages with the rules the vLLM integration sets on them (docs/vllm.md):
+    # pinned order with its LRU-fair step, window releases demoted and reused
+    "jenga_vmm_group_pinned": (
+        _vmm_group_table,
+        AllocationRules(
+            order=AllocationOrder.PINNED,
+            pinned_lru_fair=True,
+            demote_window_releases=True,
+            reuse_window_releases=True,
+        ),
+    ),
     "jenga_vmm_compact": (_vmm_table, AllocationRules(order=AllocationOrder.COMPACT)),
     # the paper's LCM pages in compact order: what the LCM geometry costs without the
     # paper's request association (docs/reproduction.md, "Why two Jenga rows lose")
