@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help=f"one of {sorted(SCENARIOS)}")
+    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)} (default {DEFAULT_SCENARIO})")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
     p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
@@ -176,7 +176,7 @@ def _engine_from_args(base: EngineConfig, args: argparse.Namespace) -> EngineCon
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    base = get_scenario(args.scenario)
+    base = get_scenario(args.scenario or DEFAULT_SCENARIO)
     params = dict(base.workload_params) if args.workload in (None, base.workload) else {}
     params.update(_parse_params(args.param))
     allocators = tuple(a.strip() for a in args.allocators.split(",")) if args.allocators else None
@@ -233,6 +233,29 @@ def _no_result_status(console: Console, names: list[str]) -> int:
         return 0
     print(f"jenga-sim: no result for {', '.join(names)}", file=sys.stderr)
     return EXIT_NO_RESULT
+
+
+# flags of one scenario's run that the grid (which runs shipped scenarios as they are)
+# would ignore, and the grid's own flags that a single run would ignore
+SCENARIO_ONLY = ("scenario", "model", "gpu", "reserved", "reserved_gib", "kv_gib", "workload",
+                 "param", "rate", "max_num_batched_tokens", "max_num_seqs", "admission",
+                 "prefill", "no_prefix_cache", "block_size", "timelines", "plot_dir")  # fmt: skip
+GRID_ONLY = ("sweep_scenarios", "sweep_kv_scales", "markdown")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """Raise `SimError` for a flag the chosen mode would silently ignore."""
+    grid_mode = args.sweep == GRID
+    ignored = [n for n in (SCENARIO_ONLY if grid_mode else GRID_ONLY) if getattr(args, n)]
+    if ignored:
+        flags = ", ".join(_flag(n) for n in ignored)
+        where = "the --sweep grid (it runs shipped scenarios as they are)" if grid_mode else (
+            "a run without the --sweep grid")  # fmt: skip
+        raise SimError(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {where}")
 
 
 def _run_grid(args: argparse.Namespace, console: Console) -> int:
@@ -293,6 +316,7 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    _check_mode(args)
     if args.sweep == GRID:
         return _run_grid(args, console)
     scenario = scenario_from_args(args)

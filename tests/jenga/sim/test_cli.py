@@ -87,12 +87,14 @@ def test_bad_input_exits_2_with_reason(capsys):
         ("--sweep", "kv_gib=4,nan", "--sweep expects KEY=V1,V2,... (finite numbers)"),
         ("--sweep-kv-scales", "1,inf", "--sweep-kv-scales expects distinct finite numbers > 0"),
         ("--sweep-scenarios", "nope", "unknown scenario 'nope'"),
+        ("--kv-gib", "4", "--kv-gib does not apply to the --sweep grid"),
+        ("--markdown", "x.md", "--markdown does not apply to a run without the --sweep grid"),
     ],
 )
 def test_cli_mistakes_are_one_line_on_stderr(flag, value, expected, capsys):
     args = ["--no-progress", flag, value]
-    if flag.startswith("--sweep-"):
-        args.append("--sweep")
+    if flag.startswith("--sweep-") or (flag, value) == ("--kv-gib", "4"):
+        args.append("--sweep")  # the grid's flags, or a single run's flag given to the grid
     assert _exit_code(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err and "Traceback" not in err
