@@ -7,19 +7,29 @@ compares on the scenario's headline metric. ``--scenario arxiv-ministral`` is th
 paper's Fig. 15 setup; the other flags override parts of a scenario. ``--seeds 0-9``
 reports every metric as mean and range over trace seeds; ``--sweep KEY=LIST`` sweeps a
 knob and reports hit rate and throughput at each value (``--scenario articles-ministral
---sweep articles=1,2,3,4,5,6,8``: the paper's Fig. 17a and 17b).
+--sweep articles=1,2,3,4,5,6,8``: the paper's Fig. 17a and 17b). ``--sweep`` alone runs
+a grid of shipped scenarios x KV sizes x seeds (`jenga.sim.grid`) and prints every Jenga
+row's ratio to ``vllm_v1`` per cell.
+
+Mistakes on the command line (a NaN or negative size, a zero block size, an unknown
+name) print one line on stderr and exit 2; a requested allocator that produced no
+result makes the exit status 1 after the report.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
+from typing import NoReturn
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
-from jenga.sim import report, seeds, sweep
+from jenga.errors import AllocatorError
+from jenga.sim import grid, report, seeds, sweep
 from jenga.sim.engine import ADMISSIONS, PREFILLS, EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
@@ -30,11 +40,48 @@ from jenga.sim.scenarios import (
     DEFAULT_SCENARIO,
     SCENARIOS,
     Scenario,
+    check_allocators,
     get_scenario,
     run_scenario,
     with_overrides,
 )
 from jenga.sim.workloads import GENERATORS, WorkloadError
+from jenga.specs import SpecError
+
+EXIT_USAGE = 2  # a mistake on the command line
+EXIT_NO_RESULT = 1  # the run finished, but a requested allocator produced no row
+GRID = "grid"  # `--sweep` with no KEY=LIST
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line on stderr (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _number(
+    cast: Callable[[str], float], low: float, low_ok: bool, what: str
+) -> Callable[[str], float]:
+    """An argparse type: a finite ``cast`` value above ``low`` (or equal when ``low_ok``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not low_ok):
+            raise argparse.ArgumentTypeError(f"expects {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _number(float, 0.0, False, "a finite number > 0")
+_NON_NEGATIVE = _number(float, 0.0, True, "a finite number >= 0")
+_SHARE = _number(float, 0.0, True, "a share in [0, 1)")
+_COUNT = _number(int, 0, False, "an integer > 0")
+_SEED = _number(int, 0, True, "an integer >= 0")
 
 
 def _parse_value(text: str) -> object:
@@ -57,15 +104,15 @@ def _parse_params(items: list[str]) -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--scenario", default=DEFAULT_SCENARIO, help=f"one of {sorted(SCENARIOS)}")
+    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)} (default {DEFAULT_SCENARIO})")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
-    p.add_argument("--reserved", type=float, help="share of GPU memory left unused (0.1)")
-    p.add_argument("--reserved-gib", type=float, help="fixed GiB kept back (activations...)")
-    p.add_argument("--kv-gib", type=float, help="KV cache size in GiB (overrides the GPU budget)")
+    p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
+    p.add_argument("--reserved-gib", type=_NON_NEGATIVE, help="fixed GiB kept back (activations)")
+    p.add_argument("--kv-gib", type=_POSITIVE, help="KV cache size in GiB (overrides the GPU's)")
     p.add_argument("--workload", help=f"one of {sorted(GENERATORS)}")
     p.add_argument(
         "--param",
@@ -74,18 +121,40 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="workload parameter (repeatable), e.g. num_requests=50",
     )
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=_SEED)
     p.add_argument("--seeds", metavar="LIST", help="run each seed, e.g. 0-9: mean and range")
-    p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--rate", type=_POSITIVE, help="Poisson arrivals per second (default: at once)")
     p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=_COUNT)
+    p.add_argument("--max-num-seqs", type=_COUNT)
     p.add_argument("--admission", choices=ADMISSIONS, help="allocate the first chunk or the prompt")
     p.add_argument("--prefill", choices=PREFILLS, help="chunked (vLLM V1) or separate (0.6)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
-    p.add_argument("--block-size", type=int, help="tokens per block of attention groups")
-    p.add_argument("--sweep", metavar="KEY=LIST", help="e.g. articles=1,2,4,8 or kv_gib=4,8")
-    p.add_argument("--sweep-kv-gib", metavar="LIST", help="same as --sweep kv_gib=LIST")
+    p.add_argument("--block-size", type=_COUNT, help="tokens per block of attention groups")
+    p.add_argument(
+        "--sweep",
+        metavar="KEY=LIST",
+        nargs="?",
+        const=GRID,
+        help="e.g. articles=1,2,4,8 or kv_gib=4,8; alone: the scenarios x KV sizes x seeds grid",
+    )
+    p.add_argument(
+        "--sweep-kv-gib",
+        metavar="LIST",
+        help="same as --sweep kv_gib=LIST; with --sweep alone: the grid's KV sizes in GiB",
+    )
+    p.add_argument(
+        "--sweep-scenarios",
+        metavar="LIST",
+        help=f"grid: scenarios, or 'all' (default {','.join(grid.QUICK_SCENARIOS)})",
+    )
+    p.add_argument(
+        "--sweep-kv-scales",
+        metavar="LIST",
+        help="grid: KV sizes as shares of each scenario's own "
+        f"(default {','.join(f'{x:g}' for x in grid.QUICK_KV_SCALES)})",
+    )
+    p.add_argument("--markdown", metavar="PATH", help="grid: write the ratio table as Markdown")
     p.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
     p.add_argument("--plot-dir", help="write PNG plots there")
@@ -107,7 +176,7 @@ def _engine_from_args(base: EngineConfig, args: argparse.Namespace) -> EngineCon
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    base = get_scenario(args.scenario)
+    base = get_scenario(args.scenario or DEFAULT_SCENARIO)
     params = dict(base.workload_params) if args.workload in (None, base.workload) else {}
     params.update(_parse_params(args.param))
     allocators = tuple(a.strip() for a in args.allocators.split(",")) if args.allocators else None
@@ -154,7 +223,72 @@ def _run_sweep(args: argparse.Namespace, console: Console, scenario: Scenario) -
     if args.plot_dir:
         for shown in sweep.SWEEP_METRICS:
             console.print(f"wrote {sweep.plot_sweep(scenario, key, result, args.plot_dir, shown)}")
-    return 0
+    ran = {n for per_seed, _ in result.values() for runs in per_seed.values() for n in runs}
+    return _no_result_status(console, [n for n in scenario.allocators if n not in ran])
+
+
+def _no_result_status(console: Console, names: list[str]) -> int:
+    """Exit status: `EXIT_NO_RESULT` (and a line on stderr) when requested rows are absent."""
+    if not names:
+        return 0
+    print(f"jenga-sim: no result for {', '.join(names)}", file=sys.stderr)
+    return EXIT_NO_RESULT
+
+
+# flags of one scenario's run that the grid (which runs shipped scenarios as they are)
+# would ignore, and the grid's own flags that a single run would ignore
+SCENARIO_ONLY = ("scenario", "model", "gpu", "reserved", "reserved_gib", "kv_gib", "workload",
+                 "param", "rate", "max_num_batched_tokens", "max_num_seqs", "admission",
+                 "prefill", "no_prefix_cache", "block_size", "timelines", "plot_dir")  # fmt: skip
+GRID_ONLY = ("sweep_scenarios", "sweep_kv_scales", "markdown")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_mode(args: argparse.Namespace) -> None:
+    """Raise `SimError` for a flag the chosen mode would silently ignore."""
+    grid_mode = args.sweep == GRID
+    ignored = [n for n in (SCENARIO_ONLY if grid_mode else GRID_ONLY) if getattr(args, n)]
+    if ignored:
+        flags = ", ".join(_flag(n) for n in ignored)
+        where = "the --sweep grid (it runs shipped scenarios as they are)" if grid_mode else (
+            "a run without the --sweep grid")  # fmt: skip
+        raise SimError(f"{flags} {'does' if len(ignored) == 1 else 'do'} not apply to {where}")
+
+
+def _run_grid(args: argparse.Namespace, console: Console) -> int:
+    """``--sweep`` alone: scenarios x KV sizes x seeds, every Jenga row / vllm_v1."""
+    names = grid.parse_scenarios(args.sweep_scenarios)
+    seed_list = seeds.parse_seeds(args.seeds) if args.seeds else [args.seed or 0]
+    scales = grid.parse_sizes(args.sweep_kv_scales, "--sweep-kv-scales", grid.QUICK_KV_SCALES)
+    gibs = grid.parse_sizes(args.sweep_kv_gib, "--sweep-kv-gib")
+    wanted = tuple(a.strip() for a in args.allocators.split(",")) if args.allocators else None
+    if wanted is not None:
+        check_allocators(wanted)
+    quiet = args.no_progress or args.json == "-"
+
+    def on_cell(cell: grid.Cell) -> None:
+        if not quiet:
+            console.print(f"  done: {cell.scenario} {cell.kv_label} seed {cell.seed}")
+
+    cells = grid.run_grid(names, seed_list, scales, gibs, wanted, on_cell)
+    if args.json != "-":
+        console.print(grid.grid_table(cells))
+        behind = grid.losing(cells)
+        console.print(
+            f"{len(behind)} (cell, row, metric) below vllm_v1 (batch or hit < 0.98x, more "
+            f"preemptions or commit) of {len(grid.rows(cells)) * len(grid.GRID_METRICS)}"
+        )
+    if args.json:
+        report.write_json(grid.grid_json(cells), args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(grid.grid_markdown(cells))
+    ran = {n for cell in cells for n in cell.summaries}
+    asked = {n for cell in cells for n in (*cell.summaries, *cell.not_run)}
+    return _no_result_status(console, sorted(asked - ran))
 
 
 def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -> int:
@@ -178,10 +312,13 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
             "not_run": not_run,
         }
         report.write_json(doc, args.json)
-    return 0
+    return _no_result_status(console, sorted(not_run.keys() - set(seeds.allocators_of(per_seed))))
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    _check_mode(args)
+    if args.sweep == GRID:
+        return _run_grid(args, console)
     scenario = scenario_from_args(args)
     if args.sweep or args.sweep_kv_gib:
         return _run_sweep(args, console, scenario)
@@ -214,7 +351,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.plot_dir:
         for path in report.plot(results, summaries, args.plot_dir):
             console.print(f"wrote {path}")
-    return 0
+    return _no_result_status(console, list(missing))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,9 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return run(args, console)
-    except (SimError, WorkloadError, HardwareError, UnknownModel) as exc:
-        console.print(f"[red]jenga-sim: {type(exc).__name__}: {exc}")
-        return 2
+    except (SimError, WorkloadError, HardwareError, UnknownModel, SpecError, AllocatorError) as exc:
+        one_line = " ".join(str(exc).split())
+        print(f"jenga-sim: {type(exc).__name__}: {one_line}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ Approach
                       smallest k with a tail <= epsilon), chunks are the exchange unit.
 
     ``jenga_vmm_group`` is ``jenga_vmm`` with the ``per_group`` layout (one range per
-    group). ``jenga_vmm_compact`` (compact step order), ``jenga_static_demote`` /
-    ``jenga_vmm_demote`` (window-release demotion on) and ``jenga_vmm_single_pass`` (no
-    frugal retry) vary the rules, for side-by-side runs.
+    group); ``jenga_vmm_group_pinned`` adds the rules the vLLM integration sets on such
+    pages (pinned order, LRU-fair, window releases demoted and reused).
+    ``jenga_vmm_compact`` / ``jenga_static_compact`` (compact step order),
+    ``jenga_static_demote`` / ``jenga_vmm_demote`` (window-release demotion on) and
+    ``jenga_vmm_single_pass`` (no frugal retry) vary the rules, for side-by-side runs.
 
     The MAX baseline of the paper's §4.4 (``max_page``) is the same core with a static
     page table whose unit is the largest group block, every other group's block padded
@@ -41,6 +43,10 @@ Images
     image is being computed, ``1 + n - image_tokens`` after it (`_core_length`).
 
 Limitations
+    Mamba groups keep every checkpoint a step computes (``mamba_step_end_only=False``, the
+    rows' setting); vLLM's "align" mode writes a state only where a step ends, which
+    ``mamba_step_end_only=True`` models (no row uses it; docs/reproduction.md, "Why two
+    Jenga rows lose").
     In encoder mode the placeholder takes one slot of every self-attention group (the
     real model stores its KV too; the waste model counts only text tokens), and the
     image is committed to the prefix cache once the engine computed all of its tokens.
@@ -71,6 +77,8 @@ class JengaCoreAllocator:
         kv_bytes: int,
         table: PageTable,
         rules: AllocationRules | None = None,
+        *,
+        mamba_step_end_only: bool = False,
     ) -> None:
         self.name = name
         self.use_prefix_cache = True  # False: no lookups, nothing committed (--no-prefix-cache)
@@ -79,7 +87,11 @@ class JengaCoreAllocator:
         self._total_units = kv_bytes // table.unit_bytes
         self.core = JengaAllocator(
             AllocatorConfig.from_page_table(
-                model, table, self._total_units, rules or AllocationRules()
+                model,
+                table,
+                self._total_units,
+                rules or AllocationRules(),
+                mamba_step_end_only=mamba_step_end_only,
             )
         )
         # bytes a block is charged: its share of a large page (padding and tails included)
@@ -197,7 +209,21 @@ VARIANTS: dict[str, tuple[Callable[[ModelSpec], PageTable], AllocationRules]] = 
     "jenga_static": (_lcm_table, AllocationRules()),  # paper-faithful: LCM pages, one buffer
     "jenga_vmm": (_vmm_table, AllocationRules()),
     "jenga_vmm_group": (_vmm_group_table, AllocationRules()),
+    # per-group pages with the rules the vLLM integration sets on them (docs/vllm.md):
+    # pinned order with its LRU-fair step, window releases demoted and reused
+    "jenga_vmm_group_pinned": (
+        _vmm_group_table,
+        AllocationRules(
+            order=AllocationOrder.PINNED,
+            pinned_lru_fair=True,
+            demote_window_releases=True,
+            reuse_window_releases=True,
+        ),
+    ),
     "jenga_vmm_compact": (_vmm_table, AllocationRules(order=AllocationOrder.COMPACT)),
+    # the paper's LCM pages in compact order: what the LCM geometry costs without the
+    # paper's request association (docs/reproduction.md, "Why two Jenga rows lose")
+    "jenga_static_compact": (_lcm_table, AllocationRules(order=AllocationOrder.COMPACT)),
     "jenga_static_demote": (_lcm_table, AllocationRules(demote_window_releases=True)),
     "jenga_vmm_demote": (_vmm_table, AllocationRules(demote_window_releases=True)),
     # a refused allocation is final (the paper's single pass): the engine waits instead of

@@ -4,10 +4,10 @@ Rationale
     The same numbers must reach a terminal reader, a script and a figure, so all three
     are rendered from the `Summary` rows and the run timelines, never recomputed. A
     reader should see at once whether Jenga wins: the scenario's headline metric gets
-    one sentence under the table.
+    one sentence under the table, naming every Jenga row's ratio to the baseline.
 
 Approach
-    `table` renders one row per allocator; `headline_line` compares the best Jenga row
+    `table` renders one row per allocator; `headline_line` compares every Jenga row
     with the scenario's baseline on its headline metric; ratios against uniform paging
     follow. `to_json` writes summaries, the scenario and (optionally) the timelines;
     `plot` writes, with engine steps on the x axis, ``memory_<alloc>.png`` (needed /
@@ -141,13 +141,15 @@ def seeds_table(scenario: Scenario, per_seed: PerSeed) -> Table:
     return t
 
 
-def headline(scenario: Scenario, summaries: list[Summary]) -> tuple[str, str, float] | None:
-    """(best Jenga row, baseline, ratio) on the scenario's headline metric, > 1 = better."""
+def headline(scenario: Scenario, summaries: list[Summary]) -> list[tuple[str, str, float]]:
+    """(Jenga row, baseline, ratio) on the scenario's headline metric for every Jenga row
+    that ran (`max_page`, a baseline on the Jenga core, excluded), in table order; > 1 =
+    better. Empty when the baseline or every Jenga row is missing."""
     metric, baseline = scenario.headline
     base = next((s for s in summaries if s.allocator == baseline), None)
     rows = [s for s in summaries if s.allocator in JENGA_NAMES and s.allocator != "max_page"]
-    if base is None or not rows:
-        return None
+    if base is None:
+        return []
     lower = metric in LOWER_IS_BETTER
 
     def ratio(s: Summary) -> float:
@@ -155,25 +157,28 @@ def headline(scenario: Scenario, summaries: list[Summary]) -> tuple[str, str, fl
         num, den = (theirs, mine) if lower else (mine, theirs)
         return num / den if den else (float("inf") if num else 1.0)
 
-    best = max(rows, key=ratio)
-    return best.allocator, baseline, ratio(best)
+    return [(s.allocator, baseline, ratio(s)) for s in rows]
 
 
 def headline_line(scenario: Scenario, summaries: list[Summary]) -> str | None:
-    """One sentence under the table: how the best Jenga row compares on the headline."""
+    """One sentence under the table: every Jenga row's ratio to the baseline on the
+    headline metric (> 1 = better), then which rows beat it."""
     found = headline(scenario, summaries)
-    if found is None:
+    if not found:
         return None
-    name, baseline, x = found
-    metric = scenario.headline[0]
-    mine = next(s for s in summaries if s.allocator == name)
-    base = next(s for s in summaries if s.allocator == baseline)
+    metric, baseline = scenario.headline
+    value = {s.allocator: getattr(s, metric) for s in summaries}
     fmt = (lambda v: f"{100 * v:.1f} %") if metric in ("hit_rate", "waste") else "{:.2f}".format
     label = HEADLINE_METRICS.get(metric, metric)
-    values = f"({fmt(getattr(mine, metric))} vs {fmt(getattr(base, metric))})"
-    if x > 1:
-        return f"{name} beats {baseline} by {x:.2f}x on {label} {values}."
-    return f"No Jenga row beats {baseline} on {label}: best {name} at {x:.2f}x {values}."
+    rows = ", ".join(f"{name} {x:.2f}x ({fmt(value[name])})" for name, _, x in found)
+    winners = [name for name, _, x in found if x > 1]
+    if not winners:
+        verdict = f"no Jenga row beats {baseline}"
+    elif len(winners) == 1:
+        verdict = f"{winners[0]} beats {baseline}"
+    else:
+        verdict = f"{', '.join(winners[:-1])} and {winners[-1]} beat {baseline}"
+    return f"{label.capitalize()} vs {baseline} ({fmt(value[baseline])}): {rows}; {verdict}."
 
 
 def print_report(
@@ -182,7 +187,7 @@ def print_report(
     console.print(table(scenario, summaries, missing))
     line = headline_line(scenario, summaries)
     if line:
-        console.print(f"[bold]{line}")
+        console.print(f"[bold]{line}", soft_wrap=True)  # one line, however wide
     for name, r in ratios(summaries).items():
         if name != "uniform":
             hit = f"x{r['hit_rate_x']:.2f}" if r["hit_rate_x"] else "n/a"

@@ -22,6 +22,7 @@ Limitations
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -48,8 +49,8 @@ def parse_sweep(text: str) -> tuple[str, list[float]]:
         values = [float(x) for x in rest.split(",") if x.strip()]
     except ValueError as exc:
         raise SimError(f"--sweep expects KEY=V1,V2,..., got {text!r}") from exc
-    if not sep or not key.strip() or not values:
-        raise SimError(f"--sweep expects KEY=V1,V2,..., got {text!r}")
+    if not sep or not key.strip() or not values or not all(math.isfinite(v) for v in values):
+        raise SimError(f"--sweep expects KEY=V1,V2,... (finite numbers), got {text!r}")
     return ALIASES.get(key.strip(), key.strip().replace("-", "_")), values
 
 

@@ -105,8 +105,10 @@ def image_ids(image_key: int, n: int) -> tuple[int, ...]:
 
 
 def _positive(name: str, value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # NaN compares false: refused too
         raise WorkloadError(f"{name} must be > 0, got {value}")
+    if value == math.inf:
+        raise WorkloadError(f"{name} must be finite, got {value}")
 
 
 def _make(

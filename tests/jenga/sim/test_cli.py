@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from jenga.sim.cli import main
 
 SMALL = [
@@ -30,6 +31,7 @@ def test_json_has_every_allocator_and_ratios(tmp_path, capsys):
         "jenga_static",
         "jenga_vmm",
         "jenga_vmm_compact",
+        "jenga_vmm_group",  # the recommended geometry is in every default set
     ]
     assert doc["not_run"] == {}
     assert doc["scenario"]["workload_params"] == {
@@ -63,11 +65,58 @@ def test_plots_are_written(tmp_path):
 
 def test_bad_input_exits_2_with_reason(capsys):
     assert main(["--no-progress", "--model", "no-such-model"]) == 2
-    assert "unknown model 'no-such-model'" in capsys.readouterr().out
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert main(["--no-progress", "--allocators", "uniform,bogus"]) == 2
-    assert "unknown allocators ['bogus']" in capsys.readouterr().out
+    assert "unknown allocators ['bogus']" in capsys.readouterr().err
     assert main(["--no-progress", "--param", "oops"]) == 2
-    assert "--param expects key=value, got 'oops'" in capsys.readouterr().out
+    assert "--param expects key=value, got 'oops'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--kv-gib", "nan", "--kv-gib: expects a finite number > 0, got 'nan'"),
+        ("--kv-gib", "inf", "--kv-gib: expects a finite number > 0, got 'inf'"),
+        ("--kv-gib", "-1", "--kv-gib: expects a finite number > 0, got '-1'"),
+        ("--reserved-gib", "inf", "--reserved-gib: expects a finite number >= 0, got 'inf'"),
+        ("--reserved", "nan", "--reserved: expects a share in [0, 1), got 'nan'"),
+        ("--rate", "nan", "--rate: expects a finite number > 0, got 'nan'"),
+        ("--block-size", "0", "--block-size: expects an integer > 0, got '0'"),
+        ("--block-size", "-16", "--block-size: expects an integer > 0, got '-16'"),
+        ("--max-num-seqs", "0", "--max-num-seqs: expects an integer > 0, got '0'"),
+        ("--sweep", "kv_gib=4,nan", "--sweep expects KEY=V1,V2,... (finite numbers)"),
+        ("--sweep-kv-scales", "1,inf", "--sweep-kv-scales expects distinct finite numbers > 0"),
+        ("--sweep-scenarios", "nope", "unknown scenario 'nope'"),
+        ("--kv-gib", "4", "--kv-gib does not apply to the --sweep grid"),
+        ("--markdown", "x.md", "--markdown does not apply to a run without the --sweep grid"),
+    ],
+)
+def test_cli_mistakes_are_one_line_on_stderr(flag, value, expected, capsys):
+    args = ["--no-progress", flag, value]
+    if flag.startswith("--sweep-") or (flag, value) == ("--kv-gib", "4"):
+        args.append("--sweep")  # the grid's flags, or a single run's flag given to the grid
+    assert _exit_code(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "Traceback" not in err
+
+
+def _exit_code(args: list[str]) -> int | str | None:
+    """main's status, whether it returns it or argparse exits with it."""
+    try:
+        return main(args)
+    except SystemExit as exc:
+        return exc.code
+
+
+def test_a_requested_allocator_without_a_row_exits_1(capsys):
+    # 2 GiB: vllm_v1 and jenga_vmm_group fit; jenga_vmm's Mamba large page (621 chunks,
+    # 1.2 GiB per range set) fits too, jenga_static's 4.3 GiB LCM page does not
+    args = ["--no-progress", "--param", "num_clients=2", "--param", "num_rounds=1"]
+    assert main([*args, "--kv-gib", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "jenga_static has no result" in captured.out
+    assert captured.err == "jenga-sim: no result for jenga_static\n"
+    assert main([*args, "--kv-gib", "2", "--allocators", "vllm_v1,jenga_vmm_group"]) == 0
 
 
 def test_sweep_reports_allocators_that_cannot_fit(tmp_path, capsys):
@@ -112,8 +161,12 @@ def test_default_run_says_how_jenga_compares_with_todays_vllm(capsys):
     assert "mamba-chat" in out
     # per client: prompts 700, 1,500, 2,300; vllm_v1 hits 0, 0, 1,312 (a Mamba state only at
     # a prompt's end, floored to 1,312 tokens); Jenga 0, 1,024, 2,048 (a state every 512).
-    # Two clients fit jenga_static's large pages too; a tie names the first Jenga row.
-    assert "jenga_static beats vllm_v1 by 2.34x on prefix hit rate (68.3 % vs 29.2 %)." in out
+    # Two clients fit jenga_static's large pages too; the line names every Jenga row.
+    assert (
+        "Prefix hit rate vs vllm_v1 (29.2 %): jenga_static 2.34x (68.3 %), jenga_vmm 2.34x "
+        "(68.3 %), jenga_vmm_group 2.34x (68.3 %); jenga_static, jenga_vmm and "
+        "jenga_vmm_group beat vllm_v1." in out
+    )
 
 
 def test_seeds_report_mean_range_and_per_seed_ratios(tmp_path, capsys):
