@@ -87,7 +87,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
@@ -95,7 +94,7 @@ from jenga import _core
 
 # `X as X`: re-exported, engines import the allocator's configuration types from here too
 from jenga.config import AllocationOrder as AllocationOrder
-from jenga.config import AllocationRules, AllocatorConfig
+from jenga.config import AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
 from jenga.errors import (
     MAX_TOKENS,
@@ -110,6 +109,7 @@ from jenga.errors import (
 )
 from jenga.errors import AllocatorError as AllocatorError
 from jenga.errors import InvalidInput as InvalidInput
+from jenga.guard import Entry, guard_methods
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
@@ -189,7 +189,7 @@ class JengaAllocator:
             [g.blocks_per_large_page for g in config.groups],
             [g.units_per_large_page for g in config.groups],
             config.total_units,
-            _core_rules(config.rules, self.policies),
+            config.rules.to_core([p.releases_early for p in self.policies]),
             short_key_bits=config.identity.short_key_bits,
         )
         self._hasher = config.identity.hasher()
@@ -206,6 +206,7 @@ class JengaAllocator:
         self._stats = {"prefix.queries": 0, "prefix.hit_tokens": 0, "prefix.query_tokens": 0}
         self.no_blocks = tuple(() for _ in config.groups)  # per group: no new block
         self._text_only = not any(p.reads_images for p in self.policies)
+        self._entry = Entry()  # one thread at a time (`jenga.guard`)
 
     @property
     def num_groups(self) -> int:
@@ -787,13 +788,8 @@ class JengaAllocator:
             check_live_tables(self._requests, self.policies, self._core)
 
 
-def _core_rules(rules: AllocationRules, policies: Sequence[Policy]) -> _core.Rules:
-    """The core's copy of ``rules``: the same fields by name (an enum by its member name),
-    plus each group's early-release flag from its policy."""
-    values: dict[str, object] = {}
-    for f in dataclasses.fields(rules):
-        value = getattr(rules, f.name)
-        if isinstance(value, Enum):
-            value = getattr(getattr(_core, type(value).__name__), value.name)
-        values[f.name] = value
-    return _core.Rules(**values, early_release_groups=[p.releases_early for p in policies])
+guard_methods(
+    JengaAllocator,
+    ("add_request", "allocate", "release_skipped", "append_tokens", "cache", "free",
+     "evict_cached", "set_total_units", "prefix_match", "units_needed", "fits"),
+)  # fmt: skip

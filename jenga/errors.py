@@ -59,6 +59,10 @@ class CapacityInUse(AllocatorError, ValueError):
     """A shrink below the units live requests hold (nothing was changed)."""
 
 
+class ConcurrentUse(AllocatorError, RuntimeError):
+    """A second thread called into an allocator while another was inside (nothing changed)."""
+
+
 def as_count(value: object, what: str) -> int:
     """`value` as an int (`operator.index`: numpy ints pass; floats, strings, bools do not)."""
     if isinstance(value, bool):
@@ -72,6 +76,7 @@ def as_count(value: object, what: str) -> int:
 
 
 #: Most token ids one call may carry when the model sets no max_model_len.
+MAX_TOKEN_ID = (1 << 63) - 1  # ids are stored as int64
 MAX_TOKENS = 1 << 31
 
 
@@ -90,14 +95,24 @@ def checked_token_ids(values: Any, what: str, max_len: int = MAX_TOKENS) -> Any:
         if len(values) and int(values.min()) < 0:
             at = int(np.argmax(values < 0))
             raise InvalidInput(f"{what}[{at}] is {int(values[at])}, token ids must be >= 0")
+        if len(values) and int(values.max()) > MAX_TOKEN_ID:  # uint64 past int64
+            at = int(np.argmax(values > MAX_TOKEN_ID))
+            raise InvalidInput(
+                f"{what}[{at}] is {int(values[at])}, token ids must be <= {MAX_TOKEN_ID}"
+            )
         return values
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise InvalidInput(
             f"{what} must be a sequence of token ids, got {type(values).__name__} {values!r}"
         )
-    if all(type(v) is int for v in values) and (not values or min(values) >= 0):
+    if all(type(v) is int for v in values) and (
+        not values or (min(values) >= 0 and max(values) <= MAX_TOKEN_ID)
+    ):
         return values
     for at, v in enumerate(values):
-        if as_count(v, f"{what}[{at}]") < 0:
+        n = as_count(v, f"{what}[{at}]")
+        if n < 0:
             raise InvalidInput(f"{what}[{at}] is {v}, token ids must be >= 0")
+        if n > MAX_TOKEN_ID:
+            raise InvalidInput(f"{what}[{at}] is {v}, token ids must be <= {MAX_TOKEN_ID}")
     return [operator.index(v) for v in values]

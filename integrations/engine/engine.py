@@ -38,6 +38,7 @@ Limitations
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,28 @@ class EngineConfig:
     tenant_name: str = ""  # default: "engine-<pid>"
     tenant_min_bytes: int = 0
     tenant_max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_running", "budget_bytes", "chunk_bytes",
+                     "block_size", "checkpoint_interval"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be an int > 0, got {value!r}")
+        if self.max_bytes is not None and (
+            type(self.max_bytes) is not int or self.max_bytes < self.budget_bytes
+        ):
+            raise ValueError(
+                f"EngineConfig.max_bytes must be None or an int >= budget_bytes "
+                f"{self.budget_bytes}, got {self.max_bytes!r}"
+            )
+        if self.attention not in ("sdpa", "flash"):
+            raise ValueError(
+                f"EngineConfig.attention must be 'sdpa' or 'flash', got {self.attention!r}"
+            )
+        if self.backend not in ("host", "cuda", "auto"):
+            raise ValueError(
+                f"EngineConfig.backend must be 'host', 'cuda' or 'auto', got {self.backend!r}"
+            )
 
 
 _PACKED_TYPES = frozenset({"llama", "mistral"})
@@ -191,12 +214,8 @@ class MiniEngine:
         """Queue a request. `images`: the processor's image inputs for this one prompt
         (``pixel_values`` and what the model takes with them, batch 1); their features are
         computed now, once, and their content keys the request's prefix blocks."""
-        if not prompt or max_new_tokens <= 0:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt)} tokens, "
-                f"max_new_tokens {max_new_tokens}; both must be > 0"
-            )
-        req = EngineRequest(request_id, list(prompt), max_new_tokens, arrival_step)
+        prompt = self._checked_request(request_id, prompt, max_new_tokens, arrival_step)
+        req = EngineRequest(request_id, prompt, max_new_tokens, arrival_step)
         if images:
             adapter = IMAGE_ADAPTERS.get(self.model.config.model_type)
             if adapter is None or not isinstance(self.forward, ModelForward):
@@ -207,6 +226,48 @@ class MiniEngine:
                 )
             req.images = adapter(self.model, request_id, req.prompt, images)
         self.pending.append(req)
+
+    def _checked_request(
+        self, request_id: Hashable, prompt: Sequence[int], max_new_tokens: int, arrival: int
+    ) -> list[int]:
+        """The prompt as a list of ints, or ValueError / TypeError naming what `run` would
+        refuse later (a refused request leaves the engine serving the others)."""
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request id {request_id!r} is not hashable") from None
+        known = (*self.pending, *self.waiting, *self.running)
+        if request_id in self.done or any(r.request_id == request_id for r in known):
+            raise ValueError(f"request {request_id!r} was already added")
+        for name, value, low in (
+            ("max_new_tokens", max_new_tokens, 1),
+            ("arrival_step", arrival, 0),
+        ):
+            if type(value) is not int or value < low:
+                raise ValueError(
+                    f"request {request_id!r}: {name} must be an int >= {low}, got {value!r}"
+                )
+        ids = list(prompt) if not isinstance(prompt, (str, bytes)) else []
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt must hold >= 1 token id")
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        for at, t in enumerate(ids):
+            try:
+                ids[at] = operator.index(t) if not isinstance(t, bool) else -1
+            except TypeError:
+                ids[at] = -1
+            if not 0 <= ids[at] < vocab:
+                raise ValueError(
+                    f"request {request_id!r}: prompt[{at}] is {t!r}, token ids must be ints "
+                    f"in [0, {vocab})"
+                )
+        limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"request {request_id!r}: {len(ids)} prompt + {max_new_tokens} new tokens "
+                f"exceed the model's {limit} positions"
+            )
+        return ids
 
     # ---- scheduling ------------------------------------------------------------------------
     def _arrivals(self) -> None:

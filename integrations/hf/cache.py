@@ -299,6 +299,12 @@ class VmmCache(Cache):
         image_tokens: int = 0,
         checkpoint_interval: int = 512,
     ) -> None:
+        _check_sizes(max_length=max_length, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes)
+        if budget_bytes is not None and budget_bytes % chunk_bytes:
+            raise ValueError(
+                f"VmmCache budget_bytes {budget_bytes} is not a multiple of chunk_bytes "
+                f"{chunk_bytes}"
+            )
         text = config.get_text_config(decoder=True)
         self._config = config_dict(config, text)
         self._options = HfOptions(
@@ -368,3 +374,10 @@ class VmmCache(Cache):
             self.store.kv.close()
         if self._owns_pool and self._pool is not None:
             self._pool.close()
+
+
+def _check_sizes(**sizes: int | None) -> None:
+    """Each size given must be an int > 0 (None: the default); ValueError naming it."""
+    for name, value in sizes.items():
+        if value is not None and (type(value) is not int or value <= 0):
+            raise ValueError(f"VmmCache {name} must be an int > 0, got {value!r}")

@@ -1,0 +1,72 @@
+"""One thread at a time inside a `JengaAllocator`.
+
+Rationale
+    The allocator's Python request tables are not thread-safe (the C++ core is: it holds
+    its own mutex). Two scheduler threads calling one allocator interleave table updates
+    with core calls and leave bookkeeping that no longer matches the core, silently. The
+    KV cache above refuses such calls (`vmm.ConcurrentUse`); this is the same rule one
+    floor down, so an engine that drives the allocator directly gets it too.
+
+Approach
+    A non-blocking lock per allocator, taken by every public call that reads or changes
+    its tables: a second thread entering while one is inside raises `ConcurrentUse` at
+    once, before touching anything; the same thread re-entering passes. Reads the
+    scheduler makes while it is the only caller cost one uncontended lock (~0.1 µs).
+
+Limitations
+    It detects overlap; it does not serialize. An engine with several threads must give
+    each its own allocator or hold its own lock around calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from jenga.errors import ConcurrentUse
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Entry:
+    """The lock a guarded object holds and the thread inside it."""
+
+    __slots__ = ("lock", "owner")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.owner: int | None = None
+
+
+def one_thread(method: _F) -> _F:
+    """``method`` (of an object with an `Entry` at ``_entry``) run as the only call in
+    progress; another thread's overlapping call raises `ConcurrentUse`."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entry: Entry = self._entry
+        if not entry.lock.acquire(blocking=False):
+            me = threading.get_ident()
+            if entry.owner == me:
+                return method(self, *args, **kwargs)
+            raise ConcurrentUse(
+                f"{type(self).__name__}.{method.__name__} called from thread {me} while "
+                f"thread {entry.owner} is inside another call; an allocator takes its calls "
+                "from one thread at a time (nothing was changed)"
+            )
+        entry.owner = threading.get_ident()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            entry.owner = None
+            entry.lock.release()
+
+    return cast(_F, guarded)
+
+
+def guard_methods(cls: type, names: tuple[str, ...]) -> None:
+    """Wrap each named method of ``cls`` with `one_thread`."""
+    for name in names:
+        setattr(cls, name, one_thread(getattr(cls, name)))
