@@ -46,6 +46,7 @@ tenant that stops reading is dropped then). Reclaim takes what tenants can give.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -53,19 +54,18 @@ import os
 import selectors
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vmm.backend import Backend, SharedChunks
+from vmm.backend import Backend
 from vmm.errors import VmmError
 from vmm.host import HostBackend
 from vmm.shared.guard import AccessPolicy, PeerCred, ProcessWatch, Quarantine, peer_cred
 from vmm.shared.protocol import (
-    MAX_FDS,
-    PART_BYTES,
     TO_OWNER,
     ProtocolError,
+    grant_parts,
     is_finite_positive,
     listen,
     recv,
@@ -460,7 +460,7 @@ class PoolOwner:
         self.counters["grants"] += 1
         self.counters["chunks.granted"] += count
         try:
-            for msg, fds in _grant_parts(req, handles, shared):
+            for msg, fds in grant_parts(req, handles, shared):
                 self._send(peer, msg, fds)
         finally:
             _close_all(shared.fds)
@@ -635,8 +635,9 @@ class PoolOwner:
             tenants = state.pop("tenants")
             parts = list(split_rows(tenants))
             for i, (start, stop) in enumerate(parts):
-                self._send(peer, {"op": "state", "req": req, **state,
-                                  "tenants": tenants[start:stop], "last": i == len(parts) - 1})  # fmt: skip
+                last = i == len(parts) - 1
+                part = {"op": "state", "req": req, **state, "tenants": tenants[start:stop]}
+                self._send(peer, {**part, "last": last})
         elif op == "set_limits":
             error = self.set_limits(msg["tenant"], msg.get("min"), msg.get("max"))
             reply = (
@@ -689,47 +690,13 @@ class PoolOwner:
         self.backend.close()
 
 
-def _grant_parts(
-    req: int, handles: list[int], shared: SharedChunks
-) -> Iterator[tuple[dict[str, Any], tuple[int, ...]]]:
-    """The grant of `handles` as messages of at most ~`PART_BYTES` bytes and `MAX_FDS`
-    fds each; each part carries the fds its chunks refer to, renumbered from 0."""
-    rows = list(zip(handles, shared.where, strict=True))
-    start = 0
-    while True:
-        size, fd_index, stop = 0, dict[int, int](), start
-        while stop < len(rows):
-            h, (fd, off) = rows[stop]
-            row_size = len(str(h)) + len(str(off)) + 8
-            new_fd = fd not in fd_index
-            if stop > start and (size + row_size > PART_BYTES or
-                                 (new_fd and len(fd_index) == MAX_FDS)):  # fmt: skip
-                break
-            if new_fd:
-                fd_index[fd] = len(fd_index)
-            size += row_size
-            stop += 1
-        part = rows[start:stop]
-        msg = {"op": "grant", "req": req, "ids": [h for h, _ in part],
-               "where": [[fd_index[fd], off] for _, (fd, off) in part],
-               "last": stop == len(rows)}  # fmt: skip
-        yield msg, tuple(shared.fds[fd] for fd in fd_index)
-        if stop == len(rows):
-            return
-        start = stop
-
-
 def _refuse(conn: socket.socket, error: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         conn.send(json.dumps({"op": "refused", "error": error}).encode(), socket.MSG_DONTWAIT)
-    except OSError:
-        pass
     conn.close()
 
 
 def _close_all(fds: Sequence[int]) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass

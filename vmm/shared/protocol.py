@@ -48,7 +48,10 @@ import os
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vmm.backend import SharedChunks
 
 #: Largest datagram read (bytes).
 MAX_MESSAGE = 1 << 20
@@ -283,6 +286,36 @@ def split_rows(rows: Sequence[Any], limit: int = PART_BYTES) -> Iterator[tuple[i
             start, size = i, 0
         size += row_size + 1
     yield start, len(rows)
+
+
+def grant_parts(
+    req: int, handles: list[int], shared: SharedChunks
+) -> Iterator[tuple[dict[str, Any], tuple[int, ...]]]:
+    """The grant of `handles` as messages of at most ~`PART_BYTES` bytes and `MAX_FDS`
+    fds each; each part carries the fds its chunks refer to, renumbered from 0."""
+    rows = list(zip(handles, shared.where, strict=True))
+    start = 0
+    while True:
+        size, fd_index, stop = 0, dict[int, int](), start
+        while stop < len(rows):
+            h, (fd, off) = rows[stop]
+            row_size = len(str(h)) + len(str(off)) + 8
+            new_fd = fd not in fd_index
+            if stop > start and (size + row_size > PART_BYTES or
+                                 (new_fd and len(fd_index) == MAX_FDS)):  # fmt: skip
+                break
+            if new_fd:
+                fd_index[fd] = len(fd_index)
+            size += row_size
+            stop += 1
+        part = rows[start:stop]
+        msg = {"op": "grant", "req": req, "ids": [h for h, _ in part],
+               "where": [[fd_index[fd], off] for _, (fd, off) in part],
+               "last": stop == len(rows)}  # fmt: skip
+        yield msg, tuple(shared.fds[fd] for fd in fd_index)
+        if stop == len(rows):
+            return
+        start = stop
 
 
 def _reject_constant(name: str) -> Any:

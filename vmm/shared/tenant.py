@@ -174,8 +174,8 @@ class Tenant:
             try:
                 msg, fds = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise OutOfMemory(f"tenant {self.name!r}: pool {self.pool!r} did not answer "
-                                  f"want {req} within {self.timeout} s", needed=need) from None  # fmt: skip
+                late = f"pool {self.pool!r} did not answer want {req} within {self.timeout} s"
+                raise OutOfMemory(f"tenant {self.name!r}: {late}", needed=need) from None
             if msg["op"] == "closed":
                 self._replies.put((msg, fds))  # every later request sees it too
                 raise PoolRefused(f"pool {self.pool!r} is gone: {self._gone}")
