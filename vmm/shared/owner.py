@@ -211,7 +211,11 @@ class PoolOwner:
             _close_all(fds)
             peer.last = time.monotonic()
             self._dispatch(peer, msg)
-        except (ProtocolError, OSError, VmmError) as exc:
+        except ProtocolError as exc:
+            if peer.role == "" and not peer.dead:  # tell a client why it was not welcome
+                self._send(peer, {"op": "refused", "error": str(exc)[:1000]})
+            self._kill(peer, str(exc))
+        except (OSError, VmmError) as exc:
             self._kill(peer, str(exc))
         except Exception as exc:  # a bug shown by one peer drops that peer, not the pool
             self.counters["errors.unexpected"] += 1
