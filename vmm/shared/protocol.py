@@ -18,7 +18,7 @@ Approach
 A pool is named; its socket lives in the abstract namespace (``\\0jenga-vmm-pool/NAME``),
 so nothing is left on disk when the owner dies. Messages (``op`` field)::
 
-    tenant -> owner   hello{role, tenant, min, max, pid}   want{req, n, need}
+    tenant -> owner   hello{role, tenant, min, max}   want{req, n, need}
                       give{ids, reclaim}   report{cached, mapped}
     owner -> tenant   welcome{tenant, granularity, budget, min, max} + [memfd]
                       grant{req, ids, where, last} + fds   deny{req, error}

@@ -84,7 +84,7 @@ class Tenant:
         except OSError as exc:
             raise PoolRefused(f"no owner serves pool {pool!r}: {exc}") from None
         hello = {"op": "hello", "role": "tenant", "tenant": name, "min": min_bytes,
-                 "max": max_bytes, "pid": os.getpid()}  # fmt: skip
+                 "max": max_bytes}  # fmt: skip
         try:
             send(self._sock, hello)
             msg, fds = recv(self._sock, FROM_OWNER)

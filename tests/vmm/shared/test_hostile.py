@@ -5,6 +5,7 @@ quarantined and physical bytes return to 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -16,12 +17,12 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+from vmm.shared.cli import pool_state
+from vmm.shared.protocol import connect
 
 import vmm
 from tests.vmm.shared.pool_helpers import ROOT, Worker, owner_process, pool_name, wait_until
 from vmm.shared import PoolOwner, PoolRefused, Tenant, join_pool
-from vmm.shared.cli import pool_state, set_limits
-from vmm.shared.protocol import connect
 
 G = 4096
 BUDGET = 64 * G
@@ -57,10 +58,8 @@ class Raw:
 
     def send(self, msg: dict | bytes) -> None:
         data = msg if isinstance(msg, bytes) else json.dumps(msg).encode()
-        try:
-            self.sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the owner closed it already: recv shows why
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.sock.sendall(data)  # (the owner may have closed it already: recv says why)
 
     def recv(self) -> dict | None:
         """The next message (its fds closed; a grant's parts joined), None once closed."""
@@ -356,7 +355,7 @@ def test_a_late_reply_is_never_taken_for_the_next_one():
         t = Tenant(name, "late", batch_chunks=1, keep_chunks=64, timeout=0.5)
         os.kill(owner.pid, signal.SIGSTOP)
         try:
-            with pytest.raises(vmm.OutOfMemory, match="did not answer want 1 within 0.5 s"):
+            with pytest.raises(vmm.OutOfMemory, match=r"did not answer want 1 within 0\.5 s"):
                 t.acquire(2)
         finally:
             os.kill(owner.pid, signal.SIGCONT)
