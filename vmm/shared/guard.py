@@ -27,7 +27,8 @@ Limitations
 -----------
 The quarantine follows the process that connected: a child it forked that inherited
 the mappings, or a process it passed the memfd to, is not tracked. A peer in another
-pid namespace reports pid 0: its quarantined chunks stay until the owner exits. Pid
+pid namespace reports pid 0, and a tenant in the owner's own process never exits before
+it: their quarantined chunks stay until the owner closes. Pid
 reuse between ``connect`` and ``hello`` can only make a quarantine last longer.
 """
 

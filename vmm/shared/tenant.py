@@ -114,6 +114,7 @@ class Tenant:
         self._replies: queue.Queue[tuple[dict[str, Any], list[int]]] = queue.Queue()
         self._parts: dict[int, tuple[list[int], list[list[int]], list[int]]] = {}  # by req
         self._next_req = 1
+        self._waiting_req = 0  # the want `acquire` waits on (0: none)
         self._closed = False
         self._gone = ""  # why the pool is gone ('' while connected)
         # called by the reader thread with the chunks a reclaim asks for beyond what the
@@ -168,6 +169,17 @@ class Tenant:
         self._check_open()
         self.counters["wants"] += 1
         req, self._next_req = self._next_req, self._next_req + 1
+        self._waiting_req = req
+        try:
+            msg, fds = self._await_reply(req, need)
+        finally:
+            self._waiting_req = 0
+        if msg["op"] == "deny":
+            self.counters["denials"] += 1
+            raise OutOfMemory(msg["error"], needed=need)
+        self._adopt(msg, fds)
+
+    def _await_reply(self, req: int, need: int) -> tuple[dict[str, Any], list[int]]:
         self._send({"op": "want", "req": req, "n": max(need, self.batch_chunks), "need": need})
         deadline = time.monotonic() + self.timeout
         while True:
@@ -180,14 +192,15 @@ class Tenant:
                 self._replies.put((msg, fds))  # every later request sees it too
                 raise PoolRefused(f"pool {self.pool!r} is gone: {self._gone}")
             if msg.get("req") == req:
-                break
-            self.counters["replies.late"] += 1
-            if msg["op"] == "grant":  # the owner lent them: they join the lease
-                self._adopt(msg, fds)
-        if msg["op"] == "deny":
-            self.counters["denials"] += 1
-            raise OutOfMemory(msg["error"], needed=need)
-        self._adopt(msg, fds)
+                return msg, fds
+            self._late(msg, fds)
+
+    def _late(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """A reply to a want whose caller gave up: a grant's chunks (the owner counts them
+        as this tenant's) join the lease; a denial is dropped."""
+        self.counters["replies.late"] += 1
+        if msg["op"] == "grant":
+            self._adopt(msg, fds)
 
     def _adopt(self, msg: dict[str, Any], fds: list[int]) -> None:
         """Import a (joined) grant's chunks into the lease."""
@@ -252,7 +265,9 @@ class Tenant:
                 self._replies.put(({"op": "closed"}, []))
                 return
             op = msg["op"]
-            if op == "reclaim":
+            if op in ("grant", "deny") and msg["req"] != self._waiting_req:
+                self._late_quietly(msg, fds)
+            elif op == "reclaim":
                 self.counters["reclaims"] += 1
                 asked = int(msg["n"]) - self._run_reclaim_handler(int(msg["n"]))
                 with self._lease_lock:
@@ -280,6 +295,12 @@ class Tenant:
             self._parts[msg["req"]] = (ids, where, all_fds)
             return {}, []
         return {"op": "grant", "req": msg["req"], "ids": ids, "where": where}, all_fds
+
+    def _late_quietly(self, msg: dict[str, Any], fds: list[int]) -> None:
+        try:
+            self._late(msg, fds)
+        except VmmError as exc:  # a grant this backend cannot import: the pool is broken
+            _log.error("tenant %s: late grant %s not imported: %s", self.name, msg["req"], exc)
 
     def _run_reclaim_handler(self, asked: int) -> int:
         """Let `reclaim_handler` free what the lease lacks of `asked` chunks; returns the
