@@ -248,8 +248,9 @@ class PoolOwner:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            if exc.errno not in _FD_EXHAUSTED:
-                raise
+            if exc.errno not in _FD_EXHAUSTED:  # ECONNABORTED and the like: that one is gone
+                _log.info("pool %s: accept failed: %s", self.name, exc)
+                return
             self.counters["accept.fds_exhausted"] += 1
             if not self._evict_idle(None):
                 self._pause_accept()
@@ -539,8 +540,7 @@ class PoolOwner:
         if peer in self._queue:
             self._queue.remove(peer)
         peer.want = None
-        watch = peer.watch
-        assert watch is not None
+        watch = peer.watch or ProcessWatch(0)
         if peer.held and not self._stop and not watch.gone():
             self._quarantine_chunks(peer.name, watch, sorted(peer.held))
         else:
