@@ -53,6 +53,7 @@ import logging
 import os
 import selectors
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ from vmm.errors import VmmError
 from vmm.host import HostBackend
 from vmm.shared.guard import AccessPolicy, PeerCred, ProcessWatch, Quarantine, peer_cred
 from vmm.shared.protocol import (
+    MAX_FDS,
     TO_OWNER,
     ProtocolError,
     grant_parts,
@@ -534,7 +536,7 @@ class PoolOwner:
         _log.info("pool %s: peer %s (%s) dropped: %s", self.name, peer.id, peer.name, peer.dead)
         self.counters["peers.dropped"] += 1
         self._sel.unregister(peer.sock)
-        peer.sock.close()
+        _discard_and_close(peer.sock)
         if peer.role != "tenant":
             return
         if peer in self._queue:
@@ -697,7 +699,24 @@ class PoolOwner:
 def _refuse(conn: socket.socket, error: str) -> None:
     with contextlib.suppress(OSError):
         conn.send(json.dumps({"op": "refused", "error": error}).encode(), socket.MSG_DONTWAIT)
-    conn.close()
+    _discard_and_close(conn)
+
+
+def _discard_and_close(sock: socket.socket) -> None:
+    """Close `sock` after discarding what the peer sent and we did not read (closing over
+    unread data resets the peer's side: it would get ECONNRESET before our last reply)."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        for _ in range(256):
+            data, anc, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(MAX_FDS * 4))
+            for level, kind, payload in anc:
+                if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+                    whole = len(payload) - len(payload) % 4
+                    _close_all([int.from_bytes(payload[i : i + 4], sys.byteorder)
+                                for i in range(0, whole, 4)])  # fmt: skip
+            if not data:
+                break
+    sock.close()
 
 
 def _close_all(fds: Sequence[int]) -> None:
