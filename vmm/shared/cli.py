@@ -29,7 +29,14 @@ import sys
 import time
 from typing import Any
 
-from vmm.shared.protocol import connect, recv, send
+from vmm.shared.protocol import (
+    FROM_OWNER,
+    ProtocolError,
+    connect,
+    is_finite_positive,
+    recv,
+    send,
+)
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -40,7 +47,7 @@ def parse_size(text: str) -> int:
     unit = t[-1] if t and t[-1] in _UNITS else ""
     try:
         return int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"size {text!r}: expected e.g. 512M, 8G, 4096") from None
 
 
@@ -51,13 +58,28 @@ def fmt_size(n: int) -> str:
     return str(n)
 
 
+class OwnerRefused(RuntimeError):
+    """The owner refused this operator (its uid), or answered out of protocol."""
+
+
 def _request(pool: str, msg: dict[str, Any]) -> dict[str, Any]:
+    """Send `msg` (request id 1) as an operator; the reply, its parts joined."""
     sock = connect(pool, timeout=5.0)
     try:
         send(sock, {"op": "hello", "role": "operator"})
-        recv(sock)
-        send(sock, msg)
-        reply, _ = recv(sock)
+        welcome, _ = recv(sock, FROM_OWNER)
+        if welcome["op"] != "welcome":
+            raise OwnerRefused(str(welcome.get("error", welcome["op"])))
+        send(sock, {**msg, "req": 1})
+        reply, _ = recv(sock, FROM_OWNER)
+        while reply["op"] == "state" and not reply["last"]:  # tenants come in parts
+            more, _ = recv(sock, FROM_OWNER)
+            if more["op"] != "state":
+                raise OwnerRefused(f"state part expected, got {more['op']!r}")
+            more["tenants"] = reply["tenants"] + more["tenants"]
+            reply = more
+        if reply.get("req") != 1:
+            raise OwnerRefused(f"reply to request {reply.get('req')}, expected 1")
         return reply
     finally:
         sock.close()
@@ -66,7 +88,8 @@ def _request(pool: str, msg: dict[str, Any]) -> dict[str, Any]:
 def pool_state(pool: str) -> dict[str, Any]:
     """The owner's state (see `PoolOwner.state`)."""
     state = _request(pool, {"op": "list"})
-    state.pop("op", None)
+    for key in ("op", "req", "last"):
+        state.pop(key, None)
     return state
 
 
@@ -123,8 +146,36 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("name")
     st.add_argument("--budget", type=parse_size, required=True, help="bytes lent, e.g. 8G")
     st.add_argument("--chunk", type=parse_size, default=2 << 20, help="chunk size (2M)")
-    st.add_argument("--reclaim-timeout", type=float, default=2.0)
+    st.add_argument("--reclaim-timeout", type=float, default=2.0, help="seconds (> 0)")
     st.add_argument("--check", action="store_true", help="check invariants after each message")
+    st.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=[],
+        help="another uid whose processes may join as tenants",
+    )
+    st.add_argument(
+        "--allow-gid",
+        type=int,
+        action="append",
+        default=[],
+        help="a gid whose processes may join as tenants",
+    )
+    st.add_argument(
+        "--operator-uid",
+        type=int,
+        action="append",
+        default=[],
+        help="another uid that may list and change limits",
+    )
+    st.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection that is not a tenant may stay idle",
+    )
+    st.add_argument("--max-conns-per-uid", type=int, default=128)  # fmt: skip
     ls = sub.add_parser("ls", help="list tenants: held / limits / cached bytes")
     ls.add_argument("name")
     ls.add_argument("--json", action="store_true", help="print the state as JSON")
@@ -146,19 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConnectionRefusedError, FileNotFoundError):
         print(f"vmm-pool: no owner serves pool {args.name!r}", file=sys.stderr)
         return 2
+    except (OwnerRefused, ProtocolError, OSError) as exc:
+        print(f"vmm-pool: pool {args.name!r}: {exc}", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "start":
-        from vmm.shared.owner import PoolOwner
-
-        owner = PoolOwner(args.name, args.budget, args.chunk,
-                          reclaim_timeout=args.reclaim_timeout, check=args.check)  # fmt: skip
-        print(f"vmm-pool: serving {args.name!r}, budget {fmt_size(args.budget)}", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: owner.stop())
-        with contextlib.suppress(KeyboardInterrupt):
-            owner.serve()
-        return 0
+        return _start(args)
     if args.cmd == "ls":
         if args.watch > 0:
             watch(args.name, args.watch, args.count)
@@ -172,6 +218,31 @@ def _run(args: argparse.Namespace) -> int:
     elif error:
         print(f"vmm-pool: {error}", file=sys.stderr)
     return 1 if error else 0
+
+
+def _start(args: argparse.Namespace) -> int:
+    from vmm.shared.guard import AccessPolicy
+    from vmm.shared.owner import PoolOwner
+
+    for flag, value in (("--reclaim-timeout", args.reclaim_timeout),
+                        ("--idle-timeout", args.idle_timeout)):  # fmt: skip
+        if not is_finite_positive(value):
+            print(f"vmm-pool: {flag} must be a finite number of seconds > 0, got {value}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    policy = AccessPolicy.of(args.allow_uid, args.allow_gid, args.operator_uid)
+    try:
+        owner = PoolOwner(args.name, args.budget, args.chunk, reclaim_timeout=args.reclaim_timeout,
+                          check=args.check, policy=policy, idle_timeout=args.idle_timeout,
+                          max_conns_per_uid=args.max_conns_per_uid)  # fmt: skip
+    except (ValueError, OSError) as exc:
+        print(f"vmm-pool: cannot start pool {args.name!r}: {exc}", file=sys.stderr)
+        return 2
+    print(f"vmm-pool: serving {args.name!r}, budget {fmt_size(args.budget)}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: owner.stop())
+    with contextlib.suppress(KeyboardInterrupt):
+        owner.serve()
+    return 0
 
 
 if __name__ == "__main__":

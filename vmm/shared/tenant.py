@@ -14,7 +14,12 @@ Approach
   are adopted with `import_handles`; mapping them is this process's own business.
 * A reader thread answers the owner at any time, even while the engine is idle:
   ``reclaim{n}`` gives back up to n lease chunks (always answered, maybe with none), and
-  ``limits`` updates the limits. Replies to ``want`` go to the waiting caller.
+  ``limits`` updates the limits. It checks every message against the protocol's schema
+  (a malformed one ends the connection: the pool counts as gone) and joins a grant's
+  parts. Replies to ``want`` go to the waiting caller, matched by request id: a grant
+  that arrives after its caller gave up (the owner stalled) joins the lease, and is
+  never taken for the answer to a later request.
+* The owner gone (connection refused or closed, a send failing) is `PoolRefused`.
 * `TenantBackend` is a `vmm.backend.Backend` (a `ChunkPool` runs on it unchanged): physical
   calls go to the lease, virtual ones to the local host backend.
 
@@ -34,13 +39,14 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from vmm.backend import Backend, SharedChunks, ViewFactory
 from vmm.errors import OutOfMemory, VmmError
 from vmm.host import HostBackend
-from vmm.shared.protocol import ProtocolError, connect, recv, send
+from vmm.shared.protocol import FROM_OWNER, ProtocolError, connect, recv, send
 
 _log = logging.getLogger(__name__)
 
@@ -78,21 +84,24 @@ class Tenant:
         except OSError as exc:
             raise PoolRefused(f"no owner serves pool {pool!r}: {exc}") from None
         hello = {"op": "hello", "role": "tenant", "tenant": name, "min": min_bytes,
-                 "max": max_bytes, "pid": os.getpid()}  # fmt: skip
+                 "max": max_bytes}  # fmt: skip
         try:
             send(self._sock, hello)
-            msg, fds = recv(self._sock)
+            msg, fds = recv(self._sock, FROM_OWNER)
         except (OSError, ProtocolError) as exc:
             self._sock.close()
             raise PoolRefused(f"pool {pool!r} did not welcome {name!r}: {exc}") from None
-        if msg["op"] != "welcome":
-            self._sock.close()
-            raise PoolRefused(msg.get("error", f"pool {pool!r} answered {msg['op']!r}"))
-        self.granularity = int(msg["granularity"])
-        self.budget_bytes = int(msg["budget"])
-        self.min_bytes, self.max_bytes = int(msg["min"]), int(msg["max"])
         try:
+            if msg["op"] != "welcome" or len(fds) != 1 or "granularity" not in msg:
+                raise PoolRefused(msg.get("error", f"pool {pool!r} answered {msg['op']!r} "
+                                                   f"with {len(fds)} fds"))  # fmt: skip
+            self.granularity = msg["granularity"]
+            self.budget_bytes = msg["budget"]
+            self.min_bytes, self.max_bytes = msg["min"], msg["max"]
             self.local = HostBackend(self.granularity, import_fd=fds[0])
+        except BaseException:
+            self._sock.close()
+            raise
         finally:
             for fd in fds:
                 os.close(fd)
@@ -103,12 +112,16 @@ class Tenant:
         self._pinned = 0  # lease chunks a reclaim may not take (an allocation counts on them)
         self._owner_id: dict[int, int] = {}  # local handle -> owner's id
         self._replies: queue.Queue[tuple[dict[str, Any], list[int]]] = queue.Queue()
+        self._parts: dict[int, tuple[list[int], list[list[int]], list[int]]] = {}  # by req
+        self._next_req = 1
+        self._waiting_req = 0  # the want `acquire` waits on (0: none)
         self._closed = False
+        self._gone = ""  # why the pool is gone ('' while connected)
         # called by the reader thread with the chunks a reclaim asks for beyond what the
         # lease can give; it may free more into the lease (the engine evicts cached pages)
         self.reclaim_handler: Callable[[int], None] | None = None
         self.counters = {"wants": 0, "grants": 0, "denials": 0, "chunks.in": 0,
-                         "chunks.out": 0, "reclaims": 0}  # fmt: skip
+                         "chunks.out": 0, "reclaims": 0, "replies.late": 0}  # fmt: skip
         self._reader = threading.Thread(target=self._read_loop, name=f"tenant-{name}", daemon=True)
         self._reader.start()
 
@@ -139,38 +152,66 @@ class Tenant:
         return taken
 
     def put(self, handles: Sequence[int]) -> None:
-        """Chunks back into the lease; the excess over `keep_chunks` goes to the owner."""
+        """Chunks back into the lease; the excess over `keep_chunks` goes to the owner
+        (with the owner gone they are only forgotten here)."""
         with self._lease_lock:
             self._lease.extend(handles)
             excess = len(self._lease) - self.keep_chunks
             if excess > 0:
                 self._lease.sort()
                 back, self._lease = self._lease[-excess:], self._lease[:-excess]
-                self._give(back, None)
+                self._give_quietly(back, None)
 
     def acquire(self, need: int) -> None:
         """Ask the owner for a batch of at least `need` chunks into the lease; raises
-        OutOfMemory with the owner's numbers when refused."""
+        OutOfMemory with the owner's numbers when refused or when it does not answer
+        within `timeout`, PoolRefused when the pool is gone."""
         self._check_open()
         self.counters["wants"] += 1
-        self._send({"op": "want", "n": max(need, self.batch_chunks), "need": need})
+        req, self._next_req = self._next_req, self._next_req + 1
+        self._waiting_req = req
         try:
-            msg, fds = self._replies.get(timeout=self.timeout + 5.0)
-        except queue.Empty:
-            raise OutOfMemory(f"tenant {self.name!r}: pool {self.pool!r} did not answer") from None
-        if msg["op"] == "closed":
-            raise PoolRefused(f"pool {self.pool!r} closed the connection")
+            msg, fds = self._await_reply(req, need)
+        finally:
+            self._waiting_req = 0
         if msg["op"] == "deny":
             self.counters["denials"] += 1
             raise OutOfMemory(msg["error"], needed=need)
+        self._adopt(msg, fds)
+
+    def _await_reply(self, req: int, need: int) -> tuple[dict[str, Any], list[int]]:
+        self._send({"op": "want", "req": req, "n": max(need, self.batch_chunks), "need": need})
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                msg, fds = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                late = f"pool {self.pool!r} did not answer want {req} within {self.timeout} s"
+                raise OutOfMemory(f"tenant {self.name!r}: {late}", needed=need) from None
+            if msg["op"] == "closed":
+                self._replies.put((msg, fds))  # every later request sees it too
+                raise PoolRefused(f"pool {self.pool!r} is gone: {self._gone}")
+            if msg.get("req") == req:
+                return msg, fds
+            self._late(msg, fds)
+
+    def _late(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """A reply to a want whose caller gave up: a grant's chunks (the owner counts them
+        as this tenant's) join the lease; a denial is dropped."""
+        self.counters["replies.late"] += 1
+        if msg["op"] == "grant":
+            self._adopt(msg, fds)
+
+    def _adopt(self, msg: dict[str, Any], fds: list[int]) -> None:
+        """Import a (joined) grant's chunks into the lease."""
         try:
-            shared = SharedChunks(tuple(fds), tuple((int(i), int(o)) for i, o in msg["where"]))
+            shared = SharedChunks(tuple(fds), tuple((i, o) for i, o in msg["where"]))
             local = self.local.import_handles(shared)
         finally:
             for fd in fds:
                 os.close(fd)
         with self._lease_lock:
-            self._owner_id.update(zip(local, (int(i) for i in msg["ids"]), strict=True))
+            self._owner_id.update(zip(local, msg["ids"], strict=True))
             self._lease.extend(local)
         self.counters["grants"] += 1
         self.counters["chunks.in"] += len(local)
@@ -210,12 +251,23 @@ class Tenant:
     def _read_loop(self) -> None:
         while True:
             try:
-                msg, fds = recv(self._sock)
-            except (OSError, ProtocolError):
+                msg, fds = recv(self._sock, FROM_OWNER)
+                if msg["op"] == "grant":
+                    msg, fds = self._join_parts(msg, fds)
+                    if not msg:
+                        continue
+            except (OSError, ProtocolError) as exc:
+                self._gone = str(exc)
+                for _, (_, _, part_fds) in self._parts.items():
+                    for fd in part_fds:
+                        os.close(fd)
+                self._parts.clear()
                 self._replies.put(({"op": "closed"}, []))
                 return
             op = msg["op"]
-            if op == "reclaim":
+            if op in ("grant", "deny") and msg["req"] != self._waiting_req:
+                self._late_quietly(msg, fds)
+            elif op == "reclaim":
                 self.counters["reclaims"] += 1
                 asked = int(msg["n"]) - self._run_reclaim_handler(int(msg["n"]))
                 with self._lease_lock:
@@ -228,6 +280,27 @@ class Tenant:
                 self.min_bytes, self.max_bytes = int(msg["min"]), int(msg["max"])
             else:
                 self._replies.put((msg, fds))
+
+    def _join_parts(self, msg: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """Collect a grant's parts; the whole grant once its last part arrived, else {}."""
+        if len(msg["ids"]) != len(msg["where"]) or any(i >= len(fds) for i, _ in msg["where"]):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"grant {msg['req']}: ids, where and fds disagree")
+        ids, where, all_fds = self._parts.pop(msg["req"], ([], [], []))
+        where += [[i + len(all_fds), off] for i, off in msg["where"]]
+        ids += msg["ids"]
+        all_fds += fds
+        if not msg["last"]:
+            self._parts[msg["req"]] = (ids, where, all_fds)
+            return {}, []
+        return {"op": "grant", "req": msg["req"], "ids": ids, "where": where}, all_fds
+
+    def _late_quietly(self, msg: dict[str, Any], fds: list[int]) -> None:
+        try:
+            self._late(msg, fds)
+        except VmmError as exc:  # a grant this backend cannot import: the pool is broken
+            _log.error("tenant %s: late grant %s not imported: %s", self.name, msg["req"], exc)
 
     def _run_reclaim_handler(self, asked: int) -> int:
         """Let `reclaim_handler` free what the lease lacks of `asked` chunks; returns the
@@ -250,12 +323,19 @@ class Tenant:
             _log.info("tenant %s: give failed: %s", self.name, exc)
 
     def _send(self, msg: dict[str, Any]) -> None:
-        with self._send_lock:
-            send(self._sock, msg)
+        """Send to the owner; PoolRefused if it is gone."""
+        try:
+            with self._send_lock:
+                send(self._sock, msg)
+        except (OSError, ProtocolError) as exc:
+            self._gone = self._gone or f"send failed: {exc}"
+            raise PoolRefused(f"pool {self.pool!r} is gone: {self._gone}") from None
 
     def _check_open(self) -> None:
         if self._closed:
             raise PoolRefused(f"tenant {self.name!r} is closed")
+        if self._gone:
+            raise PoolRefused(f"pool {self.pool!r} is gone: {self._gone}")
 
     def close(self) -> None:
         """Give the lease back and leave the pool (chunks still mapped return with the

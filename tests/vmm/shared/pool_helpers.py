@@ -8,6 +8,9 @@ stdin line and answers one JSON line on stdout::
     {"trim": true}    move the pool's free chunks to the lease
     {"check": true}   every mapped slot still holds its pattern -> {"bad": [...]}
     {"state": true}   held / lease / mapped chunks
+    {"acquire": n}    ask the owner for n chunks into the lease
+    {"ids": true}     the owner's ids of every chunk this tenant holds -> {"ids": [...]}
+    {"raw": msg}      send `msg` to the owner as it is (a broken tenant)
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -45,16 +49,30 @@ def wait_until(pred: Callable[[], object], timeout: float = 10.0, what: str = ""
 
 
 @contextlib.contextmanager
-def owner_process(name: str, budget: int, chunk: int, timeout: float = 1.0) -> Iterator[None]:
-    """`vmm-pool start` in a child process, stopped (and reaped) on exit."""
+def owner_process(
+    name: str,
+    budget: int,
+    chunk: int,
+    timeout: float = 1.0,
+    args: tuple[str, ...] = (),
+    max_fds: int | None = None,
+) -> Iterator[subprocess.Popen]:
+    """`vmm-pool start` in a child process (more `args`; `max_fds`: its RLIMIT_NOFILE),
+    stopped (and reaped) on exit."""
     from vmm.shared.cli import pool_state
 
     cmd = [sys.executable, "-m", "vmm.shared.cli", "start", name, "--budget", str(budget),
-           "--chunk", str(chunk), "--reclaim-timeout", str(timeout), "--check"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           "--chunk", str(chunk), "--reclaim-timeout", str(timeout), "--check", *args]  # fmt: skip
+
+    def limit_fds() -> None:
+        if max_fds is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_fds, max_fds))
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=limit_fds)  # fmt: skip
     try:
         wait_until(lambda: pool_state(name), 20.0, f"owner of {name}")
-        yield
+        yield proc
     finally:
         _stop(proc)
 
@@ -156,6 +174,12 @@ def _worker_main(pool: str, name: str, lo: int, hi: int) -> None:
                 budget = chunks.budget_bytes
                 chunks.set_budget(chunks.num_mapped * gran)
                 chunks.set_budget(budget)
+            elif "acquire" in cmd:
+                tenant.acquire(cmd["acquire"])
+            elif "ids" in cmd:
+                out["ids"] = sorted(tenant._owner_id.values())
+            elif "raw" in cmd:
+                tenant._send(cmd["raw"])
             elif "check" in cmd:
                 out["bad"] = [s for s in mapped if ctypes.string_at(rng.address(s), gran)
                               != _pattern(s, gran)]  # fmt: skip
