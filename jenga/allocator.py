@@ -94,6 +94,7 @@ from jenga import _core
 
 # `X as X`: re-exported, engines import the allocator's configuration types from here too
 from jenga.config import AllocationOrder as AllocationOrder
+from jenga.config import AllocationRules as AllocationRules
 from jenga.config import AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
 from jenga.errors import (
