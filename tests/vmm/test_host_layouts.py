@@ -76,6 +76,29 @@ def backend() -> Iterator[HostBackend]:
     b.close()
 
 
+def _victim_below_the_next_gap(wrapped: int) -> tuple[list[int], int, int]:
+    """A foreign 64 KiB mapping right below where the kernel places the next mapping of
+    `wrapped` bytes, 2 MiB aligned (plus a filler above it when alignment leaves a gap).
+    Other threads (torch's, the test runner's) may map in between the probe and the
+    fillers: the layout is tried again until it holds."""
+    for _ in range(50):
+        # Where the kernel puts a mapping of `wrapped` bytes now: the top of the highest gap.
+        probe = _libc.mmap(None, wrapped, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        _libc.munmap(probe, wrapped)
+        top = probe + wrapped
+        aligned_top = (top - wrapped) // (2 << 20) * (2 << 20) + wrapped  # start 2 MiB aligned
+        victim = try_foreign_mapping(aligned_top - wrapped - G, G)  # right below
+        if victim is None:
+            continue
+        if aligned_top == top:
+            return [victim], top, aligned_top
+        above = try_foreign_mapping(aligned_top, top - aligned_top)
+        if above is not None:
+            return [victim, above], top, aligned_top
+        _libc.munmap(victim, G)
+    raise AssertionError("the address space kept changing under 50 layout attempts")
+
+
 def test_reserve_of_a_wrapping_size_leaves_the_mapping_below_alone(backend: HostBackend) -> None:
     """`reserve` over-allocates size + 2 MiB to trim an aligned start. For a size of
     2^64 - 64 KiB that sum wraps to 2 MiB - 64 KiB: the layout below makes that small
@@ -83,14 +106,7 @@ def test_reserve_of_a_wrapping_size_leaves_the_mapping_below_alone(backend: Host
     past the start would unmap the foreign mapping's top (and crash its owner later)."""
     size = (1 << 64) - G
     wrapped = (size + (2 << 20)) % (1 << 64)
-    # Where the kernel puts a mapping of `wrapped` bytes now: the top of the highest gap.
-    probe = _libc.mmap(None, wrapped, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    _libc.munmap(probe, wrapped)
-    top = probe + wrapped
-    aligned_top = (top - wrapped) // (2 << 20) * (2 << 20) + wrapped  # start 2 MiB aligned
-    fillers = [foreign_mapping(aligned_top - wrapped - G, G)]  # the victim, right below
-    if aligned_top < top:
-        fillers.append(foreign_mapping(aligned_top, top - aligned_top))
+    fillers, top, aligned_top = _victim_below_the_next_gap(wrapped)
     try:
         before = [mapping_at(addr) for addr in fillers]
         with pytest.raises(vmm.AlignmentError, match=rf"reserve size {size} exceeds"):
