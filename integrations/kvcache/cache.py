@@ -56,6 +56,7 @@ from jenga.plan import MappingPlan as PagePlan
 from jenga.specs import Kind, ModelSpec
 from vmm.checks import as_index, as_indices
 from vmm.errors import ClosedError, ConcurrentUse, MappingError, VmmError
+from vmm.extras import require
 from vmm.plan import MappingPlan
 from vmm.pool import ChunkPool
 from vmm.range import VirtualRange
@@ -134,6 +135,7 @@ class KVCache:
     def __init__(
         self, model: ModelSpec, pool: ChunkPool, config: KVCacheConfig | None = None
     ) -> None:
+        require("torch", "a KV cache (integrations.kvcache.KVCache)")
         import torch
 
         self.config = config or KVCacheConfig()

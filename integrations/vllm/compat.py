@@ -252,6 +252,13 @@ def engine_core_class() -> type:
     return EngineCore
 
 
+def load_general_plugins() -> None:
+    """vLLM's own plugin loader (every ``vllm.general_plugins`` entry point, once)."""
+    from vllm.plugins import load_general_plugins as load
+
+    load()
+
+
 def executor_base_class() -> type:
     from vllm.v1.executor.abstract import Executor
 
