@@ -78,3 +78,17 @@ def test_torch_needing_modules_name_the_extra(statement: str, expected: str) -> 
     assert proc.returncode == 0, proc.stderr
     assert expected in proc.stdout, proc.stdout
     assert "extra" in proc.stdout and "pip install '.[" in proc.stdout, proc.stdout
+
+
+def test_every_extra_named_in_a_message_exists_and_the_core_needs_no_torch() -> None:
+    import tomllib
+    from pathlib import Path
+
+    from vmm.extras import EXTRAS
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert {extra for _, extra in EXTRAS.values()} <= set(extras)
+    assert not any(dep.startswith("torch") for dep in project["dependencies"])
+    for extra in ("torch", "hf", "cuda", "flash", "dev"):
+        assert any(dep.startswith("torch>=") for dep in extras[extra]), extra

@@ -50,8 +50,9 @@ PATH="$(dirname "$PY"):$PATH" "$PY" -m auditwheel repair "$RAW" -w "$DIST" >/dev
 WHEEL=$(ls "$DIST"/*manylinux*.whl 2>/dev/null | head -1)
 [ -n "$WHEEL" ] || fail "auditwheel made no manylinux wheel from $RAW"
 echo "$WHEEL ($(du -k "$WHEEL" | cut -f1) KiB)"
+"$PY" -m zipfile -l "$WHEEL" > "$WORK/wheel.txt"
 for f in LICENSE vmm/py.typed jenga/py.typed integrations/py.typed; do
-  "$PY" -m zipfile -l "$WHEEL" | grep -q "$f" || fail "the wheel lacks $f"
+  grep -q "$f" "$WORK/wheel.txt" || fail "the wheel lacks $f"
 done
 
 step "clean venv outside the repository, no extras"
