@@ -92,3 +92,18 @@ def test_every_extra_named_in_a_message_exists_and_the_core_needs_no_torch() -> 
     assert not any(dep.startswith("torch") for dep in project["dependencies"])
     for extra in ("torch", "hf", "cuda", "flash", "dev"):
         assert any(dep.startswith("torch>=") for dep in extras[extra]), extra
+
+
+def test_vmm_bench_without_torch_skips_the_tensor_views_naming_the_extra() -> None:
+    proc = _run(
+        """
+        from vmm.bench.cli import main
+        raise SystemExit(main(["--backend", "host", "--chunk-sizes", "64K", "--counts", "4",
+                               "--rounds", "1", "--map-rounds", "1", "--create-count", "2",
+                               "--views", "5", "--no-progress"]))
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "not measured tensor_view: timing tensor views needs torch" in text, text
+    assert "pip install '.[torch]'" in text, text
