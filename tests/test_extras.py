@@ -107,3 +107,21 @@ def test_vmm_bench_without_torch_skips_the_tensor_views_naming_the_extra() -> No
     text = " ".join(proc.stdout.split())
     assert "not measured tensor_view: timing tensor views needs torch" in text, text
     assert "pip install '.[torch]'" in text, text
+
+
+def test_the_vllm_integration_without_vllm_names_its_extra() -> None:
+    proc = _run(
+        """
+        import sys
+        sys.modules["vllm"] = None
+        import integrations.vllm  # the version check only: no vLLM needed
+        from vmm.extras import MissingExtra
+        try:
+            import integrations.vllm.scheduler
+        except MissingExtra as exc:
+            print(exc)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "integrations.vllm (the vLLM scheduler and plugin) needs vllm" in proc.stdout
+    assert "'vllm' extra" in proc.stdout
