@@ -8,7 +8,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLi
 CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
                    -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: run test lint format build stubs stubs-check clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan test-hf-oldest hf-venv test-gpu
+.PHONY: release-check run test lint format build stubs stubs-check clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan test-hf-oldest hf-venv test-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,12 @@ run: build
 
 test: build
 	$(PY) -m pytest -q
+
+# The release job (tools/release-check.sh): sdist, a wheel built from it and repaired to a
+# manylinux tag (dist/), installed with no extras into a venv outside the repository, then
+# imports, jenga-sim, vmm-bench --quick and vmm-pool start/ls/stop run there without torch.
+release-check: build
+	nice bash tools/release-check.sh $(abspath $(PY))
 
 # C++ extensions under -fsanitize=address,undefined (build/asan), then the vmm, jenga and
 # kvcache suites with libasan preloaded; skips cleanly without a sanitizer toolchain.

@@ -20,6 +20,7 @@ Modules, each importing at run time only modules listed before it (no import cir
 checked by `tests/test_layout.py`):
 
     errors, stats, backend        exceptions, the stats key scheme, the backend contract
+    extras                        optional dependencies: the install extra each needs
     checks                        strict integer arguments (InputError)
     host, cuda_driver, cuda       the two backends (cuda imported only when asked for)
     selection                     get_backend("host" | "cuda" | "auto")

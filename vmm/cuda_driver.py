@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from vmm.errors import BackendError, BackendUnavailable, OutOfMemory
+from vmm.extras import install_hint
 
 _MODULE_NAMES = ("cuda.bindings.driver", "cuda.cuda")
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
@@ -46,7 +47,7 @@ def import_driver_module() -> ModuleType:
         except Exception as exc:  # ImportError, or a broken install raising anything
             reasons.append(f"{name}: {type(exc).__name__}: {exc}")
     raise BackendUnavailable(
-        "cuda backend needs cuda-python (pip install 'jenga-vmm[cuda]'); " + "; ".join(reasons)
+        f"cuda backend needs cuda-python ({install_hint('cuda')}); " + "; ".join(reasons)
     )
 
 

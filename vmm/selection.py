@@ -25,6 +25,7 @@ from typing import Any
 
 from vmm.backend import Backend
 from vmm.errors import BackendUnavailable
+from vmm.extras import install_hint
 
 _log = logging.getLogger("vmm")
 BACKEND_KINDS = ("host", "cuda", "auto")
@@ -34,8 +35,8 @@ def cuda_unavailable_reason() -> str | None:
     """Why the CUDA backend cannot run here, or None if it can."""
     try:
         import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "torch is not installed"
+    except ImportError:
+        return f"torch is not installed ({install_hint('cuda')})"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     try:
@@ -43,7 +44,7 @@ def cuda_unavailable_reason() -> str | None:
     except ModuleNotFoundError:
         found = False
     if not found:
-        return "cuda-python (cuda-bindings) is not installed; pip install 'jenga-vmm[cuda]'"
+        return f"cuda-python (cuda-bindings) is not installed ({install_hint('cuda')})"
     return None
 
 

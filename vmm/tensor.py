@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vmm._core import host as _h
 from vmm.checks import INT64_MAX, as_index, as_indices
 from vmm.errors import AlignmentError, ClosedError, RangeError
+from vmm.extras import require
 
 #: The C++ host error base class (what a view capsule raises on bad input).
 HostError = _h.HostError
@@ -61,6 +62,7 @@ adopt_capsule: Any = None
 
 
 def _init_dtypes() -> None:
+    require("torch", "a tensor view (vmm.tensor)")
     import torch
 
     global adopt_capsule
@@ -86,6 +88,7 @@ def _init_dtypes() -> None:
 
 def resolve_dtype(name: str) -> torch.dtype:
     """The torch dtype named `name` ("float16" or "torch.float16"); TypeError if none."""
+    require("torch", "a tensor view (vmm.tensor)")
     import torch
 
     resolved = getattr(torch, name.removeprefix("torch."), None)

@@ -5,9 +5,14 @@ Hand the cache over with ``model.generate(**inputs, **cache_kwargs(cache))``: ``
 from transformers 5.24, ``past_key_values=`` before.
 """
 
-from integrations.hf.cache import RowStore, VmmCache, default_budget_bytes
-from integrations.hf.compat import cache_kwargs
-from integrations.hf.layers import (
+from vmm.extras import require
+
+require("torch", "integrations.hf (the transformers KV cache)", extra="hf")
+require("transformers", "integrations.hf (the transformers KV cache)", extra="hf")
+
+from integrations.hf.cache import RowStore, VmmCache, default_budget_bytes  # noqa: E402
+from integrations.hf.compat import cache_kwargs  # noqa: E402
+from integrations.hf.layers import (  # noqa: E402
     UnsupportedLayer,
     VmmChunkedLayer,
     VmmCrossLayer,

@@ -56,6 +56,7 @@ from jenga.plan import MappingPlan as PagePlan
 from jenga.specs import Kind, ModelSpec
 from vmm.checks import as_index, as_indices
 from vmm.errors import ClosedError, ConcurrentUse, MappingError, VmmError
+from vmm.extras import require
 from vmm.plan import MappingPlan
 from vmm.pool import ChunkPool
 from vmm.range import VirtualRange
@@ -67,6 +68,15 @@ if TYPE_CHECKING:
     import torch
 
     from integrations.kvcache.overlap import OverlapWorker
+
+
+def _dtype_and_itemsize(dtype: Any) -> tuple[torch.dtype, int]:
+    """`dtype` (float16 when None) and its bytes per element: the first use of torch."""
+    require("torch", "a KV cache (integrations.kvcache.KVCache)")
+    import torch
+
+    resolved = dtype or torch.float16
+    return resolved, torch.empty((), dtype=resolved).element_size()
 
 
 class KVCacheBroken(VmmError):
@@ -134,11 +144,8 @@ class KVCache:
     def __init__(
         self, model: ModelSpec, pool: ChunkPool, config: KVCacheConfig | None = None
     ) -> None:
-        import torch
-
         self.config = config or KVCacheConfig()
-        self.dtype = self.config.dtype or torch.float16
-        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.dtype, self.itemsize = _dtype_and_itemsize(self.config.dtype)
         self.model = model
         self.pool = pool
         total_units = capacity_units(pool.budget_bytes, pool.granularity)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vmm.errors import OutOfMemory
+from vmm.extras import require
 from vmm.plan import MappingPlan
 from vmm.pool import ChunkPool
 from vmm.range import VirtualRange
@@ -69,6 +70,7 @@ class RowKVCache:
     """K and V ranges per layer, ``[max_requests, max_tokens, H, D]`` each."""
 
     def __init__(self, pool: ChunkPool, shape: RowShape) -> None:
+        require("torch", "a per-request KV cache (integrations.kvcache.rows)")
         import torch
 
         self.pool = pool

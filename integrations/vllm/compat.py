@@ -17,14 +17,19 @@ Approach
       version; `integrations.vllm.version.check_vllm_version` refuses others.
 
 Limitations
-    Importing this module imports vLLM (it needs vLLM installed); `integrations.vllm`
-    and `integrations.vllm.version` do not import it.
+    Importing this module imports vLLM (it needs vLLM installed: without it,
+    `vmm.extras.MissingExtra` names the `vllm` extra); `integrations.vllm` and
+    `integrations.vllm.version` do not import it.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from vmm.extras import require
+
+require("vllm", "integrations.vllm (the vLLM scheduler and plugin)")
 
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
@@ -250,6 +255,13 @@ def engine_core_class() -> type:
     from vllm.v1.engine.core import EngineCore
 
     return EngineCore
+
+
+def load_general_plugins() -> None:
+    """vLLM's own plugin loader (every ``vllm.general_plugins`` entry point, once)."""
+    from vllm.plugins import load_general_plugins as load
+
+    load()
 
 
 def executor_base_class() -> type:

@@ -1,11 +1,13 @@
-"""The ``vllm.general_plugins`` entry point: VMM-backed KV tensors on the worker, opt-in.
+"""The ``vllm.general_plugins`` entry point: jenga's scheduler and VMM-backed KV tensors, opt-in.
 
 Rationale
     vLLM loads every installed general plugin in every process, so installing
-    jenga-vmm must not change vLLM by itself. `register` only wraps two worker methods
-    and one platform method; each wrapper checks the run's own config and, unless
-    ``additional_config={"jenga_vmm": {"kv_tensors": "vmm"}}``, calls vLLM's code
-    unchanged.
+    jenga-vmm must not change vLLM by itself. `register` wraps two config methods
+    (`integrations.vllm.activation`: with the ``jenga_vmm`` key in ``additional_config``
+    vLLM builds jenga's scheduler for its scheduling mode), two worker methods and one
+    platform method; each wrapper checks the run's own config and, without the key (for
+    the worker: unless ``additional_config={"jenga_vmm": {"kv_tensors": "vmm"}}``),
+    calls vLLM's code unchanged.
 
 Approach
     - ``GPUModelRunner.initialize_kv_cache_tensors``: while vLLM's method runs, its
@@ -67,8 +69,9 @@ def register() -> None:
     except UnsupportedVllmVersion as exc:
         _log.warning("jenga-vmm plugin inactive: %s", exc)
         return
-    from integrations.vllm import compat
+    from integrations.vllm import activation, compat
 
+    activation.install()  # the jenga_vmm key picks our scheduler class for vLLM's mode
     _wrap_hybrid_alignment(compat.platform_base_class())
     v1 = compat.gpu_model_runner_module()
     _wrap_runner(v1.GPUModelRunner, "initialize_kv_cache_tensors", v1)

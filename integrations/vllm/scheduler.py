@@ -7,10 +7,11 @@ Rationale
     ``self.kv_cache_manager`` and resets the few derived flags that read the old one.
 
 Approach
-    ``--scheduler-cls integrations.vllm.scheduler.JengaScheduler`` (or
-    ``JengaAsyncScheduler`` with ``--async-scheduling``) is the explicit opt-in; options
-    come from ``additional_config={"jenga_vmm": {...}}`` (`JengaVllmOptions`). Features
-    the manager does not serve are refused up front with `UnsupportedFeature`.
+    The opt-in is the ``jenga_vmm`` key of ``additional_config`` (options inside it,
+    `JengaVllmOptions`): the plugin then sets ``scheduler_cls`` to `JengaAsyncScheduler`
+    under async scheduling and to `JengaScheduler` otherwise
+    (`integrations.vllm.activation`); ``--scheduler-cls`` naming either class also works.
+    Features the manager does not serve are refused up front with `UnsupportedFeature`.
 
 Limitations
     vLLM's own manager is built once and dropped (its block objects cost memory for

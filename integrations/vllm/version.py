@@ -53,6 +53,6 @@ def check_vllm_version(version: str | None = None) -> str:
     if release(version) not in SUPPORTED_VLLM_VERSIONS:
         raise UnsupportedVllmVersion(
             f"jenga-vmm's vLLM integration supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
-            f"found {version}. Install one of them (`pip install 'jenga-vmm[vllm]'`)."
+            f"found {version}. Install one of them (jenga-vmm's 'vllm' extra)."
         )
     return version

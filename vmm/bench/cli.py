@@ -12,7 +12,9 @@ Approach
 `main` parses flags into `BenchArgs`, expands them into cases (chunk size x count x mode
 x layout), runs each case's rounds (`vmm.bench.host` / `vmm.bench.cuda`), collects
 garbage between cases, then prints a rich table, checks the bars and optionally writes
-JSON (schema in `vmm.bench.report`). `--quick` is the short default run of `make run`.
+JSON (schema in `vmm.bench.report`). `--quick` is the short run `make test-gpu` uses.
+A bad flag, an unusable value or an unavailable backend ends with one line on stderr and
+exit status 2 (flags) or 1 (everything else), never a traceback.
 
 Bars (PASS/FAIL lines; `--check` turns a FAIL into exit status 1):
   * host, 2 MiB, batched apply of 1,000 maps <= 1.2x the raw C loop per chunk
@@ -36,14 +38,18 @@ from __future__ import annotations
 
 import argparse
 import gc
+import mmap
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+from vmm._core.host import HostError
 from vmm.bench.host import Case
 from vmm.bench.report import Bar, OpResult, Report, render, size_label
-from vmm.errors import BackendUnavailable
+from vmm.errors import BackendUnavailable, VmmError
+from vmm.extras import MissingExtra, require
 
 _SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 BAR_CHUNK = 2 << 20
@@ -64,8 +70,20 @@ def parse_size(text: str) -> int:
     return int(digits) * scale
 
 
+def parse_count(text: str) -> int:
+    """'1000' -> 1000 (an integer; the bounds are checked in resolve_args)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _csv(convert: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    return lambda text: [convert(part) for part in text.split(",") if part.strip()]
+    def parse(text: str) -> list[Any]:
+        return [convert(part) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = "list"
+    return parse
 
 
 @dataclass(frozen=True)
@@ -92,7 +110,8 @@ def _flags() -> list[tuple[str, dict[str, Any]]]:
         ("--backend", {"choices": ("host", "cuda", "auto"), "default": "auto"}),
         ("--chunk-sizes", {"type": _csv(parse_size),
                            "help": "comma list, e.g. 64K,256K,2M,8M (default; --quick: 64K,2M)"}),
-        ("--counts", {"type": _csv(int), "help": "chunks per case, comma list (default 1000)"}),
+        ("--counts", {"type": _csv(parse_count),
+                      "help": "chunks per case, comma list (default 1000)"}),
         ("--modes", {"type": _csv(str), "default": ["one_by_one", "batched"],
                      "help": "one_by_one (one call per chunk) and/or batched (one call for all)"}),
         ("--layouts", {"type": _csv(str), "default": ["contiguous", "scattered"],
@@ -109,15 +128,23 @@ def _flags() -> list[tuple[str, dict[str, Any]]]:
         ("--device", {"type": int, "default": 0, "help": "CUDA device ordinal"}),
         ("--zero-fill", {"action": "store_true",
                          "help": "cuda: CudaBackend.create zero-fills (raw never does)"}),
-        ("--quick", {"action": "store_true", "help": "a short run (the default of make run)"}),
+        ("--quick", {"action": "store_true",
+                     "help": "a short run: the bars' cases only, fewer rounds (make test-gpu)"}),
         ("--json", {"metavar": "PATH", "help": "write the results as JSON to PATH"}),
         ("--no-progress", {"action": "store_true", "help": "no progress bar"}),
         ("--check", {"action": "store_true", "help": "exit 1 if a bar fails"}),
     ]  # fmt: skip
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (not the usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vmm-bench", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="vmm-bench", description=__doc__.split("\n\n")[0])
     for flag, options in _flags():
         p.add_argument(flag, **options)
     return p
@@ -139,11 +166,12 @@ def resolve_args(ns: argparse.Namespace) -> BenchArgs:
     for layout in ns.layouts:
         if layout not in ("contiguous", "scattered"):
             raise SystemExit(f"vmm-bench: unknown layout {layout!r} (contiguous, scattered)")
+    _check_sizes(sizes, ns.max_mib, ns.device)
     rounds = _given(ns.rounds, 3 if quick else 5)
     map_rounds = _given(ns.map_rounds, 10 if quick else 30)
     create_count = _given(ns.create_count, 100 if quick else None)
     views = _given(ns.views, 2000 if quick else 5000)
-    numbers = [rounds, map_rounds, views, *counts, create_count or 1]
+    numbers = [rounds, map_rounds, views, *counts, 1 if create_count is None else create_count]
     if not sizes or not counts or not ns.modes or not ns.layouts or min(numbers) < 1:
         raise SystemExit(
             "vmm-bench: --rounds, --map-rounds, --views, --counts, --create-count must be "
@@ -156,6 +184,36 @@ def resolve_args(ns: argparse.Namespace) -> BenchArgs:
         create_count=create_count, views=views, device=ns.device, zero_fill=ns.zero_fill,
         progress=not ns.no_progress, quick=quick, max_bytes=ns.max_mib << 20,
     )  # fmt: skip
+
+
+def _check_sizes(sizes: Sequence[int], max_mib: int, device: int) -> None:
+    """SystemExit unless every chunk size is a page multiple that fits in `max_mib`."""
+    if max_mib < 1:
+        raise SystemExit(f"vmm-bench: --max-mib must be >= 1 (got {max_mib})")
+    if device < 0:
+        raise SystemExit(f"vmm-bench: --device must be a device ordinal >= 0 (got {device})")
+    page = mmap.PAGESIZE
+    for size in sizes:
+        if size % page:
+            raise SystemExit(
+                f"vmm-bench: chunk size {size} bytes is not a multiple of the "
+                f"{page}-byte page (e.g. 64K, 2M)"
+            )
+        if size > max_mib << 20:
+            raise SystemExit(
+                f"vmm-bench: chunk size {size_label(size)} is larger than --max-mib {max_mib}"
+            )
+
+
+def check_json_path(path: str) -> None:
+    """SystemExit unless a file can be written at `path` (checked before the run)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SystemExit(f"vmm-bench: --json {path}: is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise SystemExit(f"vmm-bench: --json {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"vmm-bench: --json {path}: folder {folder} is not writable")
 
 
 def choose_backend(kind: str, device: int) -> str:
@@ -255,6 +313,10 @@ def _cuda_run(args: BenchArgs, report: Report) -> tuple[BenchArgs, str]:
 
 def _views_unmeasurable(backend: str) -> str | None:
     """Why tensor views cannot be timed on `backend` here, or None."""
+    try:
+        require("torch", "timing tensor views")
+    except MissingExtra as exc:
+        return str(exc)
     if backend != "cuda":
         return None
     import torch
@@ -401,13 +463,32 @@ def cuda_overhead_bars(report: Report) -> list[Bar]:
     return bars
 
 
+#: what a run can raise on a bad machine or value: one line on stderr, exit status 1
+_RUN_ERRORS: tuple[type[BaseException], ...] = (
+    VmmError, BackendUnavailable, MissingExtra, OSError, MemoryError, RuntimeError,
+    HostError,
+)  # fmt: skip
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or "no message"
+    return f"vmm-bench: {type(exc).__name__}: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     args = resolve_args(ns)
-    report = run(args)
-    render(report)
     if ns.json:
-        report.write_json(ns.json)
+        check_json_path(ns.json)
+    try:
+        report = run(args)
+        render(report)
+        if ns.json:
+            report.write_json(ns.json)
+    except KeyboardInterrupt:
+        raise SystemExit("vmm-bench: interrupted") from None
+    except _RUN_ERRORS as exc:
+        raise SystemExit(_one_line(exc)) from None
     return 1 if ns.check and not report.passed else 0
 
 

@@ -161,6 +161,7 @@ _LAYOUTS = {"contiguous": "contig", "scattered": "scatter", "-": ""}
 def render(report: Report, console: Any = None) -> None:
     """Print the results table (µs: p50 / avg / p99 / max) and the bars with rich."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     if console is None:
@@ -190,7 +191,8 @@ def render(report: Report, console: Any = None) -> None:
         )  # fmt: skip
     console.print(table)
     for skip in report.skipped:
-        console.print(f"[yellow]not measured[/yellow] {skip['op']}: {skip['reason']}")
+        reason = escape(skip["reason"])  # reasons may hold brackets: '.[torch]'
+        console.print(f"[yellow]not measured[/yellow] {escape(skip['op'])}: {reason}")
     for bar in report.bars:
         verdict = "[green]PASS[/green]" if bar.passed else "[red]FAIL[/red]"
         console.print(

@@ -61,8 +61,10 @@ class SchedulerSetup:
     block_size: int = 16
     enable_prefix_caching: bool = True
     mamba_cache_mode: str = "align"
-    async_scheduling: bool = False
-    jenga_options: Mapping[str, Any] = field(default_factory=dict)
+    #: None: vLLM decides (async unless something rules it out)
+    async_scheduling: bool | None = False
+    #: the ``jenga_vmm`` key of ``additional_config``; None: no key (jenga off)
+    jenga_options: Mapping[str, Any] | None = field(default_factory=dict)
 
 
 def write_tiny_model(folder: Path) -> Path:
@@ -106,7 +108,9 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
         model_config=model_config,
         cache_config=cache_config,
         device_config=classes["DeviceConfig"](device="cpu"),
-        additional_config={"jenga_vmm": dict(setup.jenga_options)},
+        additional_config=(
+            {} if setup.jenga_options is None else {"jenga_vmm": dict(setup.jenga_options)}
+        ),
     )
     # As on a GPU platform: hybrid groups, a resolved layout, Mamba "align" caching.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False

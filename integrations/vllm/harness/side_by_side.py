@@ -124,7 +124,8 @@ def run_case(
     start = time.perf_counter()
     jenga = manager != "vllm"
     if jenga:
-        setup = replace(setup, jenga_options={**setup.jenga_options, **_JENGA_OPTIONS[manager]})
+        options = {**(setup.jenga_options or {}), **_JENGA_OPTIONS[manager]}
+        setup = replace(setup, jenga_options=options)
     # state hybrids at real scale: vLLM's tensors need vLLM's GPU block size (every page
     # as large as the state); our VMM ranges keep 16-token attention blocks
     vllm_gpu = case in cases.REAL_CASES and case in cases.STATE_CASES
