@@ -87,7 +87,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
@@ -95,7 +94,8 @@ from jenga import _core
 
 # `X as X`: re-exported, engines import the allocator's configuration types from here too
 from jenga.config import AllocationOrder as AllocationOrder
-from jenga.config import AllocationRules, AllocatorConfig
+from jenga.config import AllocationRules as AllocationRules
+from jenga.config import AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
 from jenga.errors import (
     MAX_TOKENS,
@@ -110,6 +110,7 @@ from jenga.errors import (
 )
 from jenga.errors import AllocatorError as AllocatorError
 from jenga.errors import InvalidInput as InvalidInput
+from jenga.fork import CopyOnWrite, checked_children, forked, mark_shared_tail, share_blocks
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
@@ -120,6 +121,7 @@ from jenga.requests import (
     LiveRequest,
     PrefixMatch,
     checked_images,
+    live_refcounts,
     release_length,
 )
 
@@ -188,7 +190,7 @@ class JengaAllocator:
             [g.blocks_per_large_page for g in config.groups],
             [g.units_per_large_page for g in config.groups],
             config.total_units,
-            _core_rules(config.rules, self.policies),
+            config.rules.to_core([p.releases_early for p in self.policies]),
             short_key_bits=config.identity.short_key_bits,
         )
         self._hasher = config.identity.hasher()
@@ -378,17 +380,19 @@ class JengaAllocator:
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
-        if not any(counts) and not any(skips) and not any(len(r) for r in releases):
+        cow = CopyOnWrite(req, self._core, counts, releases)  # a forked request's writes
+        if not cow and not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         self._epoch += 1
-        got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
+        got = self._core.allocate_arrays(req.internal_id, cow.counts, self._tick(), cow.releases)
         plan = self._drain_plan()
         if got is None:
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
+        got, copies = cow.apply(req, got)
         for g, blocks in enumerate(got):
             table = req.tables[g]
             req.drop_released(g, firsts[g])
@@ -400,7 +404,7 @@ class JengaAllocator:
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
-        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
+        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new, copies)
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None
@@ -510,6 +514,22 @@ class JengaAllocator:
             return 0
         req.num_committed[g] = stop
         return int(self._core.commit_run(g, table.view(start, stop), hashes, (start + 1) * t, t))
+
+    def fork(self, parent_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Register ``child_ids`` as copies of the live parent that share its blocks (one
+        reference each); the block the next token writes into is copied on each holder's
+        next write (`Allocation.copies`; per kind: `jenga.fork`). Needs no memory. Raises
+        `UnknownRequest`/`DoubleFree` (parent), `InvalidSize` (no child id),
+        `DuplicateRequest` (a child id live or repeated)."""
+        parent = self._request(parent_id)
+        children = checked_children(parent_id, child_ids, self._requests)
+        mark_shared_tail(parent, self.policies)
+        now = self._tick()
+        for cid in children:
+            child = forked(parent, self._next_internal)
+            share_blocks(self._core, child, now)
+            self._requests[cid], self._next_internal = child, self._next_internal + 1
+            self._freed.pop(cid, None)
 
     def free(self, request_id: Hashable) -> MappingPlan:
         """Finish a request: hashed blocks stay cached (evictable), the rest are freed.
@@ -761,17 +781,7 @@ class JengaAllocator:
         if not expensive:
             return
         for g in range(self.num_groups):
-            refs: dict[int, int] = {}
-            for rid, req in self._requests.items():
-                table = req.tables[g].tolist()
-                assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
-                    f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
-                )
-                for b in table[req.first_live[g] :]:
-                    if b == NULL_BLOCK and self.policies[g].holds_state:
-                        continue  # a checkpoint inside one step's span, never held
-                    assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
-                    refs[b] = refs.get(b, 0) + 1
+            refs = live_refcounts(self._requests, g, self.policies[g].holds_state)
             for b, n in refs.items():
                 state, refcount = self._core.block_info(g, b)[:2]
                 assert state == 1 and refcount == n, (
@@ -782,15 +792,3 @@ class JengaAllocator:
             assert used == len(refs), (
                 f"group {g}: core has {used} used blocks, live tables hold {len(refs)}"
             )
-
-
-def _core_rules(rules: AllocationRules, policies: Sequence[Policy]) -> _core.Rules:
-    """The core's copy of ``rules``: the same fields by name (an enum by its member name),
-    plus each group's early-release flag from its policy."""
-    values: dict[str, object] = {}
-    for f in dataclasses.fields(rules):
-        value = getattr(rules, f.name)
-        if isinstance(value, Enum):
-            value = getattr(getattr(_core, type(value).__name__), value.name)
-        values[f.name] = value
-    return _core.Rules(**values, early_release_groups=[p.releases_early for p in policies])

@@ -22,9 +22,12 @@ Limitations
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 
+from jenga import _core
 from jenga.pages import PageTable
 from jenga.policies import POLICY_BY_KIND
 from jenga.prefix import BlockIdentity
@@ -66,6 +69,17 @@ class AllocationRules:
     demote_window_releases: bool = False
     reuse_window_releases: bool = False
     pinned_lru_fair: bool = False
+
+    def to_core(self, early_release_groups: Sequence[bool]) -> _core.Rules:
+        """The core's copy: the same fields by name (an enum by its member name), plus
+        each group's early-release flag (`Policy.releases_early`)."""
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Enum):
+                value = getattr(getattr(_core, type(value).__name__), value.name)
+            values[f.name] = value
+        return _core.Rules(**values, early_release_groups=list(early_release_groups))
 
 
 _DEFAULT_RULES = AllocationRules()
