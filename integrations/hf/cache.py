@@ -31,9 +31,13 @@ Approach
     freed. `generate` expands the prompt before the first forward, so rows start apart
     and share from the first reorder on.
 
+    `crop` (assisted decoding) moves every layer's length back; the rows keep their slots
+    and the next forward overwrites them.
+
 Limitations
-    No cropping (assisted decoding); no reordering of a model with state layers (Mamba:
-    their views need the rows' state blocks at one stride). Cross attention
+    `crop` only where every layer keeps every position (a window's released blocks and a
+    state cannot go back); no reordering of a model with state layers (Mamba: their views
+    need the rows' state blocks at one stride). Cross attention
     (mllama) needs the image token count up front (`image_tokens`), one image per row.
     Encoder caches (LLaVA-OneVision's vision embeddings) are not kept: transformers
     recomputes them in the prefill, so the cache holds the decoder's groups only. The
@@ -57,6 +61,7 @@ from transformers.cache_utils import Cache
 import vmm
 from integrations.hf.compat import DummyLayer, layer_types_and_kwargs
 from integrations.hf.layers import (
+    AttentionPart,
     UnsupportedLayer,
     VmmChunkedLayer,
     VmmCrossLayer,
@@ -121,6 +126,7 @@ class RowStore:
         self.state_layers: list[Any] = []
         self.state_blocks: dict[int, list[int]] = {}
         self.state_moves = 0  # rows' state blocks copied to a new checkpoint block
+        self.tokens_cropped = 0  # tokens `VmmCache.crop` made the layers forget
 
     @property
     def is_open(self) -> bool:
@@ -421,19 +427,55 @@ class VmmCache(Cache):
         """Beam search: row i continues old row ``beam_idx[i]``. Rows that continue the same
         beam share its blocks (a fork), no K/V is copied but the block each row writes next
         while it is shared."""
-        self.store.remap_rows([int(i) for i in beam_idx.tolist()])
+        self._remap([int(i) for i in beam_idx.tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row ``repeats`` times in a row (rows r..r+repeats-1 share row r's blocks)."""
         if repeats <= 0:
             raise ValueError(f"repeats must be > 0, got {repeats}")
         rows = range(self.store.num_rows)
-        self.store.remap_rows([r for r in rows for _ in range(repeats)])
+        self._remap([r for r in rows for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` names (int positions or a bool mask), in that order."""
         rows = torch.arange(self.store.num_rows)[torch.as_tensor(indices)]
-        self.store.remap_rows([int(i) for i in rows.reshape(-1).tolist()])
+        self._remap([int(i) for i in rows.reshape(-1).tolist()])
+
+    def _remap(self, sources: list[int]) -> None:
+        store = self.store
+        if store.num_rows and store.length != self.get_seq_length():
+            raise UnsupportedLayer(
+                f"the rows hold {store.length} token slots, the layers {self.get_seq_length()} "
+                "tokens (a crop): a fork would share the block the next token writes"
+            )
+        store.remap_rows(sources)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
+        count; assisted decoding drops rejected candidates). The rows keep their slots (an
+        allocator request does not shrink); the next forward overwrites them. Only when
+        every layer keeps every position: a window's released blocks and a state cannot
+        go back (`UnsupportedLayer`, nothing changed). ``crop(0)`` changes nothing."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative count of tokens to remove, got {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0:
+            return
+        parts = [layer for layer in self.layers if isinstance(layer, AttentionPart)]
+        other = [
+            i
+            for i, layer in enumerate(self.layers)
+            if not isinstance(layer, (VmmLayer, VmmCrossLayer, DummyLayer))
+        ]
+        if other:
+            raise UnsupportedLayer(
+                f"layers {other} keep a window or a state: VmmCache crops only caches whose "
+                "layers keep every position"
+            )
+        for layer in parts:
+            layer.seen = max(0, layer.seen + tokens_to_remove)
+        self.store.tokens_cropped -= tokens_to_remove
 
     def close(self) -> None:
         """Unmap everything; closes the pool if this cache created it."""

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from integrations.hf.layers import UnsupportedLayer  # noqa: E402
 
 from integrations.hf import VmmCache, cache_kwargs  # noqa: E402
-from tests.integrations.hf.test_vmm_cache import inputs, tiny_model  # noqa: E402
+from tests.integrations.hf.test_vmm_cache import SMALL, inputs, tiny_model  # noqa: E402
 
 NEW_TOKENS = 12
 BLOCK = 4
@@ -133,8 +133,6 @@ def test_bad_reorders_are_refused_with_nothing_changed():
     with pytest.raises(ValueError, match="a batch of 0 rows selected from 2"):
         cache.batch_select_indices(torch.tensor([], dtype=torch.long))
     assert (cache.store.row_ids, cache.kv.allocator.usage()) == before
-    with pytest.raises(NotImplementedError, match="does not crop"):
-        cache.crop(-1)
     cache.close()
 
 
@@ -144,4 +142,46 @@ def test_state_layers_are_not_reordered():
     prefill(model, cache, torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(UnsupportedLayer, match="2 state layers"):
         cache.reorder_cache(torch.tensor([1, 0]))
+    cache.close()
+
+
+def test_assisted_decoding_crops_and_matches_dynamic_cache():
+    """A random 1-layer draft: most candidates are rejected, so `crop` runs with a
+    negative count; tokens and scores stay bitwise equal."""
+    model = tiny_model("llama")
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(**SMALL, num_hidden_layers=1)
+    draft = transformers.LlamaForCausalLM(config).eval()
+    args = {"max_new_tokens": 12, "do_sample": False, "output_scores": True,
+            "return_dict_in_generate": True, "assistant_model": draft}  # fmt: skip
+    ref = model.generate(**inputs(1), **args)
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    out = model.generate(**inputs(1), **cache_kwargs(cache), **args)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores, strict=True))
+    assert cache.store.tokens_cropped > 0  # rejected candidates were cropped
+    assert cache.kv.num_tokens(cache.store.request(0)) >= cache.get_seq_length()
+    cache.close()
+
+
+def test_crop_refuses_windows_and_positive_counts():
+    model = tiny_model("mistral")
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    prefill(model, cache, torch.ones(1, 5, dtype=torch.long))
+    cache.crop(0)  # transformers calls it to trim windows: nothing to do
+    with pytest.raises(UnsupportedLayer, match=r"layers \[0, 1\] keep a window or a state"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="negative count of tokens to remove, got 2"):
+        cache.crop(2)
+    assert cache.get_seq_length() == 5
+    cache.close()
+
+
+def test_rows_are_not_reordered_after_a_crop():
+    model = tiny_model("llama")
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    prefill(model, cache, torch.ones(2, 6, dtype=torch.long))
+    cache.crop(-1)
+    with pytest.raises(UnsupportedLayer, match="the rows hold 6 token slots, the layers 5"):
+        cache.reorder_cache(torch.tensor([0, 0]))
     cache.close()
