@@ -62,6 +62,20 @@ def test_beams_and_samples_bitwise_equal_to_dynamic_cache(name: str, batch: int,
     cache.close()
 
 
+@pytest.mark.parametrize("name", ["gemma2", "ministral", "gemma3"])
+def test_beams_over_mixed_window_and_full_layers(name: str):
+    model = tiny_model(name)
+    mode = MODES["beams4-return2"]
+    ref = run(model, 2, mode)
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    out = run(model, 2, mode, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores, strict=True))
+    assert cache.kv.stats()["kv.cow.blocks"] > 0
+    cache.kv.check_invariants(expensive=True)
+    cache.close()
+
+
 def test_beam_search_stores_the_prompt_once():
     """A 40-token prompt and 4 beams: after the first step every beam continues beam 0
     (the others start at -inf), so the prompt's blocks are held once, not 4 times."""
