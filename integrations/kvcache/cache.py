@@ -284,6 +284,7 @@ class KVCache:
         self._check_usable()
         self.allocator.fork(parent_id, child_ids)
 
+    @_one_thread
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> int:
         """Perform copy-on-writes (`Allocation.copies`; `allocate` does it itself,
         `allocate_ahead` leaves it to the caller after `sync`): in every range of the
@@ -292,6 +293,7 @@ class KVCache:
         copied."""
         import torch
 
+        self._check_usable()
         for c in copies:
             geo = self.geometries[c.group]
             self._check_block(geo, c.src)
