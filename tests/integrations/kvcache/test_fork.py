@@ -153,3 +153,40 @@ def test_copy_blocks_refuses_an_unmapped_block_before_moving_a_byte(make_cache: 
         kv.copy_blocks([ok, BlockCopy(0, 0, src, unmapped)])
     k, _ = read(kv, "p", 0, 0, 6)
     assert torch.equal(k, data[0][0])  # the first copy did not run either
+
+
+def test_beam_reorder_is_table_changes_and_one_block_copy_per_beam(make_cache: MakeCache):
+    """Beams b0, b1, b2 diverge; the step keeps (b0, b2, b2): b2 forks, b1 is freed. The
+    reorder maps and copies nothing; the next step copies at most one block per group
+    per beam, and every beam reads its own history."""
+    kv = make_cache(hybrid_model(), budget_chunks=512)
+    kv.add_request("b0", list(range(PROMPT + 1)))
+    assert kv.allocate("b0", PROMPT + 1) is not None
+    prompt_kv = write(kv, "b0", 0, PROMPT + 1, seed=1)
+    kv.fork("b0", ["b1", "b2"])
+    history = {}
+    for i, beam in enumerate(("b0", "b1", "b2")):
+        _, history[beam] = decode(kv, beam, 2, seed=30 + i)  # 1003 tokens: a partial block
+    mapped, copied = mapped_bytes(kv), kv.stats()["kv.cow.bytes"]
+    kv.fork("b2", ["b2'"])  # keep (b0, b2, b2)
+    kv.free("b1")
+    assert mapped_bytes(kv) <= mapped and kv.stats()["kv.cow.bytes"] == copied
+    history["b2'"] = {layer: list(steps) for layer, steps in history["b2"].items()}
+    block_bytes = sum(geo.small_page_bytes * geo.num_ranges for geo in kv.geometries)
+    # b0's tail is its own; b2 and b2' share b2's: the first to write copies it (one block
+    # per group), the last holder writes in place
+    for i, (beam, cost) in enumerate((("b0", 0), ("b2", block_bytes), ("b2'", 0))):
+        before = kv.stats()["kv.cow.bytes"]
+        _, new = decode(kv, beam, 1, seed=40 + i)
+        assert kv.stats()["kv.cow.bytes"] - before == cost
+        for layer, steps in new.items():
+            history[beam][layer] += steps
+    n = PROMPT + 1 + 3
+    for beam in ("b0", "b2", "b2'"):
+        for layer in (0, 2):  # full attention: the prompt, then the beam's own tokens
+            k, v = read(kv, beam, layer, 0, n)
+            own_k = torch.cat([s[0] for s in history[beam][layer]])
+            own_v = torch.cat([s[1] for s in history[beam][layer]])
+            assert torch.equal(k, torch.cat([prompt_kv[layer][0], own_k]))
+            assert torch.equal(v, torch.cat([prompt_kv[layer][1], own_v]))
+    kv.check_invariants(expensive=True)
