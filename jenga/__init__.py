@@ -41,7 +41,7 @@ from jenga.pages import (
 from jenga.plan import MapPage, MappingPlan, UnmapPage
 from jenga.policies import POLICY_BY_KIND, Policy, make_policy, policy_for
 from jenga.prefix import BlockIdentity, HashChain, image_block_hashes, root_hash
-from jenga.requests import NULL_BLOCK, Allocation, ImageSpan
+from jenga.requests import NULL_BLOCK, Allocation, BlockCopy, ImageSpan
 from jenga.specs import Kind, KVGroup, LayerSpec, ModelSpec, SpecError, group_layers
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "AllocationRules",
     "AllocatorConfig",
     "AllocatorError",
+    "BlockCopy",
     "BlockIdentity",
     "CapacityInUse",
     "DoubleFree",

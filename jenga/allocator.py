@@ -91,6 +91,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jenga import _core
+from jenga.capacity import pages_fit, pages_for, units_to_free
 
 # `X as X`: re-exported, engines import the allocator's configuration types from here too
 from jenga.config import AllocationOrder as AllocationOrder
@@ -99,7 +100,6 @@ from jenga.config import AllocatorConfig
 from jenga.config import GroupConfig as GroupConfig
 from jenga.errors import (
     MAX_TOKENS,
-    CapacityInUse,
     DoubleFree,
     DuplicateRequest,
     InvalidSize,
@@ -110,6 +110,7 @@ from jenga.errors import (
 )
 from jenga.errors import AllocatorError as AllocatorError
 from jenga.errors import InvalidInput as InvalidInput
+from jenga.fork import CopyOnWrite, checked_children, forked, mark_shared_tail, share_blocks
 from jenga.guard import Entry, guard_methods
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, make_policy
@@ -381,17 +382,19 @@ class JengaAllocator:
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
-        if not any(counts) and not any(skips) and not any(len(r) for r in releases):
+        cow = CopyOnWrite(req, self._core, counts, releases)  # a forked request's writes
+        if not cow and not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         self._epoch += 1
-        got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
+        got = self._core.allocate_arrays(req.internal_id, cow.counts, self._tick(), cow.releases)
         plan = self._drain_plan()
         if got is None:
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
+        got, copies = cow.apply(req, got)
         for g, blocks in enumerate(got):
             table = req.tables[g]
             req.drop_released(g, firsts[g])
@@ -403,7 +406,7 @@ class JengaAllocator:
                 req.tables[g] = IntBuffer.adopt(blocks)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
-        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new)
+        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new, copies)
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None
@@ -514,6 +517,22 @@ class JengaAllocator:
         req.num_committed[g] = stop
         return int(self._core.commit_run(g, table.view(start, stop), hashes, (start + 1) * t, t))
 
+    def fork(self, parent_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Register ``child_ids`` as copies of the live parent that share its blocks (one
+        reference each); the block the next token writes into is copied on each holder's
+        next write (`Allocation.copies`; per kind: `jenga.fork`). Needs no memory. Raises
+        `UnknownRequest`/`DoubleFree` (parent), `InvalidSize` (no child id),
+        `DuplicateRequest` (a child id live or repeated)."""
+        parent = self._request(parent_id)
+        children = checked_children(parent_id, child_ids, self._requests)
+        mark_shared_tail(parent, self.policies)
+        now = self._tick()
+        for cid in children:
+            child = forked(parent, self._next_internal)
+            share_blocks(self._core, child, now)
+            self._requests[cid], self._next_internal = child, self._next_internal + 1
+            self._freed.pop(cid, None)
+
     def free(self, request_id: Hashable) -> MappingPlan:
         """Finish a request: hashed blocks stay cached (evictable), the rest are freed.
 
@@ -574,15 +593,11 @@ class JengaAllocator:
         blocks it lacks beyond each group's free blocks, in whole pages, against free units
         plus whole pages' worth of cached blocks, less ``reserved_units``. No changes."""
         use = self.usage()
-        need, avail = reserved_units, use.free_units
         missing = self.blocks_to_hold(num_tokens, request_id)
-        for g, group in enumerate(self.config.groups):
-            short = max(0, missing[g] - use.free_blocks[g])
-            need += -(-short // group.blocks_per_large_page) * group.units_per_large_page
-            avail += (
-                use.cached_blocks[g] // group.blocks_per_large_page * group.units_per_large_page
-            )
-        return need <= avail
+        return pages_fit(
+            self.config.groups, missing, use.free_blocks, use.cached_blocks, use.free_units,
+            reserved_units,
+        )  # fmt: skip
 
     def units_needed(self, request_id: Hashable, num_new_tokens: int) -> int:
         """Most units ``allocate(request_id, num_new_tokens)`` can newly map: per group,
@@ -597,11 +612,7 @@ class JengaAllocator:
         self._check_length(request_id, "after allocate", new)
         if old <= req.quiet_until and new <= req.held_until:
             return 0
-        counts = self._group_needs(req, old, new, old)[3]
-        return sum(
-            -(-count // g.blocks_per_large_page) * g.units_per_large_page
-            for count, g in zip(counts, self.config.groups, strict=True)
-        )
+        return pages_for(self.config.groups, self._group_needs(req, old, new, old)[3])
 
     def set_total_units(self, units: int) -> MappingPlan:
         """Grow or shrink the pool to ``units`` units; returns the plan of the evictions a
@@ -614,28 +625,10 @@ class JengaAllocator:
         page would not fit). The caller owns the memory behind the units: it maps no more
         than ``units`` at once after this returns.
         """
-        units = as_count(units, "total_units")
-        if units <= 0:
-            raise InvalidSize(f"total_units must be > 0, got {units}")
-        for g in self.config.groups:
-            if g.units_per_large_page > units:
-                raise PageTooLarge(
-                    f"group {g.name!r}: a large page costs {g.units_per_large_page} units, "
-                    f"the pool would hold {units}"
-                )
         total, free = int(self._core.total_units), int(self._core.free_units)
-        short = total - units - free
-        plan = _EMPTY_PLAN
-        if short > 0:
-            evictable = int(self._core.counters()["units.evictable.current"])
-            if evictable < short:
-                in_use = total - free - evictable
-                raise CapacityInUse(
-                    f"cannot shrink from {total} to {units} units: {total - free} are mapped, "
-                    f"{in_use} of them by live requests ({evictable} on evictable cached "
-                    f"pages, {free} free); nothing was changed"
-                )
-            plan = self.evict_cached(short)
+        evictable = int(self._core.counters()["units.evictable.current"])
+        units, short = units_to_free(self.config.groups, units, total, free, evictable)
+        plan = self.evict_cached(short) if short else _EMPTY_PLAN
         self._core.set_total_units(units)
         self.config = dataclasses.replace(self.config, total_units=units)
         return plan
@@ -792,5 +785,5 @@ class JengaAllocator:
 guard_methods(
     JengaAllocator,
     ("add_request", "allocate", "release_skipped", "append_tokens", "cache", "free",
-     "evict_cached", "set_total_units", "prefix_match", "units_needed", "fits"),
+     "evict_cached", "set_total_units", "prefix_match", "units_needed", "fits", "fork"),
 )  # fmt: skip

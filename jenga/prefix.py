@@ -217,6 +217,14 @@ class HashChain:
     def hashes(self) -> np.ndarray:
         return self._buf[: self.count]
 
+    def copy(self) -> HashChain:
+        """An independent chain with the same identities (a forked request's)."""
+        out = HashChain.__new__(HashChain)
+        out.tokens_per_block, out._hasher = self.tokens_per_block, self._hasher
+        out._root = self._root
+        out._buf, out.count = self._buf[: self.count].copy(), self.count
+        return out
+
     def extend(self, tokens: IntBuffer, num_tokens: int, images: Sequence[object]) -> None:
         """Hash the complete blocks within ``tokens[:num_tokens]`` not hashed yet."""
         t = self.tokens_per_block

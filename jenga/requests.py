@@ -76,17 +76,33 @@ class ImageSpan:
 
 
 @dataclass(frozen=True)
+class BlockCopy:
+    """A copy-on-write the engine performs before the step that writes ``dst``: copy
+    block ``src`` of ``group`` (shared with a forked sibling) into ``dst``, which now
+    stands at block index ``index`` of the request's table in place of ``src``."""
+
+    group: int
+    index: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
 class Allocation:
     """What `allocate` gave: per group (config order) the new block ids, and the plan.
 
     ``released`` lists, per group, the blocks the request gave back to the cache in the
     same call (they left the sliding window / chunk, or an old Mamba state).
+    ``copies``: the copy-on-writes of a forked request's shared last block
+    (`jenga.fork`); their ``dst`` blocks replace table entries and are not in
+    ``new_blocks``.
     """
 
     new_blocks: tuple[tuple[int, ...], ...]
     released: tuple[tuple[int, ...], ...]
     plan: MappingPlan
     num_tokens: int
+    copies: tuple[BlockCopy, ...] = ()
 
 
 @dataclass
@@ -112,6 +128,9 @@ class LiveRequest:
     # the caller's chained digests, one per `digest_block_size` tokens (None: hash tokens)
     digests: Sequence[bytes] | None = None
     digest_block_size: int = 0
+    # group -> block index shared with a forked sibling that the next token writes into
+    # (copied on that write: `jenga.fork`)
+    shared_tail: dict[int, int] = field(default_factory=dict)
 
     def grow_held(self, length: int) -> bool:
         """`JengaAllocator.allocate`'s fast path as one method: True (and the request now
@@ -267,6 +286,26 @@ def _blocks_within(policy: Policy, images: Sequence[ImageSpan], n: int, L: int) 
     return policy.num_blocks(L, images) <= n
 
 
+def live_refcounts(
+    requests: Mapping[Hashable, LiveRequest], g: int, holds_state: bool
+) -> dict[int, int]:
+    """Per block of group g, how many live tables hold it (`check_invariants`); asserts
+    that entries below ``first_live`` are NULL and live ones are not (a state kind may
+    have NULL checkpoints inside one step's span)."""
+    refs: dict[int, int] = {}
+    for rid, req in requests.items():
+        table = req.tables[g].tolist()
+        assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
+            f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
+        )
+        for b in table[req.first_live[g] :]:
+            if b == NULL_BLOCK and holds_state:
+                continue  # a checkpoint inside one step's span, never held
+            assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
+            refs[b] = refs.get(b, 0) + 1
+    return refs
+
+
 def release_length(request_id: Hashable, num_tokens: int, release_upto: int | None) -> int:
     """The length whose out-of-window blocks a call releases: ``release_upto`` capped at
     the request's ``num_tokens`` (all of them when None)."""
@@ -283,17 +322,7 @@ def check_live_tables(
     """`JengaAllocator.check_invariants`' expensive half: every live request's table entries
     are USED blocks, with per-block reference counts equal to the live tables holding them."""
     for g, policy in enumerate(policies):
-        refs: dict[int, int] = {}
-        for rid, req in requests.items():
-            table = req.tables[g].tolist()
-            assert all(b == NULL_BLOCK for b in table[: req.first_live[g]]), (
-                f"request {rid!r} group {g}: live entry below first_live {req.first_live[g]}"
-            )
-            for b in table[req.first_live[g] :]:
-                if b == NULL_BLOCK and policy.holds_state:
-                    continue  # a checkpoint inside one step's span, never held
-                assert b != NULL_BLOCK, f"request {rid!r} group {g}: hole in live blocks"
-                refs[b] = refs.get(b, 0) + 1
+        refs = live_refcounts(requests, g, policy.holds_state)
         for b, n in refs.items():
             state, refcount = core.block_info(g, b)[:2]
             assert state == 1 and refcount == n, (

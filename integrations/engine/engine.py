@@ -20,8 +20,10 @@ Approach
        budget, the running limit and memory allow;
     4. the model's own forward (`ModelForward`, one call per request) computes every
        scheduled chunk (`PackedForward` with ``attention='flash'``); a request
-       whose chunk reaches the end of its sequence samples its next token greedily;
-       complete blocks are offered to the prefix cache; finished requests are freed.
+       whose chunk reaches the end of its sequence samples its next token (greedy, or
+       seeded sampling); a request of ``n`` samples forks into them there (they share
+       the prompt's blocks); complete blocks are offered to the prefix cache; finished
+       requests are freed.
 
     ::
 
@@ -30,7 +32,9 @@ Approach
            └────────── preempt (free) ────────┘
 
 Limitations
-    Greedy sampling only; recompute (not swap) preemption; one model (any family
+    Greedy or plain seeded sampling (no temperature, top-k or top-p); no beam search;
+    ``n`` samples are forked without regard to ``max_running``, and not with
+    ``overlap``, images or state groups; recompute (not swap) preemption; one model (any family
     `ModelForward` serves; images for LLaVA-OneVision and Mllama, see `images`).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
     (lengths are known; EOS is not used), so memory is committed one token early.
@@ -42,9 +46,10 @@ import operator
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+from jenga.specs import Kind
 
 import vmm
 from integrations.engine.forward import PackedForward, Segment, flash_kernel
@@ -148,6 +153,10 @@ class EngineRequest:
     num_preemptions: int = 0
     images: RequestImages | None = None  # prepared image inputs, dropped when finished
     num_hit_tokens: int = 0  # prefix-cache hit of the latest admission
+    # sampling: None is greedy; `n` > 1: samples forked once the prompt is computed
+    generator: torch.Generator | None = None
+    n: int = 1
+    seed: int = 0
 
     @property
     def sequence(self) -> list[int]:
@@ -210,12 +219,23 @@ class MiniEngine:
         max_new_tokens: int,
         arrival_step: int = 0,
         images: Mapping[str, Any] | None = None,
+        *,
+        n: int = 1,
+        seed: int | None = None,
     ) -> None:
         """Queue a request. `images`: the processor's image inputs for this one prompt
         (``pixel_values`` and what the model takes with them, batch 1); their features are
-        computed now, once, and their content keys the request's prefix blocks."""
+        computed now, once, and their content keys the request's prefix blocks.
+        ``seed``: sample (softmax of the logits, ``torch.multinomial`` with a generator
+        seeded ``seed``) instead of greedy. ``n`` > 1 (needs a seed): parallel sampling,
+        samples ``(request_id, i)``, sample i seeded ``seed + i``, forked from sample 0
+        once the prompt is computed (they share its blocks, `KVCache.fork`)."""
         prompt = self._checked_request(request_id, prompt, max_new_tokens, arrival_step)
-        req = EngineRequest(request_id, prompt, max_new_tokens, arrival_step)
+        self._check_samples(request_id, n, seed, images)
+        rid = (request_id, 0) if n > 1 else request_id
+        req = EngineRequest(rid, prompt, max_new_tokens, arrival_step, n=n)
+        if seed is not None:
+            req.seed, req.generator = seed, torch.Generator().manual_seed(seed)
         if images:
             adapter = IMAGE_ADAPTERS.get(self.model.config.model_type)
             if adapter is None or not isinstance(self.forward, ModelForward):
@@ -268,6 +288,26 @@ class MiniEngine:
                 f"exceed the model's {limit} positions"
             )
         return ids
+
+    def _check_samples(self, request_id: Hashable, n: int, seed: int | None, images: Any) -> None:
+        """`ValueError` unless ``n`` samples of this request can be served."""
+        if type(n) is not int or n <= 0:
+            raise ValueError(f"request {request_id!r}: n must be an int > 0, got {n!r}")
+        if n == 1:
+            return
+        if seed is None:
+            raise ValueError(
+                f"request {request_id!r}: n={n} samples need a seed (greedy ones agree)"
+            )
+        state = [g.name for g in self.kv.model.groups if g.spec.kind is Kind.MAMBA]
+        why = (
+            "overlap=True allocates a decode token before the fork" if self.config.overlap
+            else "requests with images" if images
+            else f"state groups {state}" if state
+            else ""
+        )  # fmt: skip
+        if why:
+            raise ValueError(f"request {request_id!r}: n={n} samples are not served with {why}")
 
     # ---- scheduling ------------------------------------------------------------------------
     def _arrivals(self) -> None:
@@ -393,16 +433,39 @@ class MiniEngine:
 
     def _after_forward(self, req: EngineRequest, seg: Segment, logits: torch.Tensor) -> None:
         req.num_computed = seg.stop
+        samples = [req]
         if seg.stop == len(req.sequence):
-            token = int(torch.argmax(logits))
-            req.output.append(token)
-            self.kv.append_tokens(req.request_id, [token])
+            samples += self._fork_samples(req)
+            for sample in samples:
+                token = _sample(logits, sample.generator)
+                sample.output.append(token)
+                self.kv.append_tokens(sample.request_id, [token])
+        for sample in samples:
+            if self.config.use_prefix_cache:
+                self.kv.cache(sample.request_id, sample.num_computed)
+            if sample.finished:
+                self.kv.free(sample.request_id)
+                sample.images = None
+                self.done[sample.request_id] = sample
+
+    def _fork_samples(self, req: EngineRequest) -> list[EngineRequest]:
+        """Samples 1..n-1 of a request whose prompt is computed: forks of it (its blocks
+        shared), each with its own generator; they run from the next step on."""
+        if req.n == 1:
+            return []
         if self.config.use_prefix_cache:
-            self.kv.cache(req.request_id, req.num_computed)
-        if req.finished:
-            self.kv.free(req.request_id)
-            req.images = None
-            self.done[req.request_id] = req
+            self.kv.cache(req.request_id, req.num_computed)  # the samples inherit it
+        base = cast(tuple, req.request_id)[0]  # samples are (request_id, i)
+        kids = [
+            EngineRequest((base, i), list(req.prompt), req.max_new_tokens, req.arrival_step,
+                          num_computed=req.num_computed, seed=req.seed + i,
+                          generator=torch.Generator().manual_seed(req.seed + i))
+            for i in range(1, req.n)
+        ]  # fmt: skip
+        self.kv.fork(req.request_id, [k.request_id for k in kids])
+        req.n = 1
+        self.running.extend(kids)
+        return kids
 
     def run(self, max_steps: int = 10_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; returns each request's generated tokens."""
@@ -424,6 +487,15 @@ class MiniEngine:
         self.kv.sync()
         self.kv.close()
         self.pool.close()
+
+
+def _sample(logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Greedy without a generator; else a draw from the softmax of the fp32 logits (what
+    transformers' sampling does with no logits processor)."""
+    if generator is None:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().reshape(1, -1), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _make_pool(cfg: EngineConfig) -> vmm.ChunkPool:

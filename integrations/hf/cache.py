@@ -23,8 +23,21 @@ Approach
     groups at once: one jenga call, one vmm plan). If a row's live state moved to a new
     checkpoint block, every state layer's block is copied there and its views re-pointed.
 
+    Beam search and batch expansion / selection (`reorder_cache`, `batch_repeat_interleave`,
+    `batch_select_indices`) give each new row an allocator request: the first row that
+    continues an old row takes its request, every other one forks it (`KVCache.fork`),
+    so rows continuing one beam share its blocks and only the block the next token
+    writes into is copied (on that row's next allocation); a row no one continues is
+    freed. `generate` expands the prompt before the first forward, so rows start apart
+    and share from the first reorder on.
+
+    `crop` (assisted decoding) moves every layer's length back; the rows keep their slots
+    and the next forward overwrites them.
+
 Limitations
-    No beam search / cropping (reorder, crop and batch selection raise). Cross attention
+    `crop` only where every layer keeps every position (a window's released blocks and a
+    state cannot go back); no reordering of a model with state layers (Mamba: their views
+    need the rows' state blocks at one stride). Cross attention
     (mllama) needs the image token count up front (`image_tokens`), one image per row.
     Encoder caches (LLaVA-OneVision's vision embeddings) are not kept: transformers
     recomputes them in the prefill, so the cache holds the decoder's groups only. The
@@ -34,7 +47,7 @@ Limitations
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +61,7 @@ from transformers.cache_utils import Cache
 import vmm
 from integrations.hf.compat import DummyLayer, layer_types_and_kwargs
 from integrations.hf.layers import (
+    AttentionPart,
     UnsupportedLayer,
     VmmChunkedLayer,
     VmmCrossLayer,
@@ -105,11 +119,14 @@ class RowStore:
         self._conv_elements = conv_elements
         self.recurrent_offset = 0  # byte offset of a recurrent state in its block (on open)
         self.num_rows = 0
+        self.row_ids: list[int] = []  # the allocator request of each batch row
+        self._next_id = 0
         self.length = 0  # tokens allocated in every row
         self.row_lengths: list[int] = []  # tokens allocated per row
         self.state_layers: list[Any] = []
         self.state_blocks: dict[int, list[int]] = {}
         self.state_moves = 0  # rows' state blocks copied to a new checkpoint block
+        self.tokens_cropped = 0  # tokens `VmmCache.crop` made the layers forget
 
     @property
     def is_open(self) -> bool:
@@ -153,7 +170,7 @@ class RowStore:
         self._maybe_move_states()
 
     def _grow(self, row: int, missing: int) -> None:
-        if self.kv.allocate(row, missing) is None:
+        if self.kv.allocate(self.row_ids[row], missing) is None:
             usage = self.kv.allocator.usage()
             raise vmm.OutOfMemory(
                 f"KV cache full: row {row} needs {missing} more tokens, "
@@ -178,14 +195,57 @@ class RowStore:
                 self.kv.free(row)
             raise
         self.num_rows = num_rows
+        self.row_ids, self._next_id = list(range(num_rows)), num_rows
         self.row_lengths = [0] * num_rows
 
     def request(self, row: int) -> int:
         """The allocator request of batch row `row`."""
-        return row
+        return self.row_ids[row]
 
     def table(self, row: int, group: int) -> list[int]:
-        return self.kv.block_table(row, group)
+        return self.kv.block_table(self.row_ids[row], group)
+
+    def remap_rows(self, sources: Sequence[int]) -> None:
+        """Row i continues old row ``sources[i]`` (beam reordering, batch expansion or
+        selection). The first new row of each source takes its request over, the others
+        fork it (`KVCache.fork`: every block shared; the block the next token writes into
+        is copied by that row's next allocation); a source no row takes is freed.
+
+        Raises `UnsupportedLayer` for a cache with state layers (their views need the
+        rows' state blocks at one stride), `ValueError` for no rows, `IndexError` for a
+        source outside the rows; nothing changes then."""
+        if self.num_rows == 0:
+            return  # nothing stored yet: the first forward opens the rows it is given
+        if self.state_layers:
+            raise UnsupportedLayer(
+                f"{len(self.state_layers)} state layers: their rows cannot be reordered, "
+                "expanded or selected"
+            )
+        if not sources:
+            raise ValueError(f"a batch of 0 rows selected from {self.num_rows}")
+        bad = [s for s in sources if not 0 <= s < self.num_rows]
+        if bad:
+            raise IndexError(f"rows {bad} out of range [0, {self.num_rows})")
+        new_ids: list[int] = []
+        children: dict[int, list[int]] = {}
+        for s in sources:
+            rid = self.row_ids[s]
+            if rid in children:
+                children[rid].append(self._next_id)
+                new_ids.append(self._next_id)
+                self._next_id += 1
+            else:
+                children[rid] = []
+                new_ids.append(rid)
+        for rid, kids in children.items():
+            if kids:
+                self.kv.fork(rid, kids)
+        for rid in self.row_ids:
+            if rid not in children:
+                self.kv.free(rid)
+        self.row_lengths = [self.row_lengths[s] for s in sources]
+        self.row_ids, self.num_rows = new_ids, len(new_ids)
+        self.length = min(self.row_lengths)
 
     def attention_group(self, layer: int) -> int:
         return self.kv.group_of(layer).index
@@ -203,7 +263,7 @@ class RowStore:
         for g, group in enumerate(self.kv.model.groups):
             if group.spec.kind is not Kind.MAMBA:
                 continue
-            blocks = [self.kv.block_table(r, g)[-1] for r in range(self.num_rows)]
+            blocks = [self.table(r, g)[-1] for r in range(self.num_rows)]
             old = self.state_blocks.get(g)
             self.state_blocks[g] = blocks
             if old is None or old == blocks:
@@ -367,6 +427,61 @@ class VmmCache(Cache):
                 f"(stored: {sorted(LAYER_CLASSES)})"
             )
         return make(self.store, layer, **kwargs)
+
+    # ---- batch rows: beam search, num_return_sequences (`RowStore.remap_rows`) ----------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues old row ``beam_idx[i]``. Rows that continue the same
+        beam share its blocks (a fork), no K/V is copied but the block each row writes next
+        while it is shared."""
+        self._remap([int(i) for i in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in a row (rows r..r+repeats-1 share row r's blocks)."""
+        if repeats <= 0:
+            raise ValueError(f"repeats must be > 0, got {repeats}")
+        rows = range(self.store.num_rows)
+        self._remap([r for r in rows for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` names (int positions or a bool mask), in that order."""
+        rows = torch.arange(self.store.num_rows)[torch.as_tensor(indices)]
+        self._remap([int(i) for i in rows.reshape(-1).tolist()])
+
+    def _remap(self, sources: list[int]) -> None:
+        store = self.store
+        if store.num_rows and store.length != self.get_seq_length():
+            raise UnsupportedLayer(
+                f"the rows hold {store.length} token slots, the layers {self.get_seq_length()} "
+                "tokens (a crop): a fork would share the block the next token writes"
+            )
+        store.remap_rows(sources)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
+        count; assisted decoding drops rejected candidates). The rows keep their slots (an
+        allocator request does not shrink); the next forward overwrites them. Only when
+        every layer keeps every position: a window's released blocks and a state cannot
+        go back (`UnsupportedLayer`, nothing changed). ``crop(0)`` changes nothing."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative count of tokens to remove, got {tokens_to_remove}"
+            )
+        if tokens_to_remove == 0:
+            return
+        parts = [layer for layer in self.layers if isinstance(layer, AttentionPart)]
+        other = [
+            i
+            for i, layer in enumerate(self.layers)
+            if not isinstance(layer, (VmmLayer, VmmCrossLayer, DummyLayer))
+        ]
+        if other:
+            raise UnsupportedLayer(
+                f"layers {other} keep a window or a state: VmmCache crops only caches whose "
+                "layers keep every position"
+            )
+        for layer in parts:
+            layer.seen = max(0, layer.seen + tokens_to_remove)
+        self.store.tokens_cropped -= tokens_to_remove
 
     def close(self) -> None:
         """Unmap everything; closes the pool if this cache created it."""

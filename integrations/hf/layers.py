@@ -60,7 +60,10 @@ class UnsupportedLayer(NotImplementedError):
 
 
 def _unsupported(self: Any, *args: Any, **kwargs: Any) -> None:
-    raise NotImplementedError("VmmCache does not support beam search, cropping or reindexing")
+    raise NotImplementedError(
+        "a VmmCache layer is not cropped, reordered or reindexed alone: VmmCache reorders, "
+        "expands and selects its batch rows as a whole, and does not crop"
+    )
 
 
 class AttentionPart:

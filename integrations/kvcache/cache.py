@@ -53,6 +53,7 @@ from jenga.allocator import (
 from jenga.pages import PageTable, capacity_units, vmm_page_table
 from jenga.plan import MapPage
 from jenga.plan import MappingPlan as PagePlan
+from jenga.requests import BlockCopy
 from jenga.specs import Kind, ModelSpec
 from vmm.checks import as_index, as_indices
 from vmm.errors import ClosedError, ConcurrentUse, MappingError, VmmError
@@ -105,6 +106,17 @@ class KVCacheConfig:
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+# `KVCache.stats` counters besides the pool's and the allocator's
+_COUNTERS = (
+    "kv.plans",
+    "kv.remapped_units",
+    "kv.pages.mapped",
+    "kv.pages.unmapped",
+    "overlap.plans.async",
+    "overlap.plans.sync",
+    "kv.cow.blocks",
+    "kv.cow.bytes",
+)
 
 
 def _one_thread(method: _F) -> _F:
@@ -188,8 +200,7 @@ class KVCache:
         self._reader_to_owner = {r: o for g in model.groups for r, o in g.readers}
         self.mapped_pages: list[set[int]] = [set() for _ in self.geometries]
         self._views: dict[tuple[int, int], torch.Tensor] = {}
-        self._counters = {"kv.plans": 0, "kv.remapped_units": 0, "kv.pages.mapped": 0,
-                          "kv.pages.unmapped": 0}  # fmt: skip
+        self._counters = dict.fromkeys(_COUNTERS, 0)
         self._broken = False
         self._closed = False
         self._entry = threading.Lock()  # held by the thread inside a `_one_thread` call
@@ -197,7 +208,6 @@ class KVCache:
         self._worker: OverlapWorker | None = None
         self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
         self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []
-        self._counters.update({"overlap.plans.async": 0, "overlap.plans.sync": 0})
 
     # ---- construction helpers ----------------------------------------------------------
     def _lookup_rank(self, group: int) -> tuple[bool, bool]:
@@ -270,7 +280,42 @@ class KVCache:
         got = self.allocator.allocate(request_id, num_new_tokens)
         if got is not None:
             self._apply(got.plan)
+            self.copy_blocks(got.copies)
         return got
+
+    @_one_thread
+    def fork(self, parent_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Children of a live request that share its blocks (`JengaAllocator.fork`): no
+        page is mapped and no byte copied; each holder's next `allocate` copies the one
+        block the next token writes into while it is still shared (`copy_blocks`)."""
+        self._check_usable()
+        self.allocator.fork(parent_id, child_ids)
+
+    @_one_thread
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> int:
+        """Perform copy-on-writes (`Allocation.copies`; `allocate` does it itself,
+        `allocate_ahead` leaves it to the caller after `sync`): in every range of the
+        group, the bytes of block ``src`` (all its layers) into ``dst``. Both pages must
+        be mapped (`UnmappedBlockError`, checked before any byte moves). Returns the bytes
+        copied."""
+        import torch
+
+        self._check_usable()
+        for c in copies:
+            geo = self.geometries[c.group]
+            self._check_block(geo, c.src)
+            self._check_block(geo, c.dst)
+        copied = 0
+        for c in copies:
+            geo = self.geometries[c.group]
+            size = geo.small_page_bytes
+            src, dst = geo.block_offset(c.src), geo.block_offset(c.dst)
+            for rng in self.ranges[c.group]:
+                rng.tensor((size,), torch.uint8, dst).copy_(rng.tensor((size,), torch.uint8, src))
+                copied += size
+        self._counters["kv.cow.blocks"] += len(copies)
+        self._counters["kv.cow.bytes"] += copied
+        return copied
 
     @_one_thread
     def free(self, request_id: Hashable) -> None:
