@@ -382,19 +382,21 @@ class JengaAllocator:
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
-        cow = CopyOnWrite(req, self._core, counts, releases)  # a forked request's writes
+        cow = CopyOnWrite(req, self._core, counts, releases) if req.shared_tail else None
         if not cow and not any(counts) and not any(skips) and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
         self._epoch += 1
-        got = self._core.allocate_arrays(req.internal_id, cow.counts, self._tick(), cow.releases)
+        if cow:  # a forked request's write into a shared block takes a copy
+            counts, releases = cow.counts, cow.releases
+        got = self._core.allocate_arrays(req.internal_id, counts, self._tick(), releases)
         plan = self._drain_plan()
         if got is None:
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
-        got, copies = cow.apply(req, got)
+        got, copies = cow.apply(req, got) if cow else (got, ())
         for g, blocks in enumerate(got):
             table = req.tables[g]
             req.drop_released(g, firsts[g])
@@ -785,5 +787,5 @@ class JengaAllocator:
 guard_methods(
     JengaAllocator,
     ("add_request", "allocate", "release_skipped", "append_tokens", "cache", "free",
-     "evict_cached", "set_total_units", "prefix_match", "units_needed", "fits", "fork"),
+     "evict_cached", "set_total_units", "fork"),
 )  # fmt: skip

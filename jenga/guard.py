@@ -8,10 +8,11 @@ Rationale
     floor down, so an engine that drives the allocator directly gets it too.
 
 Approach
-    A non-blocking lock per allocator, taken by every public call that reads or changes
-    its tables: a second thread entering while one is inside raises `ConcurrentUse` at
-    once, before touching anything; the same thread re-entering passes. Reads the
-    scheduler makes while it is the only caller cost one uncontended lock (~0.1 µs).
+    A non-blocking lock per allocator, taken by every public call that changes its tables
+    (as the KV cache guards its changing calls): a second thread entering while one is
+    inside raises `ConcurrentUse` at once, before touching anything; the same thread
+    re-entering passes. Each guarded call costs one uncontended lock and a wrapper
+    (~0.5 µs); queries (`prefix_match`, `fits`, `units_needed`, tables) are not guarded.
 
 Limitations
     It detects overlap; it does not serialize. An engine with several threads must give
