@@ -176,6 +176,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a connection that is not a tenant may stay idle",
     )
     st.add_argument("--max-conns-per-uid", type=int, default=128)  # fmt: skip
+    st.add_argument(
+        "--socket-mode",
+        type=lambda text: int(text, 8),
+        default=0o600,
+        help="mode bits of a pool named by an absolute path (octal, default 600: the "
+        "owner's uid only; 660 lets its group connect)",
+    )
     ls = sub.add_parser("ls", help="list tenants: held / limits / cached bytes")
     ls.add_argument("name")
     ls.add_argument("--json", action="store_true", help="print the state as JSON")
@@ -234,7 +241,8 @@ def _start(args: argparse.Namespace) -> int:
     try:
         owner = PoolOwner(args.name, args.budget, args.chunk, reclaim_timeout=args.reclaim_timeout,
                           check=args.check, policy=policy, idle_timeout=args.idle_timeout,
-                          max_conns_per_uid=args.max_conns_per_uid)  # fmt: skip
+                          max_conns_per_uid=args.max_conns_per_uid,
+                          socket_mode=args.socket_mode)  # fmt: skip
     except (ValueError, OSError) as exc:
         print(f"vmm-pool: cannot start pool {args.name!r}: {exc}", file=sys.stderr)
         return 2

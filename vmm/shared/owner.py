@@ -69,6 +69,7 @@ from vmm.shared.protocol import (
     ProtocolError,
     grant_parts,
     is_finite_positive,
+    is_path,
     listen,
     recv,
     send,
@@ -139,6 +140,7 @@ class PoolOwner:
         idle_timeout: float = 10.0,
         max_conns_per_uid: int = 128,
         send_timeout: float = 2.0,
+        socket_mode: int = 0o600,
     ) -> None:
         if budget_bytes <= 0 or budget_bytes % granularity:
             raise ValueError(
@@ -159,7 +161,7 @@ class PoolOwner:
         self.policy = policy or AccessPolicy()
         self.check = check
         self.backend = backend or HostBackend(granularity, capacity=budget_bytes)
-        self._listener = listen(name)
+        self._listener = listen(name, socket_mode)
         self._listener.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
@@ -693,6 +695,9 @@ class PoolOwner:
         self._quarantine.clear()
         self._sel.close()
         self._listener.close()
+        if is_path(self.name):  # a named socket: the file goes with the owner
+            with contextlib.suppress(OSError):
+                os.unlink(self.name)
         self.backend.close()
 
 

@@ -227,18 +227,41 @@ def validate(msg: dict[str, Any], schemas: dict[str, Schema]) -> dict[str, Any]:
 
 
 # ---- transport ------------------------------------------------------------------------------
+def is_path(name: str) -> bool:
+    """A pool named by an absolute path lives at that file (a named socket whose mode bits
+    say who may connect); any other name is in the abstract namespace."""
+    return name.startswith("/")
+
+
 def address(name: str) -> str:
-    """The abstract-namespace address of pool `name`."""
+    """The socket address of pool `name`: the file itself for a path, else the
+    abstract-namespace address ``\\0jenga-vmm-pool/NAME``."""
+    if is_path(name):
+        if "\0" in name or len(name.encode()) > 107:
+            raise ValueError(f"pool path {name!r} must be at most 107 bytes without NUL")
+        return name
     if not name or "/" in name or "\0" in name or len(name) > 80:
-        raise ValueError(f"pool name {name!r} must be 1..80 characters without '/' or NUL")
+        raise ValueError(
+            f"pool name {name!r} must be 1..80 characters without '/' or NUL, or an absolute path"
+        )
     return "\0jenga-vmm-pool/" + name
 
 
-def listen(name: str) -> socket.socket:
-    """The owner's listening socket for pool `name` (OSError EADDRINUSE: already running)."""
+def listen(name: str, mode: int = 0o600) -> socket.socket:
+    """The owner's listening socket for pool `name` (OSError EADDRINUSE: already running).
+    A path pool's file gets ``mode`` (default: the owner's uid only) before any peer can
+    connect: it is bound under a umask that leaves it unreachable, then chmod-ed."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.bind(address(name))
+        if is_path(name):
+            old = os.umask(0o777)
+            try:
+                sock.bind(address(name))
+            finally:
+                os.umask(old)
+            os.chmod(name, mode)
+        else:
+            sock.bind(address(name))
         sock.listen(64)
     except BaseException:
         sock.close()

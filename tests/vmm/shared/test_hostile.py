@@ -496,3 +496,46 @@ def test_a_tenant_sees_pool_refused_once_the_owner_is_gone():
         rng.map([1])
     rng.unmap([0])  # giving back to a gone owner only forgets the chunk here
     chunks.close()
+
+
+def test_a_pool_named_by_a_path_is_a_socket_file_only_its_mode_lets_in(tmp_path):
+    """A path pool: the socket file has the owner's mode bits (600 by default), tenants and
+    `ls` reach it by the path, another uid cannot open it, and it goes with the owner."""
+    os.chmod(tmp_path, 0o755)  # the directory is not what keeps others out
+    name = str(tmp_path / "pool.sock")
+    with owner_process(name, BUDGET, G):
+        assert os.stat(name).st_mode & 0o777 == 0o600
+        backend = join_pool(name, "t", max_bytes=8 * G)
+        pool = vmm.ChunkPool(backend, 8 * G)
+        rng = pool.reserve(4 * G)
+        vmm.MappingPlan().map(rng, [0, 1]).apply()
+        assert pool_state(name)["lent"] >= 2 * G
+        rng.close()
+        pool.close()
+        if os.geteuid() == 0:
+
+            def as_nobody(w: int) -> None:
+                os.setgid(65534)
+                os.setuid(65534)
+                try:
+                    connect(name)
+                    os.write(w, b"connected")
+                except PermissionError:
+                    os.write(w, b"refused")
+
+            pid, r = in_child(as_nobody)
+            assert reap(pid) == 0
+            assert os.read(r, 100) == b"refused"  # the file mode, before the owner's checks
+            os.close(r)
+        settled(name)
+    wait_until(lambda: not os.path.exists(name), 10.0, "the socket file to go")
+
+
+def test_a_path_pool_can_let_its_group_in():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        name = os.path.join(tmp, "pool.sock")
+        with owner_process(name, BUDGET, G, args=("--socket-mode", "660")):
+            assert os.stat(name).st_mode & 0o777 == 0o660
+            settled(name)
