@@ -127,6 +127,9 @@ from jenga.requests import (
 )
 
 _EMPTY_PLAN = MappingPlan()
+# calls that change the request tables: one thread at a time (`jenga.guard`)
+_CHANGING_CALLS = ("add_request", "allocate", "release_skipped", "append_tokens", "cache",
+                   "free", "evict_cached", "set_total_units", "fork")  # fmt: skip
 _FREED_IDS_KEPT = 1 << 16
 
 
@@ -156,7 +159,7 @@ class JengaAllocator:
     raises before changing anything.
     """
 
-    def __init__(self, config: AllocatorConfig) -> None:
+    def __init__(self, config: AllocatorConfig, *, guard_threads: bool = True) -> None:
         if config.total_units <= 0:
             raise InvalidSize(f"total_units must be > 0, got {config.total_units}")
         if not config.groups:
@@ -209,6 +212,8 @@ class JengaAllocator:
         self.no_blocks = tuple(() for _ in config.groups)  # per group: no new block
         self._text_only = not any(p.reads_images for p in self.policies)
         self._entry = Entry()  # one thread at a time (`jenga.guard`)
+        if guard_threads:
+            guard_methods(self, _CHANGING_CALLS)
 
     @property
     def num_groups(self) -> int:
@@ -782,10 +787,3 @@ class JengaAllocator:
             raise AssertionError(str(exc)) from exc
         if expensive:
             check_live_tables(self._requests, self.policies, self._core)
-
-
-guard_methods(
-    JengaAllocator,
-    ("add_request", "allocate", "release_skipped", "append_tokens", "cache", "free",
-     "evict_cached", "set_total_units", "fork"),
-)  # fmt: skip

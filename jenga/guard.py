@@ -13,6 +13,9 @@ Approach
     inside raises `ConcurrentUse` at once, before touching anything; the same thread
     re-entering passes. Each guarded call costs one uncontended lock and a wrapper
     (~0.5 µs); queries (`prefix_match`, `fits`, `units_needed`, tables) are not guarded.
+    The wrappers are per instance: an engine whose own design has one caller (vLLM's
+    scheduler runs the manager on its one thread) builds its allocator with
+    ``guard_threads=False`` and pays nothing.
 
 Limitations
     It detects overlap; it does not serialize. An engine with several threads must give
@@ -67,7 +70,8 @@ def one_thread(method: _F) -> _F:
     return cast(_F, guarded)
 
 
-def guard_methods(cls: type, names: tuple[str, ...]) -> None:
-    """Wrap each named method of ``cls`` with `one_thread`."""
+def guard_methods(obj: object, names: tuple[str, ...]) -> None:
+    """Wrap each named method of ``obj`` (this instance only) with `one_thread`."""
+    cls = type(obj)
     for name in names:
-        setattr(cls, name, one_thread(getattr(cls, name)))
+        setattr(obj, name, one_thread(getattr(cls, name)).__get__(obj, cls))

@@ -420,7 +420,9 @@ class JengaKVCacheManager:
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
-        return JengaAllocator(replace(config, identity=identity, total_units=units))
+        # vLLM's scheduler calls the manager from its one thread: no per-call guard
+        allocator = replace(config, identity=identity, total_units=units)
+        return JengaAllocator(allocator, guard_threads=False)
 
     def _gated_units(self) -> int:
         """The units the allocator may map: the layout's, or on a shared pool the chunks
