@@ -44,30 +44,37 @@ class Entry:
         self.owner: int | None = None
 
 
-def one_thread(method: _F) -> _F:
-    """``method`` (of an object with an `Entry` at ``_entry``) run as the only call in
-    progress; another thread's overlapping call raises `ConcurrentUse`."""
+def one_thread_guard(error: type[Exception], taker: str) -> Callable[[_F], _F]:
+    """A decorator: the method (of an object with an `Entry` at ``_entry``) runs as the only
+    call in progress; another thread's overlapping call raises ``error`` naming ``taker``
+    (who takes one thread at a time) before anything changes."""
 
-    @functools.wraps(method)
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        entry: Entry = self._entry
-        if not entry.lock.acquire(blocking=False):
-            me = threading.get_ident()
-            if entry.owner == me:
+    def decorate(method: _F) -> _F:
+        @functools.wraps(method)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            entry: Entry = self._entry
+            if not entry.lock.acquire(blocking=False):
+                me = threading.get_ident()
+                if entry.owner == me:
+                    return method(self, *args, **kwargs)
+                raise error(
+                    f"{type(self).__name__}.{method.__name__} called from thread {me} while "
+                    f"thread {entry.owner} is inside another call; {taker} takes its calls "
+                    "from one thread at a time (nothing was changed)"
+                )
+            entry.owner = threading.get_ident()
+            try:
                 return method(self, *args, **kwargs)
-            raise ConcurrentUse(
-                f"{type(self).__name__}.{method.__name__} called from thread {me} while "
-                f"thread {entry.owner} is inside another call; an allocator takes its calls "
-                "from one thread at a time (nothing was changed)"
-            )
-        entry.owner = threading.get_ident()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            entry.owner = None
-            entry.lock.release()
+            finally:
+                entry.owner = None
+                entry.lock.release()
 
-    return cast(_F, guarded)
+        return cast(_F, guarded)
+
+    return decorate
+
+
+one_thread = one_thread_guard(ConcurrentUse, "an allocator")
 
 
 def guard_methods(obj: object, names: tuple[str, ...]) -> None:

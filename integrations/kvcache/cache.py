@@ -37,11 +37,9 @@ Limitations
 
 from __future__ import annotations
 
-import functools
-import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jenga.allocator import (
     Allocation,
@@ -50,6 +48,7 @@ from jenga.allocator import (
     ImageSpan,
     JengaAllocator,
 )
+from jenga.guard import Entry, one_thread_guard
 from jenga.pages import PageTable, capacity_units, vmm_page_table
 from jenga.plan import MapPage
 from jenga.plan import MappingPlan as PagePlan
@@ -119,31 +118,10 @@ _COUNTERS = (
 )
 
 
-def _one_thread(method: _F) -> _F:
-    """A `KVCache` call that changes it, run as the only such call in progress. Another
-    thread entering while one is inside raises `ConcurrentUse` at once (interleaved calls
-    would apply their plans out of order: a map before the unmap that frees its units);
-    the same thread re-entering passes. A non-blocking lock makes the check atomic."""
-
-    @functools.wraps(method)
-    def guarded(self: KVCache, *args: Any, **kwargs: Any) -> Any:
-        me = threading.get_ident()
-        if not self._entry.acquire(blocking=False):
-            if self._entered_by == me:
-                return method(self, *args, **kwargs)
-            raise ConcurrentUse(
-                f"KVCache.{method.__name__} called from thread {me} while thread "
-                f"{self._entered_by} is inside another call; a KVCache takes its calls from "
-                "one thread at a time (nothing was changed)"
-            )
-        self._entered_by = me
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._entered_by = None
-            self._entry.release()
-
-    return cast(_F, guarded)
+_one_thread = one_thread_guard(ConcurrentUse, "a KVCache")
+"""A `KVCache` call that changes it, run as the only such call in progress: another thread
+entering while one is inside raises `ConcurrentUse` at once (interleaved calls would apply
+their plans out of order: a map before the unmap that frees its units)."""
 
 
 class KVCache:
@@ -203,8 +181,7 @@ class KVCache:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._broken = False
         self._closed = False
-        self._entry = threading.Lock()  # held by the thread inside a `_one_thread` call
-        self._entered_by: int | None = None
+        self._entry = Entry()  # held by the thread inside a `_one_thread` call
         self._worker: OverlapWorker | None = None
         self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
         self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from integrations.kvcache.access import read_kv, token_slots, write_kv
+from integrations.kvcache.access import read_kv, token_slots
 from integrations.kvcache.cache import UnmappedBlockError
 from jenga.requests import BlockCopy
 from jenga.specs import KVGroup, ModelSpec
 
 from integrations.kvcache import KVCache
-from tests.integrations.kvcache.conftest import DIM, HEADS, MakeCache, full_spec, hybrid_model
+from tests.integrations.kvcache.conftest import MakeCache, full_spec, hybrid_model
+from tests.integrations.kvcache.test_cache import fill
 
 PROMPT = 1000
 SAMPLES = 4
@@ -20,20 +21,6 @@ DECODE = 20
 
 def full_model() -> ModelSpec:
     return ModelSpec("full-tiny", (KVGroup("full", full_spec(), (0, 1)),), max_model_len=4096)
-
-
-def write(kv: KVCache, rid: str, start: int, stop: int, seed: int) -> dict[int, tuple]:
-    """Seeded K/V for positions [start, stop) in every layer of every group."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for geo in kv.geometries:
-        slots = token_slots(kv, rid, geo.index, start, stop)
-        for layer in geo.layer_ids:
-            k = torch.randn(stop - start, HEADS, DIM, generator=gen)
-            v = torch.randn(stop - start, HEADS, DIM, generator=gen)
-            write_kv(kv, layer, slots, k, v)
-            out[layer] = (k, v)
-    return out
 
 
 def read(kv: KVCache, rid: str, layer: int, start: int, stop: int) -> tuple:
@@ -49,7 +36,7 @@ def decode(kv: KVCache, rid: str, steps: int, seed: int) -> tuple[list[BlockCopy
         got = kv.allocate(rid, 1)
         assert got is not None
         copies += got.copies
-        for layer, kvs in write(kv, rid, start, start + 1, seed * 1000 + step).items():
+        for layer, kvs in fill(kv, rid, start, start + 1, seed * 1000 + step).items():
             data.setdefault(layer, []).append(kvs)
     return copies, data
 
@@ -72,7 +59,7 @@ def test_samples_of_a_1000_token_prompt_map_its_pages_once(make_cache: MakeCache
     kv = make_cache(model, budget_chunks=512)
     kv.add_request("p", list(range(PROMPT)))
     assert kv.allocate("p", PROMPT) is not None
-    prompt_kv = write(kv, "p", 0, PROMPT, seed=1)
+    prompt_kv = fill(kv, "p", 0, PROMPT, seed=1)
     before = mapped_bytes(kv)
     kids = [f"s{i}" for i in range(SAMPLES)]
     kv.fork("p", kids)
@@ -109,7 +96,7 @@ def test_diverging_samples_copy_one_block_per_group_each(make_cache: MakeCache):
     n = PROMPT + 2  # the last block holds 2 of 4 tokens
     kv.add_request("p", list(range(n)))
     assert kv.allocate("p", n) is not None
-    prompt_kv = write(kv, "p", 0, n, seed=1)
+    prompt_kv = fill(kv, "p", 0, n, seed=1)
     kids = [f"s{i}" for i in range(SAMPLES)]
     kv.fork("p", kids)
     block_bytes = {geo.index: geo.small_page_bytes * geo.num_ranges for geo in kv.geometries}
@@ -144,7 +131,7 @@ def test_copy_blocks_refuses_an_unmapped_block_before_moving_a_byte(make_cache: 
     kv = make_cache(full_model(), budget_chunks=64)
     kv.add_request("p", list(range(6)))
     assert kv.allocate("p", 6) is not None
-    data = write(kv, "p", 0, 6, seed=3)
+    data = fill(kv, "p", 0, 6, seed=3)
     src = kv.block_table("p", 0)[0]
     geo = kv.geometries[0]
     unmapped = geo.blocks_per_page * (max(kv.mapped_pages[0]) + 1)
@@ -162,7 +149,7 @@ def test_beam_reorder_is_table_changes_and_one_block_copy_per_beam(make_cache: M
     kv = make_cache(hybrid_model(), budget_chunks=512)
     kv.add_request("b0", list(range(PROMPT + 1)))
     assert kv.allocate("b0", PROMPT + 1) is not None
-    prompt_kv = write(kv, "b0", 0, PROMPT + 1, seed=1)
+    prompt_kv = fill(kv, "b0", 0, PROMPT + 1, seed=1)
     kv.fork("b0", ["b1", "b2"])
     history = {}
     for i, beam in enumerate(("b0", "b1", "b2")):
