@@ -288,14 +288,3 @@ class VmmKVCache:
             rng.close()
         self.ranges.clear()
         self.group_ranges = [[] for _ in self.layout.groups]
-
-
-def allocate_kv_cache_on_vmm(
-    kv_cache_config: KVCacheConfig,
-    layout: JengaLayout,
-    pool: vmm.ChunkPool,
-    kv_cache_layout: KVCacheLayout,
-    kernel_block_sizes: Sequence[int] | None = None,
-) -> VmmKVCache:
-    """What ``vllm.v1.worker.utils.allocate_kv_cache`` returns, on VMM (``.kv_caches``)."""
-    return VmmKVCache(kv_cache_config, layout, pool, kv_cache_layout, kernel_block_sizes)
