@@ -41,7 +41,8 @@ def test_scheduler_for_the_mode(
     assert scheduler_for(current, is_async, requested) == expected
 
 
-def _engine_request(rid: str, prompt: list[int]) -> Any:
+def engine_request(rid: str, prompt: list[int]) -> Any:
+    """A 5-token greedy request for vLLM's `EngineCore` (no multimodal, LoRA, salt)."""
     return compat.engine_core_request(
         request_id=rid,
         prompt_token_ids=prompt,
@@ -78,7 +79,7 @@ def test_the_key_alone_runs_vllms_engine_core_under_async_scheduling(
     manager = core.scheduler.kv_cache_manager
     assert type(manager).__name__ == "JengaKVCacheManager"
     for i in range(3):
-        request = _engine_request(f"r{i}", [7] * 100 + [i + 1] * 50)
+        request = engine_request(f"r{i}", [7] * 100 + [i + 1] * 50)
         core.add_request(*core.preprocess_add_request(request))
     finished: set[str] = set()
     for _ in range(80):

@@ -19,6 +19,7 @@ from integrations.vllm.scheduler import check_supported_config
 
 import vmm
 from integrations.vllm import compat, identity
+from tests.integrations.vllm.test_activation import engine_request
 
 BLOCK = 16
 
@@ -72,17 +73,7 @@ def test_vllms_engine_core_starts_and_steps_with_the_jenga_scheduler(
     assert sorted(m["sliding_window"] or 0 for m in metadata) == [0, 64]
     for i in range(3):
         prompt = [7] * 100 + [i + 1] * 50
-        request = compat.engine_core_request(
-            request_id=f"r{i}",
-            prompt_token_ids=prompt,
-            mm_features=None,
-            sampling_params=compat.sampling_params(max_tokens=5, ignore_eos=True),
-            pooling_params=None,
-            arrival_time=0.0,
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        )
+        request = engine_request(f"r{i}", prompt)
         core.add_request(*core.preprocess_add_request(request))
     finished: set[str] = set()
     for _ in range(50):
