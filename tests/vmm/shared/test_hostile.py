@@ -410,6 +410,14 @@ def test_another_uid_may_neither_join_nor_operate():
     name = pool_name()
     nobody = 65534
 
+    def refused_at_accept(w: int) -> None:
+        """The owner refuses another uid before reading anything: the reply is there
+        before the client says a word (a hello sent after it would race the close)."""
+        os.setgid(nobody)
+        os.setuid(nobody)
+        out = [Raw(name).recv(), Raw(name).recv()]
+        os.write(w, json.dumps(out).encode())
+
     def as_nobody(w: int) -> None:
         os.setgid(nobody)
         os.setuid(nobody)
@@ -422,7 +430,7 @@ def test_another_uid_may_neither_join_nor_operate():
         os.write(w, json.dumps(out).encode())
 
     with owner_process(name, BUDGET, G):
-        pid, r = in_child(as_nobody)
+        pid, r = in_child(refused_at_accept)
         assert reap(pid) == 0
         replies = json.loads(os.read(r, 65536))
         os.close(r)
