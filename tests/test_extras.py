@@ -23,9 +23,25 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_require_names_the_extra() -> None:
+class _HideTopLevel:
+    """A meta-path finder before the others: importing `name` fails as if absent."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname == self.name:
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+
+
+def test_require_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(MissingExtra, match=r"a feature needs no_such_module_x.*'hf' extra"):
         require("no_such_module_x", "a feature", extra="hf")
+    # cuda-bindings may be installed (GPU machines, the emulator job): hide it from the
+    # import system as an absent distribution looks.
+    for name in [m for m in sys.modules if m == "cuda" or m.startswith("cuda.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_HideTopLevel("cuda"), *sys.meta_path])
     with pytest.raises(MissingExtra, match=r"needs cuda-bindings.*pip install '\.\[cuda\]'"):
         require("cuda.no_such_submodule_x", "the CUDA backend")
     assert require("json", "anything") is sys.modules["json"]

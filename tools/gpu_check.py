@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         if wanted is None or name.split()[0] in wanted
     ]
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    if out.is_dir():  # `OUT` named a folder (a lent machine's output folder, say)
+        out = out / f"gpu-{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d')}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(args, machine(args.backend, args.device), parts))
     failed = [p.name for p in parts if p.status == "FAIL"]

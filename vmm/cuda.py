@@ -474,10 +474,10 @@ class CudaBackend(Backend):
     def map(self, vas: Sequence[int], handles: Sequence[int]) -> None:
         if len(vas) != len(handles):
             raise ValueError(f"map: {len(vas)} addresses but {len(handles)} handles")
+        if len(vas) == 1 and self._map_one(vas[0], handles[0]):
+            return
         pushed = self._enter()
         try:
-            if len(vas) == 1 and self._map_one(vas[0], handles[0]):
-                return
             bases = self._check_targets(vas, "map", want_mapped=False)
             map_count = self._map_count
             for h in handles:
@@ -501,10 +501,10 @@ class CudaBackend(Backend):
     def unmap(self, vas: Sequence[int], *, to_zero: bool = False) -> None:
         if to_zero and self._zero is None:
             raise MappingError("unmap(to_zero=True): this backend has no zero chunk")
+        if len(vas) == 1 and not to_zero and self._unmap_one(vas[0]):
+            return
         pushed = self._enter()
         try:
-            if len(vas) == 1 and not to_zero and self._unmap_one(vas[0]):
-                return
             bases = self._check_targets(vas, "unmap", want_mapped=True)
             slot_handle = self._slot_handle
             handles = [slot_handle[va] for va in vas]
@@ -520,31 +520,42 @@ class CudaBackend(Backend):
         finally:
             self._leave(pushed)
 
+    # The one-slot paths run under the lock but make no context current: cuMemMap,
+    # cuMemSetAccess and cuMemUnmap act on the process's unified address space and the device
+    # named in the access descriptor, not on a context (the driver documents no
+    # CUDA_ERROR_INVALID_CONTEXT for them), and the context check is a driver call of its own
+    # on every op. The batch paths and everything that touches streams keep `_enter`.
     def _map_one(self, va: int, handle: int) -> bool:
         """`map` of one slot that is not zero-backed, without the batch's lists and undo
         log (the per-slot path of engines); False leaves the slot to the batch path."""
-        base = self._slot_base(va, "map", want_mapped=False)
-        if handle not in self._map_count or handle == self._zero or va in self._res_zeros[base]:
-            return False  # the batch path refuses the handle or unmaps the zero chunk first
-        call, g = self._drv.call, self._granularity
-        call("cuMemMap", va, g, 0, handle, 0)
-        try:
-            call("cuMemSetAccess", va, g, self._rw, 1)
-        except BaseException:
-            self._roll_back([functools.partial(call, "cuMemUnmap", va, g)])
-            raise
-        self._slot_handle[va] = handle
-        self._map_count[handle] += 1
-        self._res_mapped[base] += 1
-        return True
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"cuda backend on {self.device} is closed")
+            base = self._slot_base(va, "map", want_mapped=False)
+            if handle not in self._map_count or handle == self._zero or va in self._res_zeros[base]:
+                return False  # the batch path refuses the handle or unmaps the zero chunk first
+            call, g = self._drv.call, self._granularity
+            call("cuMemMap", va, g, 0, handle, 0)
+            try:
+                call("cuMemSetAccess", va, g, self._rw, 1)
+            except BaseException:
+                self._roll_back([functools.partial(call, "cuMemUnmap", va, g)])
+                raise
+            self._slot_handle[va] = handle
+            self._map_count[handle] += 1
+            self._res_mapped[base] += 1
+            return True
 
     def _unmap_one(self, va: int) -> bool:
         """`unmap` of one read-write slot (not to zero): one cuMemUnmap, nothing to undo."""
-        base = self._slot_base(va, "unmap", want_mapped=True)
-        self._drv.call("cuMemUnmap", va, self._granularity)
-        self._map_count[self._slot_handle.pop(va)] -= 1
-        self._res_mapped[base] -= 1
-        return True
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"cuda backend on {self.device} is closed")
+            base = self._slot_base(va, "unmap", want_mapped=True)
+            self._drv.call("cuMemUnmap", va, self._granularity)
+            self._map_count[self._slot_handle.pop(va)] -= 1
+            self._res_mapped[base] -= 1
+            return True
 
     def view_factory(self, va: int, size: int) -> ViewFactory | None:
         """DLPack capsules of CUDA device memory over the reservation at `va` (one factory

@@ -60,6 +60,8 @@ class Driver:
     def __init__(self, module: ModuleType):
         self.mod = module
         self.num_calls: dict[str, int] = {}
+        #: of those, the calls that returned an error (so made nothing)
+        self.num_failed: dict[str, int] = {}
         #: when a dict, `call` appends each call's wall time (ns) under its name (vmm-bench)
         self.timings: dict[str, list[int]] | None = None
         self._functions: dict[str, Any] = {}  # name -> the module's function, looked up once
@@ -78,6 +80,7 @@ class Driver:
             result = function(*args)
             self.timings.setdefault(name, []).append(time.perf_counter_ns() - t0)
         if result[0]:
+            self.num_failed[name] = self.num_failed.get(name, 0) + 1
             raise self.error(name, result[0])
         num_outputs = len(result)
         if num_outputs == 2:

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 
 #include "host/host_vmm.hpp"
 
@@ -18,17 +17,11 @@ namespace {
 
 constexpr int kAnonFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED;
 
-std::string hex(uint64_t v) {
-  std::ostringstream s;
-  s << "0x" << std::hex << v;
-  return s.str();
-}
-
 }  // namespace
 
 Reservation* HostVmm::find(uint64_t va, const char* op) const {
   if (va % gran_ != 0) {
-    throw HostArgError(std::string(op) + " address " + hex(va) + " is not aligned to the " +
+    throw HostArgError(std::string(op) + " address " + hex_address(va) + " is not aligned to the " +
                            std::to_string(gran_) + "-byte granularity (off by " +
                            std::to_string(va % gran_) + ")",
                        op, 0);
@@ -41,7 +34,8 @@ Reservation* HostVmm::find(uint64_t va, const char* op) const {
     Reservation* r = it->second.get();
     if (va - r->va < r->size && (va - r->va) / gran_ < r->num_slots()) return r;
   }
-  throw HostArgError(std::string(op) + " address " + hex(va) + " is inside no reservation", op, 0);
+  throw HostArgError(std::string(op) + " address " + hex_address(va) + " is inside no reservation",
+                     op, 0);
 }
 
 std::vector<HostVmm::Target> HostVmm::resolve(const std::vector<uint64_t>& vas,
@@ -61,7 +55,7 @@ std::vector<HostVmm::Target> HostVmm::resolve(const std::vector<uint64_t>& vas,
     for (size_t i = 1; i < ts.size(); ++i) {
       if (ts[i].res == ts[i - 1].res && ts[i].slot == ts[i - 1].slot) {
         throw HostArgError(std::string(op) + " lists address " +
-                               hex(ts[i].res->va + ts[i].slot * gran_) + " twice",
+                               hex_address(ts[i].res->va + ts[i].slot * gran_) + " twice",
                            op, 0);
       }
     }
@@ -183,7 +177,7 @@ void HostVmm::map(const std::vector<uint64_t>& vas, const std::vector<int64_t>& 
     }
     if (t.res->state[t.slot] == SlotState::kMapped) {
       throw HostStateError("map over slot " + std::to_string(t.slot) + " of reservation " +
-                               hex(t.res->va) + ", already mapped to handle " +
+                               hex_address(t.res->va) + ", already mapped to handle " +
                                std::to_string(t.res->handle[t.slot]),
                            "map", 0);
     }
@@ -200,7 +194,7 @@ void HostVmm::unmap(const std::vector<uint64_t>& vas, bool to_zero) {
   for (Target& t : ts) {
     if (t.res->state[t.slot] != SlotState::kMapped) {
       throw HostStateError("unmap of slot " + std::to_string(t.slot) + " of reservation " +
-                               hex(t.res->va) + ", which is not mapped",
+                               hex_address(t.res->va) + ", which is not mapped",
                            "unmap", 0);
     }
     t.handle = t.res->handle[t.slot];

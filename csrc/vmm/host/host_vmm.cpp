@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 
 namespace jvmm {
 namespace {
@@ -17,12 +16,6 @@ namespace {
 constexpr size_t kTwoMiB = size_t{2} << 20;
 constexpr size_t kMaxReserve = size_t{1} << 47;  // x86-64 / arm64 user space with 4-level pages
 constexpr int kAnonFlags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
-
-std::string hex(uint64_t v) {
-  std::ostringstream s;
-  s << "0x" << std::hex << v;
-  return s.str();
-}
 
 std::string os_message(const char* op, int err, const std::string& what) {
   return std::string(op) + " failed (" + std::strerror(err) + ", errno " + std::to_string(err) +
@@ -379,7 +372,7 @@ uint64_t HostVmm::reserve(size_t size, bool zero) {
     if (fault_now() || mmap(reinterpret_cast<void*>(va), size, PROT_READ, kAnonFlags | MAP_FIXED,
                             -1, 0) == MAP_FAILED) {
       const int err = errno;
-      throw HostOsError(os_message("mmap", err, "zero-backing " + hex(va)), "reserve", err);
+      throw HostOsError(os_message("mmap", err, "zero-backing " + hex_address(va)), "reserve", err);
     }
   }
   res_.emplace(va, std::move(res));
@@ -392,14 +385,14 @@ void HostVmm::free_reservation(uint64_t va, size_t size) {
   check_open("free_reservation");
   auto it = res_.find(va);
   if (it == res_.end() || it->second->size != size) {
-    throw HostArgError("no reservation of " + std::to_string(size) + " bytes at " + hex(va),
+    throw HostArgError("no reservation of " + std::to_string(size) + " bytes at " + hex_address(va),
                        "free_reservation", 0);
   }
   const auto& st = it->second->state;
   const auto mapped = std::count(st.begin(), st.end(), SlotState::kMapped);
   if (mapped > 0) {
-    throw HostStateError("free_reservation of " + hex(va) + " with " + std::to_string(mapped) +
-                             " slots still mapped",
+    throw HostStateError("free_reservation of " + hex_address(va) + " with " +
+                             std::to_string(mapped) + " slots still mapped",
                          "free_reservation", 0);
   }
   it->second->owned = false;
@@ -412,7 +405,7 @@ std::shared_ptr<Reservation> HostVmm::reservation(uint64_t va, size_t size) {
   check_open("view_factory");
   auto it = res_.find(va);
   if (it == res_.end() || it->second->size != size) {
-    throw HostArgError("no reservation of " + std::to_string(size) + " bytes at " + hex(va),
+    throw HostArgError("no reservation of " + std::to_string(size) + " bytes at " + hex_address(va),
                        "view_factory", 0);
   }
   return it->second;

@@ -43,6 +43,7 @@
 #pragma once
 
 #include <atomic>
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -58,6 +59,18 @@
 #endif
 
 namespace jvmm {
+
+// "0x" and `v` in lower-case hex, for error messages. Formatted with std::to_chars, which
+// never consults a locale: an iostream would use the process's global C++ locale, which any
+// library loaded beside this module may have replaced (digit grouping, or facets from
+// another C++ runtime that crash when used from here).
+inline std::string hex_address(uint64_t v) {
+  char buf[2 + 16];
+  buf[0] = '0';
+  buf[1] = 'x';
+  const std::to_chars_result end = std::to_chars(buf + 2, buf + sizeof(buf), v, 16);
+  return std::string(buf, end.ptr);
+}
 
 // Errors thrown by the host backend; bindings translate them to Python classes carrying
 // (message, op, code) so `vmm.host` can raise the `vmm.errors` class that fits.
