@@ -257,3 +257,39 @@ def test_a_tier_smaller_than_one_block_is_refused_and_the_cache_is_closed():
         assert pool.stats()["ranges.current"] == 0
     finally:
         pool.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.gpu
+def test_offload_and_reload_on_cuda_with_pinned_host_memory():
+    """A CUDA pool (2 MiB chunks): the copies run on the tier's own stream into page-locked
+    host memory; evicted blocks come back equal, a background offload lands on both tiers."""
+    backend = vmm.get_backend("cuda")
+    pool = vmm.ChunkPool(backend, 2 * backend.granularity)
+    tier = HostTierConfig(1 << 20, high_water=0.01)
+    kv = KVCache(model(), pool, KVCacheConfig(dtype=torch.float32, tier=tier))
+    try:
+        assert kv.tier is not None and kv.tier.buffer.is_pinned()
+        a = prompt(1, 33)
+        hit = kv.add_request("a", a)
+        assert kv.allocate("a", len(a) - hit) is not None
+        for layer in (0, 1):
+            want = expected(a, layer).cuda()
+            write_kv(kv, layer, token_slots(kv, "a", 0, 0, 33), want, want + 0.5)
+        kv.cache("a", 33)
+        kv.free("a")
+        assert kv.tier.background() == 8
+        kv.tier.poll(wait=True)
+        assert {kv.tier.tier_of(k) for k in keys_of(kv, a)} == {Tier.BOTH}
+        kv.evict_cached(kv.allocator.total_units)
+        assert {kv.tier.tier_of(k) for k in keys_of(kv, a)} == {Tier.HOST}
+        assert reload(kv, a) == 32
+        for layer in (0, 1):
+            keys, values = read_kv(kv, layer, token_slots(kv, "again", 0, 0, 32))
+            want = expected(a, layer)[:32]
+            assert torch.equal(keys.cpu(), want) and torch.equal(values.cpu(), want + 0.5)
+        kv.free("again")
+        kv.check_invariants(expensive=True)
+    finally:
+        kv.close()
+        pool.close()
