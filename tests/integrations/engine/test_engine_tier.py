@@ -35,7 +35,8 @@ def chat(turns: int = 2, convs: int = 3, prefix: int = 40) -> list[tuple[str, li
 def run(model, requests, **config) -> tuple[dict, dict, MiniEngine]:
     config.setdefault("chunk_bytes", CHUNK)
     config.setdefault("token_budget", 32)
-    engine = MiniEngine(model, EngineConfig(block_size=4, max_running=2, **config))
+    config.setdefault("max_running", 2)
+    engine = MiniEngine(model, EngineConfig(block_size=4, **config))
     for rid, prompt, n, arrival in requests:
         engine.add_request(rid, prompt, n, arrival_step=arrival)
     outputs = engine.run()
@@ -134,3 +135,21 @@ def test_long_histories_on_2mib_host_chunks_match_unbounded_pool():
 def test_tier_on_cuda_matches_unbounded_pool_with_host_hits():
     """The same on a CUDA pool: copies on the tier's own stream, pinned host memory."""
     long_chat_on("cuda")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tier_with_preemption_and_overlap_keeps_tokens(setup, overlap):
+    """Every turn arrives at once: four running requests on the small pool preempt each
+    other; preempted requests and later turns come back through the prefix cache, partly
+    from the host (with overlap, decode tokens are allocated a step ahead and evictions
+    pass the tier there too)."""
+    model, requests, unbounded, _ = setup
+    requests = [(rid, prompt, n, 0) for rid, prompt, n, _ in requests]
+    out, stats, engine = run(
+        model, requests, budget_bytes=12 * CHUNK, tier_bytes=1 << 20, max_running=4,
+        overlap=overlap, token_budget=64,
+    )  # fmt: skip
+    assert out == unbounded
+    assert stats["preemptions"] > 0
+    assert stats["tier.hits"] > 0 and stats["tier.reload.failed"] == 0
+    engine.close()
