@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--history", type=int, default=384, help="first turn's prompt tokens")
     p.add_argument("--pool-chunks", type=int, default=288, help="16 KiB chunks")
+    p.add_argument("--tier-mib", type=int, default=64, help="engine part's host tier")
     p.add_argument("--repeats", type=int, default=3, help="engine runs per setting (median)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--json", metavar="PATH")
@@ -167,7 +168,7 @@ def engine_run(args: argparse.Namespace, model: Any, tier: str | None) -> dict:
     chunk = 16 << 10
     cfg = EngineConfig(
         token_budget=256, max_running=2, budget_bytes=args.pool_chunks * chunk,
-        chunk_bytes=chunk, block_size=16, tier_bytes=None if tier is None else 64 << 20,
+        chunk_bytes=chunk, block_size=16, tier_bytes=None if tier is None else args.tier_mib << 20,
         tier_policy=tier or "lru",
     )  # fmt: skip
     engine = MiniEngine(model, cfg)
@@ -198,7 +199,7 @@ def engine_run(args: argparse.Namespace, model: Any, tier: str | None) -> dict:
         "tokens_computed": stats["tokens.computed"],
         "host_hit_tokens": stats.get("tier.hit_tokens", 0),
         "gpu_hit_tokens": stats["prefix.hit_tokens"] - stats.get("tier.hit_tokens", 0),
-        "wall_s": wall, "outputs": outputs,
+        "host_replaced": stats.get("tier.host.evicted", 0), "wall_s": wall, "outputs": outputs,
     }  # fmt: skip
 
 
@@ -247,13 +248,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['overlap']:.2f} |")  # fmt: skip
     if args.part in ("engine", "all"):
         runs = out["engine"] = engine_part(args)
-        print("\n| tier | TTFT mean ms | p50 | p99 | later turns mean | tokens computed "
-              "| GPU hit tokens | host hit tokens | wall s | same tokens |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        print("\n| tier | TTFT mean ms | p50 | p99 | later turns mean | tokens computed | GPU "
+              "hit tokens | host hit tokens | host replaced | wall s | same tokens |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in runs:
             print(f"| {r['tier']} | {r['ttft_mean_ms']:.1f} | {r['ttft_p50_ms']:.1f} | "
                   f"{r['ttft_p99_ms']:.1f} | {r['later_turns_ttft_mean_ms']:.1f} | "
                   f"{r['tokens_computed']} | {r['gpu_hit_tokens']} | {r['host_hit_tokens']} | "
+                  f"{r['host_replaced']} | "
                   f"{r['wall_s']:.2f} | {r['same_tokens']} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
