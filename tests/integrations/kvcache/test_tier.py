@@ -293,3 +293,48 @@ def test_offload_and_reload_on_cuda_with_pinned_host_memory():
     finally:
         kv.close()
         pool.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_traffic_never_serves_stale_kv(make_cache: MakeCache, policy: str, seed: int):
+    """Requests from a few prefix families with random tails, on a small pool and a small
+    tier (both replace), background offloads and whole-cache evictions in between: every
+    prefix served, from the GPU or reloaded from the host, holds exactly its tokens' K/V."""
+    kv = tiered(make_cache, size_bytes=12 * 1024, policy=policy, high_water=0.5)
+    assert kv.tier is not None
+    gen = torch.Generator().manual_seed(seed)
+    families = [prompt(100 + seed * 10 + f, 24) for f in range(3)]
+    reloaded = 0
+    for step in range(40):
+        f = int(torch.randint(0, 3, (1,), generator=gen))
+        tail = torch.randint(0, 1000, (int(torch.randint(1, 20, (1,), generator=gen)),),
+                             generator=gen).tolist()  # fmt: skip
+        tokens = families[f][: int(torch.randint(8, 25, (1,), generator=gen))] + tail
+        job = kv.tier.start_reload(tokens)
+        if job is not None:
+            assert kv.tier.finish_reload(job)
+            reloaded += 1
+        rid = f"r{step}"
+        hit = kv.add_request(rid, tokens)
+        if job is not None:
+            assert hit >= job.tokens
+            kv.tier.release(job)
+        if hit:
+            check_served(kv, rid, tokens, hit)
+        if kv.allocate(rid, len(tokens) - hit) is None:
+            kv.free(rid)
+            continue
+        for layer in (0, 1):
+            want = expected(tokens, layer)[hit:]
+            write_kv(kv, layer, token_slots(kv, rid, 0, hit, len(tokens)), want, want + 0.5)
+        kv.cache(rid, len(tokens))
+        kv.free(rid)
+        kv.tier.background()
+        if step % 7 == 6:
+            kv.evict_cached(kv.allocator.total_units)
+        kv.check_invariants(expensive=True)
+    kv.tier.poll(wait=True)
+    stats = kv.stats()
+    assert reloaded > 0 and stats["tier.host.evicted"] > 0
+    assert stats["tier.reload.failed"] == 0
