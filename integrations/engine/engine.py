@@ -25,6 +25,11 @@ Approach
        the prompt's blocks); complete blocks are offered to the prefix cache; finished
        requests are freed.
 
+    With a host tier (``EngineConfig.tier_bytes``), `integrations.engine.tier` runs CaR's
+    scheduler window, prefetch rule and score events around steps 3 and 4: admission
+    takes the first window request whose reload is not still copying. ``engine.ttft``
+    holds each request's seconds from arrival to its first token.
+
     ::
 
         waiting ──admit (hit, allocate)──► running ──finish──► done (blocks cached)
