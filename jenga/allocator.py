@@ -738,6 +738,17 @@ class JengaAllocator:
         """The live request's `grow` with no core call, bound (`LiveRequest.grow_held`)."""
         return self._request(request_id).grow_held
 
+    def committed(self, request_id: Hashable, group: int, start: int) -> np.ndarray:
+        """Identities ``(n, 2)`` of a text group's committed blocks ``start..``."""
+        req, t = self._request(request_id), self.policies[group].tokens_per_block
+        return req.identities(t, start, max(start, req.num_committed[group]))
+
+    def lookup(self, group: int, identities: np.ndarray) -> np.ndarray:
+        return self._core.lookup(group, identities)  # block id per identity, -1: absent
+
+    def evicted_blocks(self) -> int:
+        return int(self._core.counters()["blocks.evicted"])  # whole pages' blocks too
+
     def is_cached_block(self, group: int, block: int) -> bool:
         return bool(self._core.block_info(group, block)[2])  # hashed: in the prefix index
 

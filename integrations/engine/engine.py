@@ -25,6 +25,11 @@ Approach
        the prompt's blocks); complete blocks are offered to the prefix cache; finished
        requests are freed.
 
+    With a host tier (``EngineConfig.tier_bytes``), `integrations.engine.tier` runs CaR's
+    scheduler window, prefetch rule and score events around steps 3 and 4: admission
+    takes the first window request whose reload is not still copying. ``engine.ttft``
+    holds each request's seconds from arrival to its first token.
+
     ::
 
         waiting ──admit (hit, allocate)──► running ──finish──► done (blocks cached)
@@ -43,6 +48,7 @@ Limitations
 from __future__ import annotations
 
 import operator
+import time
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +61,9 @@ import vmm
 from integrations.engine.forward import PackedForward, Segment, flash_kernel
 from integrations.engine.images import IMAGE_ADAPTERS, RequestImages
 from integrations.engine.model_forward import ModelForward
+from integrations.engine.tier import EngineTier
 from integrations.kvcache import KVCache, KVCacheConfig
+from integrations.kvcache.tier import HostTierConfig
 
 
 @dataclass(frozen=True)
@@ -84,10 +92,18 @@ class EngineConfig:
     tenant_name: str = ""  # default: "engine-<pid>"
     tenant_min_bytes: int = 0
     tenant_max_bytes: int | None = None
+    # A host tier for blocks leaving the GPU (`integrations.kvcache.tier`; None: off): its
+    # bytes, replacement policy ("lru" | "score"), high-water mark of GPU use for background
+    # offload; the scheduler window (CaR's) and whether reloads are prefetched by CaR's rule
+    tier_bytes: int | None = None
+    tier_policy: str = "lru"
+    tier_high_water: float = 0.9
+    tier_window: int = 4
+    tier_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "budget_bytes", "chunk_bytes",
-                     "block_size", "checkpoint_interval"):  # fmt: skip
+                     "block_size", "checkpoint_interval", "tier_window"):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be an int > 0, got {value!r}")
@@ -98,6 +114,7 @@ class EngineConfig:
                 f"EngineConfig.max_bytes must be None or an int >= budget_bytes "
                 f"{self.budget_bytes}, got {self.max_bytes!r}"
             )
+        self.host_tier()  # refuses a bad size, policy or high-water mark now
         if self.attention not in ("sdpa", "flash"):
             raise ValueError(
                 f"EngineConfig.attention must be 'sdpa' or 'flash', got {self.attention!r}"
@@ -106,6 +123,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.backend must be 'host', 'cuda' or 'auto', got {self.backend!r}"
             )
+
+    def host_tier(self) -> HostTierConfig | None:
+        if self.tier_bytes is None:
+            return None
+        return HostTierConfig(self.tier_bytes, self.tier_policy, self.tier_high_water)
 
 
 _PACKED_TYPES = frozenset({"llama", "mistral"})
@@ -189,7 +211,9 @@ class MiniEngine:
         self.kv = KVCache(
             spec,
             self.pool,
-            KVCacheConfig(dtype=dtype, kv_split=use_flash, max_bytes=cfg.max_bytes),
+            KVCacheConfig(
+                dtype=dtype, kv_split=use_flash, max_bytes=cfg.max_bytes, tier=cfg.host_tier()
+            ),
         )
         try:
             self.gate = _shared_gate(self.kv, self.pool)
@@ -203,6 +227,11 @@ class MiniEngine:
             self.pool.close()
             raise
         self._interval = getattr(self.forward, "checkpoint_interval", None)
+        self.tier: EngineTier | None = None
+        if self.kv.tier is not None and cfg.use_prefix_cache:
+            self.tier = EngineTier(self, self.kv.tier, cfg.tier_window, cfg.tier_prefetch)
+        self.ttft: dict[Hashable, float] = {}  # seconds from arrival to the first token
+        self._arrived: dict[Hashable, float] = {}
         self.pending: list[EngineRequest] = []
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -314,6 +343,9 @@ class MiniEngine:
         arrived = [r for r in self.pending if r.arrival_step <= self.step_index]
         self.pending = [r for r in self.pending if r.arrival_step > self.step_index]
         self.waiting.extend(arrived)
+        now = time.perf_counter()
+        for r in arrived:
+            self._arrived.setdefault(r.request_id, now)
 
     def _preempt_newest(self) -> EngineRequest:
         victim = self.running.pop()
@@ -353,17 +385,26 @@ class MiniEngine:
     def _admit(self, budget: int) -> list[Segment]:
         segments: list[Segment] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            req = self.waiting[0]
+            req = self.waiting[0] if self.tier is None else self.tier.pick()
+            if req is None:
+                break  # every window request waits for its reload
+            if self.tier is not None:
+                self.tier.before_admit(req)
             seq = req.sequence
             spans = req.images.spans if req.images is not None else ()
             hit = self.kv.add_request(
                 req.request_id, seq, images=spans, use_cache=self.config.use_prefix_cache
             )
             n = self._segment_tokens(hit, len(seq), budget)
-            if self._allocate(req.request_id, n) is None:
+            admitted = self._allocate(req.request_id, n) is not None
+            if self.tier is not None:
+                self.tier.after_admit(req, hit, admitted)
+            if not admitted:
                 self.kv.free(req.request_id)
+                if self.tier is not None and not self.running and self.tier.drop_reloads():
+                    continue  # other requests' reloads held the room: they are cached now
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.stats["prefix.hit_tokens"] += hit
             req.num_computed = req.num_hit_tokens = hit
             self.running.append(req)
@@ -395,7 +436,10 @@ class MiniEngine:
 
     def _step(self) -> int:
         self.kv.sync()  # the worker's maps for this step are done (a stall if not)
+        started = time.perf_counter()
         self._arrivals()
+        if self.tier is not None:
+            self.tier.before_schedule()
         segments, budget = self._schedule_running(self.config.token_budget)
         segments += self._admit(budget)
         self.step_index += 1
@@ -417,6 +461,8 @@ class MiniEngine:
         for seg, row in zip(segments, logits, strict=True):
             self._after_forward(by_id[seg.request_id], seg, row)
         self.running = [r for r in self.running if not r.finished]
+        if self.tier is not None:
+            self.tier.on_step(time.perf_counter() - started)
         return len(segments)
 
     def _allocate_ahead(self, segments: list[Segment], by_id: dict) -> None:
@@ -439,11 +485,16 @@ class MiniEngine:
             for sample in samples:
                 token = _sample(logits, sample.generator)
                 sample.output.append(token)
+                if len(sample.output) == 1:
+                    at = self._arrived.get(sample.request_id, self._arrived.get(req.request_id))
+                    self.ttft[sample.request_id] = time.perf_counter() - (at or 0.0)
                 self.kv.append_tokens(sample.request_id, [token])
         for sample in samples:
             if self.config.use_prefix_cache:
                 self.kv.cache(sample.request_id, sample.num_computed)
             if sample.finished:
+                if self.tier is not None:
+                    self.tier.on_finished(sample)
                 self.kv.free(sample.request_id)
                 sample.images = None
                 self.done[sample.request_id] = sample
@@ -485,6 +536,8 @@ class MiniEngine:
 
     def close(self) -> None:
         self.kv.sync()
+        if self.tier is not None:
+            self.tier.close()
         self.kv.close()
         self.pool.close()
 

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     import torch
 
     from integrations.kvcache.overlap import OverlapWorker
+    from integrations.kvcache.tier import HostTier, HostTierConfig
 
 
 def _dtype_and_itemsize(dtype: Any) -> tuple[torch.dtype, int]:
@@ -102,6 +103,8 @@ class KVCacheConfig:
     #: the most bytes `KVCache.set_capacity` may grow to (virtual ranges are reserved for
     #: it, at no physical cost); None: the pool's budget when the cache is made
     max_bytes: int | None = None
+    #: a second tier in host memory for blocks leaving the GPU (`integrations.kvcache.tier`)
+    tier: HostTierConfig | None = None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -185,8 +188,20 @@ class KVCache:
         self._worker: OverlapWorker | None = None
         self._ahead_async: list[tuple[PagePlan, MappingPlan, int]] = []
         self._ahead_sync: list[tuple[PagePlan, MappingPlan, int]] = []
+        self.tier: HostTier | None = None
+        if self.config.tier is not None:
+            self._make_tier(self.config.tier)
 
     # ---- construction helpers ----------------------------------------------------------
+    def _make_tier(self, config: HostTierConfig) -> None:
+        from integrations.kvcache.tier import HostTier
+
+        try:
+            self.tier = HostTier(self, config)
+        except BaseException:
+            self.close()
+            raise
+
     def _lookup_rank(self, group: int) -> tuple[bool, bool]:
         spec = self.model.groups[group].spec
         return (spec.model != "target", spec.kind is Kind.MAMBA)
@@ -256,6 +271,7 @@ class KVCache:
         num_new_tokens = as_index(num_new_tokens, "num_new_tokens")
         got = self.allocator.allocate(request_id, num_new_tokens)
         if got is not None:
+            self._offload_evicted()
             self._apply(got.plan)
             self.copy_blocks(got.copies)
         return got
@@ -299,6 +315,8 @@ class KVCache:
         """Finish a request; its uncached pages are unmapped (chunks back to the pool)."""
         self._check_usable()
         self._apply(self.allocator.free(request_id))
+        if self.tier is not None:
+            self.tier.forget(request_id)
 
     @_one_thread
     def evict_cached(self, num_units: int) -> int:
@@ -306,6 +324,7 @@ class KVCache:
         see `JengaAllocator.evict_cached`); returns the chunks unmapped."""
         self._check_usable()
         plan = self.allocator.evict_cached(num_units)
+        self._offload_evicted()
         self._apply(plan)
         groups = self.allocator.config.groups
         return sum(groups[op.group].units_per_large_page for op in plan.ops)
@@ -318,13 +337,21 @@ class KVCache:
     @_one_thread
     def cache(self, request_id: Hashable, num_computed_tokens: int) -> int:
         """Offer the request's complete blocks to the prefix cache (see JengaAllocator.cache)."""
-        return self.allocator.cache(request_id, num_computed_tokens)
+        got = self.allocator.cache(request_id, num_computed_tokens)
+        if self.tier is not None and got:
+            self.tier.note_cached(request_id)
+        return got
 
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:
         return self.allocator.block_table(request_id, group)
 
     def num_tokens(self, request_id: Hashable) -> int:
         return self.allocator.num_tokens(request_id)
+
+    def _offload_evicted(self) -> None:
+        """Blocks the last allocator call evicted go to the host tier (before its plan)."""
+        if self.tier is not None:
+            self.tier.after_evicting()
 
     def _apply(self, plan: PagePlan) -> None:
         if not plan:
@@ -358,6 +385,7 @@ class KVCache:
         self._check_usable()
         num_new_tokens = as_index(num_new_tokens, "num_new_tokens")
         got = self.allocator.allocate(request_id, num_new_tokens)
+        self._offload_evicted()
         if got is not None and got.plan:
             vmm_plan, remapped = translate(got.plan, self.geometries, self.ranges)
             map_only = all(op.kind == "map" for op in vmm_plan.ops)
@@ -505,6 +533,8 @@ class KVCache:
         if self._worker is not None:
             out.update(self._worker.stats)
         out["kv.bytes.live.current"] = self.live_bytes()
+        if self.tier is not None:
+            out.update(self.tier.stats())
         for geo, pages in zip(self.geometries, self.mapped_pages, strict=True):
             out[f"kv.bytes.mapped.{geo.name}"] = len(pages) * geo.page_bytes * geo.num_ranges
         return out
@@ -539,6 +569,7 @@ class KVCache:
             self.allocator.set_total_units(units)
             return 0
         plan = self.allocator.set_total_units(units)  # CapacityInUse: nothing changed
+        self._offload_evicted()
         self._apply(plan)
         self.pool.set_budget(units * gran)
         groups = self.allocator.config.groups
@@ -554,6 +585,8 @@ class KVCache:
         """Raise AssertionError if mapped slots and the allocator's pages disagree."""
         self.allocator.check_invariants(expensive)
         self.pool.check_invariants(expensive=expensive)
+        if self.tier is not None:
+            self.tier.check_invariants()
         usage = self.allocator.usage()
         assert self.pool.num_mapped == usage.used_units, (
             f"pool maps {self.pool.num_mapped} chunks, allocator uses {usage.used_units} units"
@@ -575,6 +608,8 @@ class KVCache:
         """Close every range (chunks go back to the pool). The pool stays open. Every
         later call that allocates, frees or views raises ClosedError."""
         self._closed = True
+        if self.tier is not None:
+            self.tier.close()
         if self._worker is not None:
             self._worker.close()
             self._worker = None

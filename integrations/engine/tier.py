@@ -1,0 +1,148 @@
+"""The mini engine's side of the host tier: CaR's scheduler window, prefetch and scores.
+
+Rationale
+    A host tier only pays when the copy back is off the critical path: the scheduler knows
+    which requests run next, so it can start their reloads while the GPU serves others
+    (CaR's prefetcher), and it feeds the tier's score policy with what it knows (which
+    requests wait, which run, which are done).
+
+Approach
+    The window is the first ``EngineConfig.tier_window`` waiting requests (CaR's Shuffled
+    Window: fixed-size, at the front of the queue, so no request starves and the prefetcher
+    has a stable set to work on). Each step, before scheduling:
+
+    - a request entering the window scores its prompt's blocks +1 (`HostTable.on_window`);
+    - background offload runs when GPU use is above the high-water mark;
+    - for each window request without a reload whose prompt the host extends beyond its
+      GPU hit, CaR's timing rule (`jenga.tier.should_prefetch`) decides whether to start
+      the reload now: once the soonest-finishing running request (remaining tokens x the
+      measured time per step) ends within the transfer time (reload bytes / measured
+      bandwidth), or when nothing runs.
+
+    Admission picks the first window request whose reload is not still copying (the
+    others wait in the queue, not recomputed); a picked request's finished reload is
+    committed to the prefix cache just before its `add_request`, which hits the reloaded
+    blocks on the GPU. Admission scores +1 (sent), completion -2.
+
+Limitations
+    Remaining service time uses each request's ``max_new_tokens`` (CaR predicts the
+    output length with a model). The request waits for its whole reload; the copy is one
+    job per layer, so a forward could wait per layer (`Reload.wait_layer`), which the
+    engine's per-request model forward does not do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from typing import Any
+
+from jenga.tier import Key, should_prefetch
+
+from integrations.kvcache.tier import HostTier, Reload
+
+_BANDWIDTH_GUESS = 4e9  # bytes/s before the first reload is measured
+
+
+class EngineTier:
+    """Window, prefetch and score events for one `MiniEngine` whose KV cache has a tier."""
+
+    def __init__(self, engine: Any, tier: HostTier, window: int, prefetch: bool) -> None:
+        self.engine, self.tier, self.window, self.prefetch = engine, tier, window, prefetch
+        self.keys: dict[Hashable, list[Key]] = {}  # a window request's prompt blocks
+        self.reloads: dict[Hashable, Reload] = {}
+        self.step_seconds = 0.0  # moving average of one step
+        self.bandwidth = _BANDWIDTH_GUESS
+        self.stats = {"tier.hits": 0, "tier.hit_tokens": 0, "tier.prefetch.started": 0,
+                      "tier.prefetch.deferred": 0, "tier.reload.wait_us": 0}  # fmt: skip
+
+    def _in_window(self) -> list[Any]:
+        return list(self.engine.waiting)[: self.window]
+
+    def before_schedule(self) -> None:
+        """Score new window entries, offload above the high-water mark, start reloads."""
+        for req in self._in_window():
+            if req.request_id not in self.keys:
+                _, per_group = self.tier.keys(req.sequence)
+                self.keys[req.request_id] = [k for keys in per_group for k in keys]
+                self.tier.table.on_window(self.keys[req.request_id])
+        self.tier.background()
+        for req in self._in_window():
+            if req.request_id not in self.reloads:
+                self._maybe_reload(req)
+
+    def _maybe_reload(self, req: Any) -> None:
+        hit, tokens = self.tier.host_extension(req.sequence)
+        if tokens <= hit:
+            return
+        if self.prefetch:
+            size = (tokens - hit) // self.tier.tokens_per_block * self.tier.slot_bytes
+            remaining = [
+                (r.max_new_tokens - len(r.output)) * self.step_seconds for r in self.engine.running
+            ]
+            if not should_prefetch(remaining, size / self.bandwidth):
+                self.stats["tier.prefetch.deferred"] += 1
+                return
+        elif self.engine.waiting[0] is not req:
+            return  # without prefetch a reload starts when its request is next
+        job = self.tier.start_reload(req.sequence)
+        if job is not None:
+            self.reloads[req.request_id] = job
+            self.stats["tier.prefetch.started"] += 1
+
+    def pick(self) -> Any:
+        """The first window request not waiting for a copy (the head when all are, and
+        nothing runs: then its reload is waited for)."""
+        window = self._in_window()
+        for req in window:
+            job = self.reloads.get(req.request_id)
+            if job is None or job.done():
+                return req
+        return window[0] if window and not self.engine.running else None
+
+    def before_admit(self, req: Any) -> None:
+        job = self.reloads.get(req.request_id)
+        if job is None:
+            return
+        start = time.perf_counter()
+        ok = self.tier.finish_reload(job)
+        self.stats["tier.reload.wait_us"] += int((time.perf_counter() - start) * 1e6)
+        if ok and job.nbytes and self.tier.copy_seconds > 0:
+            seconds = time.perf_counter() - job.started
+            self.bandwidth = 0.5 * self.bandwidth + 0.5 * job.nbytes / max(seconds, 1e-9)
+        if not ok:
+            del self.reloads[req.request_id]
+
+    def after_admit(self, req: Any, hit: int, admitted: bool) -> None:
+        """The request's reload (if any) is released: its blocks stay cached (and are held
+        by the request when it was admitted)."""
+        job = self.reloads.pop(req.request_id, None)
+        if job is not None:
+            self.tier.release(job)
+        if not admitted:
+            return
+        if job is not None and hit > job.gpu_hit:
+            self.stats["tier.hits"] += 1
+            self.stats["tier.hit_tokens"] += min(hit, job.tokens) - job.gpu_hit
+        self.tier.table.on_sent(self.keys.get(req.request_id, ()))
+
+    def on_finished(self, req: Any) -> None:
+        self.tier.table.on_complete(self.keys.pop(req.request_id, ()))
+
+    def on_step(self, seconds: float) -> None:
+        self.step_seconds = (
+            seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
+        )
+
+    def drop_reloads(self) -> bool:
+        """Finish and release every reload (their blocks become cached, evictable); returns
+        whether there was one."""
+        for job in self.reloads.values():
+            if self.tier.finish_reload(job):
+                self.tier.release(job)
+        had = bool(self.reloads)
+        self.reloads.clear()
+        return had
+
+    def close(self) -> None:
+        self.drop_reloads()
