@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from jenga.errors import AllocatorError
-from jenga.sim import grid, report, seeds, sweep
+from jenga.sim import grid, report, seeds, sweep, tier_scenarios
 from jenga.sim.engine import ADMISSIONS, PREFILLS, EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
@@ -107,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)} (default {DEFAULT_SCENARIO})")
+    p.add_argument(
+        "--scenario",
+        help=f"one of {sorted([*SCENARIOS, *tier_scenarios.TIER_SCENARIOS])} "
+        f"(default {DEFAULT_SCENARIO})",
+    )
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
     p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
@@ -162,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--list", action="store_true", help="list scenarios, models, workloads, allocators"
     )
+    tier_scenarios.add_arguments(p)
     return p
 
 
@@ -200,6 +205,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 
 def _print_lists(console: Console) -> None:
     console.print("scenarios:", ", ".join(sorted(SCENARIOS)))
+    console.print("tier scenarios (TTFT):", ", ".join(sorted(tier_scenarios.TIER_SCENARIOS)))
     console.print("models:", ", ".join(model_names()))
     console.print("gpus:", ", ".join(sorted(GPUS)))
     console.print("workloads:", ", ".join(sorted(GENERATORS)))
@@ -316,6 +322,11 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    if args.scenario in tier_scenarios.TIER_SCENARIOS:
+        return tier_scenarios.main(args, console, _parse_params(args.param))
+    tier_flags = [_flag(n) for n in tier_scenarios.TIER_FLAGS if getattr(args, n) is not None]
+    if tier_flags:
+        raise SimError(f"{', '.join(tier_flags)}: only the tier scenarios read them")
     _check_mode(args)
     if args.sweep == GRID:
         return _run_grid(args, console)

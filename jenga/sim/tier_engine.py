@@ -21,7 +21,8 @@ Approach
         finish transfers  ->  window / scores  ->  prefetch  ->  schedule  ->  execute
                                                                                -> offload
 
-    * admission matches the prompt's leading blocks on the GPU, then on the host tier;
+    * admission (by default only when the whole sequence and one more token fit, as in
+      vLLM 0.x, which CaR extends) matches the prompt's leading blocks on either tier;
       host blocks get GPU blocks and a reload (H2D); the request runs once the reload
       allows: ``start + T_load`` when whole, or layer by layer
       ``start + max(T_load / L, T_load - (L - 1) / L x T_compute)`` (layer i's copy
@@ -38,7 +39,7 @@ Approach
     * prefetch (CaR): a windowed request whose prefix is partly on the host is reloaded
       ahead when ``min_i TPOT x remaining_i <= T_transfer`` over running requests (the
       first slot frees about when the copy ends; output lengths known, as a perfect
-      length predictor) and free or cached GPU blocks can hold it;
+      length predictor) and free GPU blocks hold it (a prefetch never evicts);
     * write-through (vLLM's CPU offloading): every block is copied to the host as soon as
       it is computed; reloads are whole before the step, no window, no prefetch.
 
@@ -75,6 +76,9 @@ class TierEngineConfig:
     max_steps: int = 2_000_000
     prefix_cache: bool = True
     tier: TierConfig | None = None
+    # admit only when the whole prompt fits now (vLLM 0.x, which CaR extends); False:
+    # vLLM V1, which admits a first chunk and may preempt the request a few steps later
+    whole_prompt_admission: bool = True
     check_invariants_every: int = 0  # 0: never; k: after every k-th step (tests)
 
     def __post_init__(self) -> None:
@@ -140,7 +144,7 @@ class TierStats:
     host_hit_tokens: int = 0
     reload_bytes: int = 0
     offload_bytes: int = 0
-    dropped_blocks: int = 0  # left the GPU with no host copy
+    lost_blocks: int = 0  # cached blocks no tier holds any more (dropped or evicted last)
     host_evicted_blocks: int = 0
     offload_wait_s: float = 0.0  # steps waiting for synchronous offloads
     prefetches: int = 0
@@ -211,23 +215,44 @@ class TierEngine:
             self._evict(next(iter(self.evictable)), now)
         return True
 
+    def _take_keeping(
+        self, gpu_keys: list[BlockKey], host_keys: list[BlockKey], n: int, now: float
+    ) -> bool:
+        """Claim ``gpu_keys`` and take ``n`` blocks, the evictions sparing the matched
+        blocks on both tiers (offloads may evict host entries); on failure claim nothing."""
+        for key in gpu_keys:
+            self._claim(key)
+        self._pin(host_keys, 1)
+        try:
+            if self._take(n, now):
+                return True
+            self._unclaim(gpu_keys)
+            return False
+        finally:
+            self._pin(host_keys, -1)
+
+    def _pin(self, keys: list[BlockKey], delta: int) -> None:
+        if self.host is not None:
+            for key in keys:
+                self.host.entries[key].pins += delta
+
     def _evict(self, key: BlockKey, now: float) -> None:
         """A cached block leaves the GPU: dropped, or offloaded (the step waits for it)."""
         del self.evictable[key]
         block = self.gpu_blocks.pop(key)
         if self.host is None or self.tier is None:
-            self.stats.dropped_blocks += 1
+            self.stats.lost_blocks += 1
             return
         entry = self.host.get(key)
         if entry is not None:  # its copy exists or is on the link: wait for the copy's end
             self._stall_s = max(self._stall_s, entry.ready_s - now)
             return
         if self.tier.write_through or block.offload_end is not None:
-            self.stats.dropped_blocks += 1  # its host copy was evicted: gone
+            self.stats.lost_blocks += 1  # its host copy was evicted: gone
             return
         end = self._copy_to_host(key, now)
         if end is None:
-            self.stats.dropped_blocks += 1
+            self.stats.lost_blocks += 1
         else:
             self._stall_s = max(self._stall_s, end - now)
 
@@ -242,6 +267,7 @@ class TierEngine:
         self.d2h_free_s = end
         self.stats.offload_bytes += self.block_bytes
         self.stats.host_evicted_blocks += len(evicted)
+        self.stats.lost_blocks += sum(1 for k in evicted if k not in self.gpu_blocks)
         return end
 
     def _reload(self, keys: list[BlockKey], now: float) -> tuple[float, float]:
@@ -292,10 +318,9 @@ class TierEngine:
         matched = prefetched + len(gpu_keys) + len(host_keys)
         n_new = min(state.seq_len - matched * self.block_size, budget)
         anon = -(-(matched * self.block_size + n_new) // self.block_size) - matched
-        for key in gpu_keys:  # claimed first so that taking memory cannot evict them
-            self._claim(key)
-        if not self._take(len(host_keys) + anon, now):
-            self._unclaim(gpu_keys)
+        if self.config.whole_prompt_admission:
+            anon = max(anon, -(-(state.seq_len + 1) // self.block_size) - matched)
+        if not self._take_keeping(gpu_keys, host_keys, len(host_keys) + anon, now):
             return 0
         run_after = max([0.0, *(self.gpu_blocks[k].valid_s for k in gpu_keys)])
         if host_keys:
@@ -360,11 +385,9 @@ class TierEngine:
             gpu_keys, host_keys = self._match(state, len(state.held))
             if not host_keys or slack > tier.link.transfer_s(self.block_bytes * len(host_keys)):
                 continue
-            for key in gpu_keys:
-                self._claim(key)
-            if not self._take(len(host_keys), now):
-                self._unclaim(gpu_keys)
-                return
+            if self.num_free < len(host_keys):  # free memory only: never evict for a guess
+                continue
+            self._take_keeping(gpu_keys, host_keys, len(host_keys), now)
             _, end = self._reload(host_keys, now)
             self._hold(state, gpu_keys, host_keys)
             state.run_after_s = max(state.run_after_s, end)
