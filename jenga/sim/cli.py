@@ -9,7 +9,9 @@ reports every metric as mean and range over trace seeds; ``--sweep KEY=LIST`` sw
 knob and reports hit rate and throughput at each value (``--scenario articles-ministral
 --sweep articles=1,2,3,4,5,6,8``: the paper's Fig. 17a and 17b). ``--sweep`` alone runs
 a grid of shipped scenarios x KV sizes x seeds (`jenga.sim.grid`) and prints every Jenga
-row's ratio to ``vllm_v1`` per cell.
+row's ratio to ``vllm_v1`` per cell. ``--scenario car-chat`` and ``car-longdoc`` are CaR's
+setups (`jenga.sim.tier_scenarios`): TTFT per KV cache configuration, GPU only or with a
+host tier (``--host-gib``, ``--link``, ``--high-water``, ``--window``).
 
 Mistakes on the command line (a NaN or negative size, a zero block size, an unknown
 name) print one line on stderr and exit 2; a requested allocator that produced no
@@ -107,11 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--scenario",
-        help=f"one of {sorted([*SCENARIOS, *tier_scenarios.TIER_SCENARIOS])} "
-        f"(default {DEFAULT_SCENARIO})",
-    )
+    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)} (default {DEFAULT_SCENARIO})")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
     p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
@@ -163,9 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
     p.add_argument("--plot-dir", help="write PNG plots there")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--list", action="store_true", help="list scenarios, models, workloads, allocators"
-    )
+    p.add_argument("--list", action="store_true", help="list scenarios (car-*: TTFT), models...")
     tier_scenarios.add_arguments(p)
     return p
 
