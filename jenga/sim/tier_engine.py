@@ -139,6 +139,7 @@ class TierStats:
     """What one run did; ``ttft_s`` in request order of first tokens."""
 
     ttft_s: list[float] = field(default_factory=list)
+    ttft_by_request: dict[str, float] = field(default_factory=dict)
     prompt_tokens: int = 0
     gpu_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -547,6 +548,7 @@ class TierEngine:
             if s.first_token_s is None:
                 s.first_token_s = now
                 self.stats.ttft_s.append(now - s.ready_s)
+                self.stats.ttft_by_request[s.request.req_id] = now - s.ready_s
             if s.num_generated == s.request.output_len:
                 s.finish_s = now
                 finished.append(s)

@@ -43,7 +43,7 @@ from jenga.sim.models import get_model
 from jenga.sim.protocol import SimError
 from jenga.sim.tier_engine import TierEngine, TierEngineConfig, TierStats
 from jenga.sim.tiers import LINKS, Link, TierConfig, TierError
-from jenga.sim.workloads import make_trace
+from jenga.sim.workloads import Trace, make_trace
 
 CONFIGS = (
     "no-reuse",
@@ -154,6 +154,27 @@ TIER_SCENARIOS: dict[str, TierScenario] = {
             host_gib=48.0,
             note="CaR long documents: Llama-2 7B LongLoRA 32K, LongAlign-like 8K-30K documents",
         ),
+        # CaR's Fig. 5: one request's latency, recomputing a prompt versus reloading its
+        # KV. Each document is asked twice, all first questions before any second one, at
+        # a rate low enough that nothing queues: a second question's TTFT is a prefill
+        # of the question alone plus the reload (or, without a tier, the whole prompt).
+        TierScenario(
+            "car-reload",
+            "opt-13b",
+            "a100-40gb",
+            "articles-questions",
+            {
+                "num_articles": 16,
+                "questions_per_article": 2,
+                "article_len": 1900,
+                "question_len": 32,
+                "output_len": 16,
+                "shuffle": 0,
+            },
+            rate=0.5,
+            host_gib=32.0,
+            note="CaR Fig. 5: recompute vs reload per request (vary --param article_len)",
+        ),
     )
 }
 
@@ -164,17 +185,31 @@ def get_tier_scenario(name: str) -> TierScenario:
     return TIER_SCENARIOS[name]
 
 
+def revisits(trace: Trace, block_size: int) -> set[str]:
+    """Requests whose first block some request before them in the trace also starts with
+    (a later turn of a chat, another question on a document): the ones reuse can serve."""
+    seen: set[tuple[int, ...]] = set()
+    out = set()
+    for r in trace.requests:
+        first = r.prompt[:block_size]
+        if len(first) == block_size and first in seen:
+            out.add(r.req_id)
+        seen.add(first)
+    return out
+
+
 def run_tier_scenario(
     scenario: TierScenario, configs: tuple[str, ...] = CONFIGS
-) -> dict[str, TierStats]:
-    """Run each configuration on the scenario's one trace."""
+) -> tuple[dict[str, TierStats], set[str]]:
+    """Run each configuration on the scenario's one trace; also returns `revisits`."""
     model, gpu = get_model(scenario.model), get_gpu(scenario.gpu)
     kv_bytes = scenario.kv_bytes()
     engines = {c: scenario.engine_config(c) for c in configs}  # refuse bad input before running
     trace = make_trace(
         scenario.workload, seed=scenario.seed, rate=scenario.rate, **scenario.workload_params
     )
-    return {c: TierEngine(model, gpu, kv_bytes, e).run(trace) for c, e in engines.items()}
+    results = {c: TierEngine(model, gpu, kv_bytes, e).run(trace) for c, e in engines.items()}
+    return results, revisits(trace, model.groups[0].spec.block_size)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -194,11 +229,14 @@ def ttft_summary(stats: TierStats) -> dict[str, float]:
     }
 
 
-def summary_row(stats: TierStats) -> dict[str, float]:
+def summary_row(stats: TierStats, revisited: set[str]) -> dict[str, float]:
     """Everything the table and the JSON report for one configuration."""
     prompt = max(1, stats.prompt_tokens)
+    again = [t for r, t in stats.ttft_by_request.items() if r in revisited]
     return {
         **{f"ttft_{k}_s": v for k, v in ttft_summary(stats).items()},
+        "revisit_ttft_mean_s": statistics.fmean(again) if again else 0.0,
+        "revisits": len(again),
         "gpu_hit": stats.gpu_hit_tokens / prompt,
         "host_hit": stats.host_hit_tokens / prompt,
         "reload_gb": stats.reload_bytes / 1e9,
@@ -212,26 +250,31 @@ def summary_row(stats: TierStats) -> dict[str, float]:
     }
 
 
-def tier_table(scenario: TierScenario, results: dict[str, TierStats]) -> Table:
-    rows = {c: summary_row(s) for c, s in results.items()}
+def tier_table(scenario: TierScenario, results: dict[str, TierStats], revisited: set[str]) -> Table:
+    rows = {c: summary_row(s, revisited) for c, s in results.items()}
     base = rows.get(BASELINE, {}).get("ttft_mean_s")
+    base_again = rows.get(BASELINE, {}).get("revisit_ttft_mean_s")
     kv = scenario.kv_bytes() / GiB
     table = Table(
         title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {kv:.1f} GiB KV, host tier "
         f"{scenario.host_gib:g} GiB over {scenario.link.name}"
     )
     for col in ("configuration", "TTFT mean s", "p50 s", "p99 s", f"mean vs {BASELINE}",
+                f"revisits ({len(revisited)}) mean s", "vs no-reuse",
                 "GPU hit", "host hit", "reload GB", "offload GB", "lost blocks",
                 "offload wait s", "prefetches", "preemptions", "finish s"):  # fmt: skip
         table.add_column(col, justify="left" if col == "configuration" else "right")
     for c, r in rows.items():
         change = f"{r['ttft_mean_s'] / base - 1:+.0%}" if base else "-"
+        again = f"{r['revisit_ttft_mean_s'] / base_again - 1:+.0%}" if base_again else "-"
         table.add_row(
             c,
             f"{r['ttft_mean_s']:.3f}",
             f"{r['ttft_p50_s']:.3f}",
             f"{r['ttft_p99_s']:.3f}",
             change,
+            f"{r['revisit_ttft_mean_s']:.3f}",
+            again,
             f"{r['gpu_hit']:.1%}",
             f"{r['host_hit']:.1%}",
             f"{r['reload_gb']:.1f}",
@@ -308,9 +351,9 @@ def scenario_from_args(args: argparse.Namespace, params: dict[str, object]) -> T
 def main(args: argparse.Namespace, console: Console, params: dict[str, object]) -> int:
     """``jenga-sim --scenario car-...``: print the TTFT table (and JSON with ``--json``)."""
     scenario = scenario_from_args(args, params)
-    results = run_tier_scenario(scenario)
+    results, revisited = run_tier_scenario(scenario)
     if args.json != "-":
-        console.print(tier_table(scenario, results))
+        console.print(tier_table(scenario, results, revisited))
         if scenario.note:
             console.print(scenario.note)
     if args.json:
@@ -325,7 +368,7 @@ def main(args: argparse.Namespace, console: Console, params: dict[str, object]) 
                 "bytes_per_s": scenario.link.bytes_per_s,
                 "latency_s": scenario.link.latency_s,
             },
-            "configs": {c: summary_row(s) for c, s in results.items()},
+            "configs": {c: summary_row(s, revisited) for c, s in results.items()},
         }
         report.write_json(doc, args.json)
     return 0

@@ -285,3 +285,13 @@ def test_tier_flags_on_other_scenarios_are_refused(capsys):
     assert main(["--scenario", "mamba-chat", "--host-gib", "8"]) == 2
     assert "--host-gib: only the tier scenarios read them" in capsys.readouterr().err
 
+
+def test_reloading_a_document_beats_recomputing_it(tmp_path):
+    """car-reload: second questions on documents the GPU no longer holds."""
+    out = tmp_path / "reload.json"
+    assert main(["--scenario", "car-reload", "--no-progress", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["configs"]
+    assert rows["no-reuse"]["revisits"] == rows["tier-lru"]["revisits"] == 16
+    assert rows["gpu-only"]["host_hit"] == 0 and rows["tier-lru"]["host_hit"] > 0.4
+    recompute, reload = rows["no-reuse"], rows["tier-lru"]
+    assert reload["revisit_ttft_mean_s"] < 0.5 * recompute["revisit_ttft_mean_s"]
