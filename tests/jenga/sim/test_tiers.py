@@ -262,7 +262,7 @@ def test_each_car_scenario_prints_ttft_per_configuration(tmp_path, capsys):
     text = capsys.readouterr().out
     for name in CONFIGS:
         assert name in text
-    assert set(TIER_SCENARIOS) == {"car-chat", "car-longdoc"}
+    assert set(TIER_SCENARIOS) == {"car-chat", "car-longdoc", "car-reload"}
     assert get_tier_scenario("car-longdoc").model == "llama-2-7b-32k"
 
 
