@@ -39,7 +39,7 @@ Approach
     * prefetch (CaR): a windowed request whose prefix is partly on the host is reloaded
       ahead when ``min_i TPOT x remaining_i <= T_transfer`` over running requests (the
       first slot frees about when the copy ends; output lengths known, as a perfect
-      length predictor) and free GPU blocks hold it (a prefetch never evicts);
+      length predictor), one windowed request per running request that close to its end;
     * write-through (vLLM's CPU offloading): every block is copied to the host as soon as
       it is computed; reloads are whole before the step, no window, no prefetch.
 
@@ -108,6 +108,8 @@ class TierRequest:
     held: list[BlockKey] = field(default_factory=list)
     anon: int = 0  # unkeyed GPU blocks (the partial tail, blocks not yet computed)
     run_after_s: float = 0.0  # a reload in flight: not scheduled before
+    prefetch_span: tuple[float, float] | None = None  # its prefetches' (first start, last end)
+    prefetched_host_blocks: int = 0
     score_added: int = 0
     in_window: bool = False
     admitted: bool = False
@@ -324,9 +326,12 @@ class TierEngine:
         if not self._take_keeping(gpu_keys, host_keys, len(host_keys) + anon, now):
             return 0
         run_after = max([0.0, *(self.gpu_blocks[k].valid_s for k in gpu_keys)])
+        spans = [] if state.prefetch_span is None else [state.prefetch_span]
         if host_keys:
-            start, end = self._reload(host_keys, now)
+            spans.append(self._reload(host_keys, now))
+        for start, end in spans:
             run_after = max(run_after, self._run_after(start, end, n_new, matched))
+        state.prefetch_span = None
         self._hold(state, gpu_keys, host_keys)
         state.anon += anon
         self.num_anon += anon
@@ -335,8 +340,9 @@ class TierEngine:
         if not state.admitted:
             state.admitted = True
             self.stats.prompt_tokens += state.request.prompt_len
-            self.stats.gpu_hit_tokens += (prefetched + len(gpu_keys)) * self.block_size
-            self.stats.host_hit_tokens += len(host_keys) * self.block_size
+            from_host = state.prefetched_host_blocks + len(host_keys)
+            self.stats.gpu_hit_tokens += (matched - from_host) * self.block_size
+            self.stats.host_hit_tokens += from_host * self.block_size
             self._add_score(state, 1)
         return n_new
 
@@ -374,25 +380,31 @@ class TierEngine:
     def _maybe_prefetch(
         self, window: list[TierRequest], running: list[TierRequest], now: float
     ) -> None:
-        """CaR's rule: reload a windowed request's host prefix when a slot frees in time."""
+        """CaR's rule: reload a windowed request's host prefix when a running request will
+        finish within the transfer time (``TPOT x remaining <= T_transfer``); one windowed
+        request per such finishing request, in window order."""
         tier = self.tier
         if tier is None or not tier.prefetch or not self.config.prefix_cache:
             return
-        slack = min(
-            (self._last_step_s * (s.request.output_len - s.num_generated) for s in running),
-            default=0.0,
-        )
+        left_s = [self._last_step_s * (s.request.output_len - s.num_generated) for s in running]
+        slots = -sum(1 for s in window if s.prefetch_span is not None)
         for state in window:
             gpu_keys, host_keys = self._match(state, len(state.held))
-            if not host_keys or slack > tier.link.transfer_s(self.block_bytes * len(host_keys)):
+            if not host_keys:
                 continue
-            if self.num_free < len(host_keys):  # free memory only: never evict for a guess
+            transfer_s = tier.link.transfer_s(self.block_bytes * len(host_keys))
+            due = sum(1 for t in left_s if t <= transfer_s) if running else 1
+            if slots + due <= 0:
                 continue
-            self._take_keeping(gpu_keys, host_keys, len(host_keys), now)
-            _, end = self._reload(host_keys, now)
+            if not self._take_keeping(gpu_keys, host_keys, len(host_keys), now):
+                return
+            start, end = self._reload(host_keys, now)
             self._hold(state, gpu_keys, host_keys)
-            state.run_after_s = max(state.run_after_s, end)
+            span = state.prefetch_span
+            state.prefetch_span = (start, end) if span is None else (span[0], end)
+            state.prefetched_host_blocks += len(host_keys)
             self.stats.prefetches += 1
+            slots -= 1
 
     def _update_window(self, waiting: deque[TierRequest], now: float) -> list[TierRequest]:
         if self.tier is None:
@@ -583,7 +595,7 @@ class TierEngine:
         if prefetched:  # prefetches hold the memory the queue head needs: give it back
             for s in prefetched:
                 self._release(s)
-                s.run_after_s = 0.0
+                s.prefetch_span, s.prefetched_host_blocks = None, 0
             return now
         head = waiting[0]
         raise SimError(

@@ -76,6 +76,7 @@ class TierScenario:
     high_water: float = 0.9
     window: int = 8
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
     note: str = ""
 
     def kv_bytes(self) -> int:
@@ -105,6 +106,7 @@ class TierScenario:
             raise SimError(f"unknown configuration {config!r}; known: {CONFIGS}")
         return TierEngineConfig(
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             prefix_cache=config != "no-reuse",
             tier=self.tier(config),
         )
@@ -294,7 +296,8 @@ TIER_FLAGS = ("host_gib", "host_memory_gib", "link", "link_gbps", "link_latency_
               "high_water", "window")  # fmt: skip
 # jenga-sim flags a tier scenario reads; any other flag set is refused, not ignored
 SHARED_FLAGS = ("scenario", "model", "gpu", "reserved", "reserved_gib", "workload", "param",
-                "seed", "rate", "max_num_batched_tokens", "json", "no_progress")  # fmt: skip
+                "seed", "rate", "max_num_batched_tokens", "max_num_seqs", "json",
+                "no_progress")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -339,6 +342,7 @@ def scenario_from_args(args: argparse.Namespace, params: dict[str, object]) -> T
         "seed": args.seed,
         "rate": args.rate,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
         "host_gib": args.host_gib,
         "host_memory_gib": args.host_memory_gib,
         "high_water": args.high_water,

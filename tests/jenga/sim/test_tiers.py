@@ -295,3 +295,17 @@ def test_reloading_a_document_beats_recomputing_it(tmp_path):
     assert rows["gpu-only"]["host_hit"] == 0 and rows["tier-lru"]["host_hit"] > 0.4
     recompute, reload = rows["no-reuse"], rows["tier-lru"]
     assert reload["revisit_ttft_mean_s"] < 0.5 * recompute["revisit_ttft_mean_s"]
+
+
+def test_prefetch_hides_reloads_when_requests_wait_for_a_slot(tmp_path):
+    """One request at a time, arrivals faster than service: the windowed second questions
+    are reloaded while the running request finishes (CaR's TPOT x remaining rule)."""
+    out = tmp_path / "slots.json"
+    argv = ["--scenario", "car-reload", "--max-num-seqs", "1", "--rate", "2", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["configs"]
+    for policy in ("lru", "score"):
+        plain, ahead = rows[f"tier-{policy}"], rows[f"tier-{policy}-prefetch"]
+        assert plain["prefetches"] == 0 < ahead["prefetches"]
+        assert ahead["revisit_ttft_mean_s"] < plain["revisit_ttft_mean_s"]
+        assert ahead["lost_blocks"] == plain["lost_blocks"] == 0
