@@ -290,6 +290,37 @@ def tier_table(scenario: TierScenario, results: dict[str, TierStats], revisited:
     return table
 
 
+def tier_markdown(
+    scenario: TierScenario, results: dict[str, TierStats], revisited: set[str]
+) -> str:
+    """The table's main columns as Markdown (for docs/results)."""
+    rows = {c: summary_row(s, revisited) for c, s in results.items()}
+    base = rows.get(BASELINE, {})
+    lines = [
+        f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.kv_bytes() / GiB:.1f} "
+        f"GiB KV, host tier {scenario.host_gib:g} GiB over {scenario.link.name}",
+        "",
+        f"| configuration | TTFT mean s | p50 s | p99 s | mean vs {BASELINE} | revisits "
+        f"({len(revisited)}) mean s | vs {BASELINE} | GPU hit | host hit | reload GB | "
+        "lost blocks | offload wait s | prefetches | preemptions |",
+        "|---|" + "---:|" * 13,
+    ]
+    for c, r in rows.items():
+        change = _change(r["ttft_mean_s"], base.get("ttft_mean_s", 0.0))
+        again = _change(r["revisit_ttft_mean_s"], base.get("revisit_ttft_mean_s", 0.0))
+        lines.append(
+            f"| {c} | {r['ttft_mean_s']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+            f"{change} | {r['revisit_ttft_mean_s']:.3f} | {again} | {r['gpu_hit']:.1%} | "
+            f"{r['host_hit']:.1%} | {r['reload_gb']:.1f} | {r['lost_blocks']:.0f} | "
+            f"{r['offload_wait_s']:.2f} | {r['prefetches']:.0f} | {r['preemptions']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _change(value: float, base: float) -> str:
+    return f"{value / base - 1:+.0%}" if base else "-"
+
+
 # --- jenga-sim ------------------------------------------------------------------------------
 
 TIER_FLAGS = ("host_gib", "host_memory_gib", "link", "link_gbps", "link_latency_us",
@@ -297,7 +328,7 @@ TIER_FLAGS = ("host_gib", "host_memory_gib", "link", "link_gbps", "link_latency_
 # jenga-sim flags a tier scenario reads; any other flag set is refused, not ignored
 SHARED_FLAGS = ("scenario", "model", "gpu", "reserved", "reserved_gib", "workload", "param",
                 "seed", "rate", "max_num_batched_tokens", "max_num_seqs", "json",
-                "no_progress")  # fmt: skip
+                "markdown", "no_progress")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -360,6 +391,9 @@ def main(args: argparse.Namespace, console: Console, params: dict[str, object]) 
         console.print(tier_table(scenario, results, revisited))
         if scenario.note:
             console.print(scenario.note)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(tier_markdown(scenario, results, revisited))
     if args.json:
         doc = {
             "scenario": scenario.name,

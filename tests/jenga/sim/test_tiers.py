@@ -252,9 +252,11 @@ SMALL_CHAT = ["--scenario", "car-chat", "--param", "num_clients=4", "--param", "
 
 
 def test_each_car_scenario_prints_ttft_per_configuration(tmp_path, capsys):
-    out = tmp_path / "car.json"
-    assert main([*SMALL_CHAT, "--no-progress", "--json", str(out)]) == 0
+    out, md = tmp_path / "car.json", tmp_path / "car.md"
+    assert main([*SMALL_CHAT, "--no-progress", "--json", str(out), "--markdown", str(md)]) == 0
     doc = json.loads(out.read_text())
+    table = md.read_text().splitlines()
+    assert [line.split(" | ")[0] for line in table[4:]] == [f"| {c}" for c in CONFIGS]
     assert list(doc["configs"]) == list(CONFIGS)
     for row in doc["configs"].values():
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
