@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 from jenga.sim.cli import main
 from jenga.sim.hardware import GiB, get_gpu
 from jenga.sim.models import ComputeShape, get_model
 from jenga.sim.protocol import SimError
-from jenga.sim.tier_engine import TierEngine, TierEngineConfig
+from jenga.sim.tier_engine import GpuBlock, TierEngine, TierEngineConfig, block_keys
 from jenga.sim.tier_scenarios import CONFIGS, TIER_SCENARIOS, get_tier_scenario
 from jenga.sim.tiers import HostTier, Link, TierConfig, TierError
 from jenga.sim.workloads import Request, Trace, make_trace, random_ids
@@ -130,7 +131,7 @@ def test_the_tier_engine_refuses_models_that_are_not_full_attention():
 def _evicted_then_revisited(prompt_len: int = 160) -> tuple[Trace, int]:
     """A (``prompt_len`` tokens) runs, three 400-token fillers push its blocks out of a
     30-block GPU, B = A's prompt + 32 tokens arrives when all is done."""
-    rng = __import__("random").Random(7)
+    rng = random.Random(7)
     prompt_a = random_ids(rng, prompt_len)
     reqs = [Request("a", prompt_a, random_ids(rng, 1), 0.0)]
     reqs += [Request(f"f{i}", random_ids(rng, 400), random_ids(rng, 1), 0.0) for i in range(3)]
@@ -240,8 +241,6 @@ def test_write_through_copies_every_computed_block_once():
 
 
 def _keys(r: Request) -> tuple[object, ...]:
-    from jenga.sim.tier_engine import block_keys
-
     return block_keys(r.prompt + r.output, 16)
 
 
@@ -311,3 +310,45 @@ def test_prefetch_hides_reloads_when_requests_wait_for_a_slot(tmp_path):
         assert plain["prefetches"] == 0 < ahead["prefetches"]
         assert ahead["revisit_ttft_mean_s"] < plain["revisit_ttft_mean_s"]
         assert ahead["lost_blocks"] == plain["lost_blocks"] == 0
+
+
+def test_a_lower_high_water_mark_offloads_ahead_and_waits_less():
+    waits = []
+    for high_water in (0.5, 0.9, 1.0):
+        config = TierEngineConfig(tier=_tier(high_water=high_water), check_invariants_every=1)
+        stats = TierEngine(MODEL, GPU, 40 * BLOCK, config).run(_chat())
+        assert stats.lost_blocks == 0
+        waits.append(stats.offload_wait_s)
+    assert 0 < waits[0] < waits[1] < waits[2]
+
+
+def _engine_with_cached_block(high_water: float) -> tuple[TierEngine, object]:
+    """An engine whose GPU holds one cached (unreferenced) block, of 2 blocks in all."""
+    config = TierEngineConfig(tier=_tier(high_water=high_water))
+    engine = TierEngine(MODEL, GPU, 2 * BLOCK, config)
+    engine.gpu_blocks["k"] = GpuBlock()
+    engine.evictable["k"] = None
+    return engine, "k"
+
+
+def test_background_offload_frees_the_gpu_copy_when_the_copy_lands():
+    engine, key = _engine_with_cached_block(high_water=0.4)
+    engine._maybe_offload(0.0)
+    end = LINK.transfer_s(BLOCK)
+    assert engine.offloads == [(end, key)] and engine.host.entries[key].ready_s == end
+    engine._finish_transfers(end / 2)
+    assert key in engine.gpu_blocks  # still readable on the GPU while the copy runs
+    engine._finish_transfers(end)
+    assert key not in engine.gpu_blocks and key in engine.host and engine.num_free == 2
+
+
+def test_a_hit_while_the_offload_is_in_flight_keeps_the_gpu_copy():
+    engine, key = _engine_with_cached_block(high_water=0.4)
+    engine._maybe_offload(0.0)
+    engine._claim(key)  # a request hits the block mid-offload
+    engine._finish_transfers(LINK.transfer_s(BLOCK))
+    assert engine.gpu_blocks[key].ref == 1 and key in engine.host  # on both tiers
+    assert engine.gpu_blocks[key].offload_end is None
+    engine._unclaim([key])
+    engine._maybe_offload(1.0)  # above the mark again: the copy exists, the GPU one goes
+    assert key not in engine.gpu_blocks and engine.stats.offload_bytes == BLOCK
