@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 from rich.table import Table
 
-from jenga.sim import report
+from jenga.sim import report, seeds
 from jenga.sim.hardware import GiB, get_gpu
 from jenga.sim.models import get_model
 from jenga.sim.protocol import SimError
@@ -321,14 +321,57 @@ def _change(value: float, base: float) -> str:
     return f"{value / base - 1:+.0%}" if base else "-"
 
 
+SEED_METRICS = (("ttft_mean_s", "TTFT mean"), ("ttft_p99_s", "TTFT p99"),
+                ("revisit_ttft_mean_s", "revisit TTFT mean"))  # fmt: skip
+
+
+def seeds_markdown(scenario: TierScenario, per_seed: dict[int, dict[str, dict[str, float]]]) -> str:
+    """Per configuration and metric: the change against ``no-reuse`` on each seed's trace,
+    as mean (min to max) over the seeds."""
+    names = list(next(iter(per_seed.values())))
+    heads = " | ".join(f"{label} vs {BASELINE}" for _, label in SEED_METRICS)
+    lines = [
+        f"{scenario.name}, seeds {', '.join(str(s) for s in per_seed)}: mean (min to max)",
+        "",
+        f"| configuration | {heads} |",
+        "|---|" + "---:|" * len(SEED_METRICS),
+    ]
+    for name in names:
+        cells = []
+        for key, _ in SEED_METRICS:
+            changes = [
+                rows[name][key] / rows[BASELINE][key] - 1
+                for rows in per_seed.values()
+                if rows[BASELINE][key]
+            ]
+            cells.append(
+                f"{statistics.fmean(changes):+.0%} ({min(changes):+.0%} to {max(changes):+.0%})"
+                if changes
+                else "-"
+            )
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_seeds(
+    scenario: TierScenario, seed_list: list[int]
+) -> dict[int, dict[str, dict[str, float]]]:
+    """Every configuration on each seed's trace: seed -> configuration -> summary row."""
+    per_seed = {}
+    for seed in seed_list:
+        results, revisited = run_tier_scenario(replace(scenario, seed=seed))
+        per_seed[seed] = {c: summary_row(s, revisited) for c, s in results.items()}
+    return per_seed
+
+
 # --- jenga-sim ------------------------------------------------------------------------------
 
 TIER_FLAGS = ("host_gib", "host_memory_gib", "link", "link_gbps", "link_latency_us",
               "high_water", "window")  # fmt: skip
 # jenga-sim flags a tier scenario reads; any other flag set is refused, not ignored
 SHARED_FLAGS = ("scenario", "model", "gpu", "reserved", "reserved_gib", "workload", "param",
-                "seed", "rate", "max_num_batched_tokens", "max_num_seqs", "json",
-                "markdown", "no_progress")  # fmt: skip
+                "seed", "seeds", "rate", "max_num_batched_tokens", "max_num_seqs",
+                "json", "markdown", "no_progress")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -386,6 +429,17 @@ def scenario_from_args(args: argparse.Namespace, params: dict[str, object]) -> T
 def main(args: argparse.Namespace, console: Console, params: dict[str, object]) -> int:
     """``jenga-sim --scenario car-...``: print the TTFT table (and JSON with ``--json``)."""
     scenario = scenario_from_args(args, params)
+    if args.seeds:
+        per_seed = run_seeds(scenario, seeds.parse_seeds(args.seeds))
+        text = seeds_markdown(scenario, per_seed)
+        if args.json != "-":
+            console.print(text)
+        if args.markdown:
+            with open(args.markdown, "w") as out:
+                out.write(text)
+        if args.json:
+            report.write_json({"scenario": scenario.name, "per_seed": per_seed}, args.json)
+        return 0
     results, revisited = run_tier_scenario(scenario)
     if args.json != "-":
         console.print(tier_table(scenario, results, revisited))

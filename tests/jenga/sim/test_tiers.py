@@ -352,3 +352,16 @@ def test_a_hit_while_the_offload_is_in_flight_keeps_the_gpu_copy():
     engine._unclaim([key])
     engine._maybe_offload(1.0)  # above the mark again: the copy exists, the GPU one goes
     assert key not in engine.gpu_blocks and engine.stats.offload_bytes == BLOCK
+
+
+def test_seeds_report_each_configuration_against_no_reuse(tmp_path):
+    out, md = tmp_path / "seeds.json", tmp_path / "seeds.md"
+    argv = ["--scenario", "car-reload", "--seeds", "0-1", "--json", str(out), "--markdown", str(md)]
+    assert main(argv) == 0
+    per_seed = json.loads(out.read_text())["per_seed"]
+    assert sorted(per_seed) == ["0", "1"]
+    lines = md.read_text().splitlines()
+    assert lines[4] == "| no-reuse | +0% (+0% to +0%) | +0% (+0% to +0%) | +0% (+0% to +0%) |"
+    assert [line.split(" | ")[0] for line in lines[4:]] == [f"| {c}" for c in CONFIGS]
+    reload = per_seed["0"]["tier-lru"]["revisit_ttft_mean_s"]
+    assert reload < per_seed["0"]["no-reuse"]["revisit_ttft_mean_s"]
