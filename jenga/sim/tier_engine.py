@@ -35,7 +35,8 @@ Approach
       flight keeps the GPU copy (the block is then on both tiers);
     * window: the first ``window`` arrived waiting requests. Entering it adds 1 to the
       score of each of the request's prompt blocks, admission 1 more, completion takes
-      both back (CaR's +1 / +1 / -2);
+      both back (CaR's +1 / +1 / -2); with ``window_priority`` the window is reordered
+      by CaR's classes (history on the GPU, no history, history on the host);
     * prefetch (CaR): a windowed request whose prefix is partly on the host is reloaded
       ahead when ``min_i TPOT x remaining_i <= T_transfer`` over running requests (the
       first slot frees about when the copy ends; output lengths known, as a perfect
@@ -47,8 +48,8 @@ Approach
     synchronous offload. TTFT: end of the step that emits the first token minus arrival.
 
 Limitations
-    Full-attention models only; one GPU; CaR's priority classes inside the window and its
-    sparsification are not modelled; a reload in flight delays only its request.
+    Full-attention models only; one GPU; CaR's sparsification is not modelled; a reload
+    in flight delays only its request.
 """
 
 from __future__ import annotations
@@ -406,6 +407,22 @@ class TierEngine:
             self.stats.prefetches += 1
             slots -= 1
 
+    def _maybe_prioritize(self, waiting: deque[TierRequest], window: list[TierRequest]) -> None:
+        """CaR's classes: reorder the window (the queue's first requests) in place."""
+        if self.tier is None or not self.tier.window_priority:
+            return
+        window.sort(key=self._priority_class)  # stable: arrival order within a class
+        for i, state in enumerate(window):
+            waiting[i] = state
+
+    def _priority_class(self, state: TierRequest) -> int:
+        """0: every cached block of its prompt is on the GPU (prefetched or not); 1: no
+        cached history; 2: some of it must come from the host."""
+        on_gpu, on_host = self._match(state, len(state.held))
+        if on_host:
+            return 2
+        return 0 if state.held or on_gpu else 1
+
     def _update_window(self, waiting: deque[TierRequest], now: float) -> list[TierRequest]:
         if self.tier is None:
             return []
@@ -620,7 +637,9 @@ class TierEngine:
             self._stall_s = 0.0
             if self.host is not None:
                 self._finish_transfers(now)
-            self._maybe_prefetch(self._update_window(waiting, now), running, now)
+            window = self._update_window(waiting, now)
+            self._maybe_prioritize(waiting, window)
+            self._maybe_prefetch(window, running, now)
             scheduled = self._schedule(running, waiting, now)
             if not scheduled:
                 now = self._next_event(running, waiting, now)

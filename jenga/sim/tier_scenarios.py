@@ -75,6 +75,7 @@ class TierScenario:
     link: Link = LINKS["pcie4"]
     high_water: float = 0.9
     window: int = 8
+    window_priority: bool = False  # CaR's classes inside the window (tier rows)
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     note: str = ""
@@ -95,9 +96,12 @@ class TierScenario:
             link=self.link,
             high_water=self.high_water,
             window=self.window,
+            window_priority=self.window_priority,
         )
         if config == "vllm-cpu-offload":
-            return replace(base, write_through=True, pipelined=False, high_water=1.0)
+            return replace(
+                base, write_through=True, pipelined=False, high_water=1.0, window_priority=False
+            )
         _, policy, *prefetch = config.split("-")
         return replace(base, policy=policy, prefetch=bool(prefetch))
 
@@ -367,7 +371,7 @@ def run_seeds(
 # --- jenga-sim ------------------------------------------------------------------------------
 
 TIER_FLAGS = ("host_gib", "host_memory_gib", "link", "link_gbps", "link_latency_us",
-              "high_water", "window")  # fmt: skip
+              "high_water", "window", "window_priority")  # fmt: skip
 # jenga-sim flags a tier scenario reads; any other flag set is refused, not ignored
 SHARED_FLAGS = ("scenario", "model", "gpu", "reserved", "reserved_gib", "workload", "param",
                 "seed", "seeds", "rate", "max_num_batched_tokens", "max_num_seqs",
@@ -384,6 +388,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--link-latency-us", type=float, help="link latency per transfer in us")
     g.add_argument("--high-water", type=float, help="background offload above this share (0.9)")
     g.add_argument("--window", type=int, help="scheduler window in requests (8)")
+    g.add_argument(
+        "--window-priority",
+        action="store_true",
+        default=None,
+        help="tier rows: order the window by CaR's classes (GPU hit, no history, host hit)",
+    )
 
 
 def scenario_from_args(args: argparse.Namespace, params: dict[str, object]) -> TierScenario:
@@ -421,6 +431,7 @@ def scenario_from_args(args: argparse.Namespace, params: dict[str, object]) -> T
         "host_memory_gib": args.host_memory_gib,
         "high_water": args.high_water,
         "window": args.window,
+        "window_priority": args.window_priority,
     }
     kept = {k: v for k, v in changes.items() if v is not None}
     return replace(base, workload_params=params, link=link, **kept)

@@ -97,6 +97,9 @@ class TierConfig:
     window: int = 8  # CaR's scheduler window: requests at the queue front seen ahead
     prefetch: bool = False  # CaR's prefetcher: reload while the request waits in the window
     pipelined: bool = True  # reload layer by layer, overlapping the prefill's compute
+    # CaR's priority classes inside the window: GPU-resident history first, no history
+    # second, history on the host last (stable within a class)
+    window_priority: bool = False
     write_through: bool = False  # vLLM CPU offloading: store every computed block at once
 
     def __post_init__(self) -> None:

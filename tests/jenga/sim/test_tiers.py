@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import deque
 
 import pytest
 from jenga.sim.cli import main
@@ -365,3 +366,21 @@ def test_seeds_report_each_configuration_against_no_reuse(tmp_path):
     assert [line.split(" | ")[0] for line in lines[4:]] == [f"| {c}" for c in CONFIGS]
     reload = per_seed["0"]["tier-lru"]["revisit_ttft_mean_s"]
     assert reload < per_seed["0"]["no-reuse"]["revisit_ttft_mean_s"]
+
+
+def test_window_priority_orders_gpu_hits_then_no_history_then_host_hits():
+    config = TierEngineConfig(tier=_tier(window_priority=True))
+    engine = TierEngine(MODEL, GPU, 100 * BLOCK, config)
+    rng = random.Random(1)
+    reqs = {n: Request(n, random_ids(rng, 40), random_ids(rng, 1)) for n in "abcde"}
+    states = {n: engine._state(r) for n, r in reqs.items()}
+    engine.gpu_blocks[states["a"].keys[0]] = GpuBlock()  # a: its history on the GPU
+    engine.evictable[states["a"].keys[0]] = None
+    for n in "ce":  # c, e: their history on the host
+        engine.host.insert(states[n].keys[0], BLOCK, 0.0)
+    waiting = deque(states[n] for n in "cebda")
+    window = list(waiting)[:4]  # a is outside the window: it keeps its place
+    engine._maybe_prioritize(waiting, window)
+    assert [s.request.req_id for s in waiting] == ["b", "d", "c", "e", "a"]
+    engine._maybe_prioritize(waiting, list(waiting))
+    assert [s.request.req_id for s in waiting] == ["a", "b", "d", "c", "e"]
