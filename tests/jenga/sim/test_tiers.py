@@ -384,3 +384,31 @@ def test_window_priority_orders_gpu_hits_then_no_history_then_host_hits():
     assert [s.request.req_id for s in waiting] == ["b", "d", "c", "e", "a"]
     engine._maybe_prioritize(waiting, list(waiting))
     assert [s.request.req_id for s in waiting] == ["a", "b", "d", "c", "e"]
+
+
+def test_scores_follow_window_admission_and_completion():
+    """CaR's events: +1 entering the window, +1 at admission, -2 at completion."""
+    engine = TierEngine(MODEL, GPU, 100 * BLOCK, TierEngineConfig(tier=_tier(policy="score")))
+    rng = random.Random(2)
+    shared = random_ids(rng, 48)  # three blocks both prompts start with
+    first, second = (
+        engine._state(Request(n, shared + random_ids(rng, 8), random_ids(rng, 1))) for n in "xy"
+    )
+    waiting = deque([first, second])
+    engine._update_window(waiting, 0.0)
+    engine._update_window(waiting, 0.0)  # still windowed: counted once
+    keys = first.prompt_keys
+    assert keys == second.prompt_keys[:3] and len(keys) == 3
+    assert [engine.score[k] for k in keys] == [2, 2, 2]
+    n = engine._admit(first, 8192, 0.0)
+    assert n == 56 and [engine.score[k] for k in keys] == [3, 3, 3]
+    waiting.popleft()
+    finished = engine._execute([(first, n)], [first], 1.0)
+    assert finished == [first] and [engine.score[k] for k in keys] == [1, 1, 1]
+
+
+def test_a_gpu_hit_prefills_only_the_new_tokens():
+    trace, b_len = _evicted_then_revisited()
+    stats = TierEngine(MODEL, GPU, 1000 * BLOCK, TierEngineConfig()).run(trace)
+    assert stats.gpu_hit_tokens == 160 and stats.host_hit_tokens == 0
+    assert stats.ttft_s[-1] == pytest.approx(_prefill_s(160, b_len, True), rel=1e-9)
