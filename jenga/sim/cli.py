@@ -9,7 +9,9 @@ reports every metric as mean and range over trace seeds; ``--sweep KEY=LIST`` sw
 knob and reports hit rate and throughput at each value (``--scenario articles-ministral
 --sweep articles=1,2,3,4,5,6,8``: the paper's Fig. 17a and 17b). ``--sweep`` alone runs
 a grid of shipped scenarios x KV sizes x seeds (`jenga.sim.grid`) and prints every Jenga
-row's ratio to ``vllm_v1`` per cell.
+row's ratio to ``vllm_v1`` per cell. ``--scenario car-chat`` and ``car-longdoc`` are CaR's
+setups (`jenga.sim.tier_scenarios`): TTFT per KV cache configuration, GPU only or with a
+host tier (``--host-gib``, ``--link``, ``--high-water``, ``--window``).
 
 Mistakes on the command line (a NaN or negative size, a zero block size, an unknown
 name) print one line on stderr and exit 2; a requested allocator that produced no
@@ -29,7 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from jenga.errors import AllocatorError
-from jenga.sim import grid, report, seeds, sweep
+from jenga.sim import grid, report, seeds, sweep, tier_scenarios
 from jenga.sim.engine import ADMISSIONS, PREFILLS, EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
@@ -159,9 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
     p.add_argument("--plot-dir", help="write PNG plots there")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument(
-        "--list", action="store_true", help="list scenarios, models, workloads, allocators"
-    )
+    p.add_argument("--list", action="store_true", help="list scenarios (car-*: TTFT), models...")
+    tier_scenarios.add_arguments(p)
     return p
 
 
@@ -200,6 +201,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 
 def _print_lists(console: Console) -> None:
     console.print("scenarios:", ", ".join(sorted(SCENARIOS)))
+    console.print("tier scenarios (TTFT):", ", ".join(sorted(tier_scenarios.TIER_SCENARIOS)))
     console.print("models:", ", ".join(model_names()))
     console.print("gpus:", ", ".join(sorted(GPUS)))
     console.print("workloads:", ", ".join(sorted(GENERATORS)))
@@ -316,6 +318,11 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    if args.scenario in tier_scenarios.TIER_SCENARIOS:
+        return tier_scenarios.main(args, console, _parse_params(args.param))
+    tier_flags = [_flag(n) for n in tier_scenarios.TIER_FLAGS if getattr(args, n) is not None]
+    if tier_flags:
+        raise SimError(f"{', '.join(tier_flags)}: only the tier scenarios read them")
     _check_mode(args)
     if args.sweep == GRID:
         return _run_grid(args, console)

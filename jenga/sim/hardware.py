@@ -94,12 +94,13 @@ class GPU:
 
 
 # Device memory as the driver reports it (nvidia-smi "Total"): H100 SXM 80 GB 81,559 MiB,
-# H200 141 GB 143,771 MiB, L4 24 GB 23,034 MiB. Bandwidth and dense bf16 peak from the
-# vendors' data sheets.
+# H200 141 GB 143,771 MiB, L4 24 GB 23,034 MiB; A100 40 GB as torch reports it, 40,536 MiB.
+# Bandwidth and dense bf16 peak from the vendors' data sheets.
 GPUS: dict[str, GPU] = {
     "h100-80gb": GPU("H100 80 GB", 81_559 * MiB, 3.35e12, 989e12),
     "h200-141gb": GPU("H200 141 GB", 143_771 * MiB, 4.8e12, 989e12),
     "l4-24gb": GPU("L4 24 GB", 23_034 * MiB, 300e9, 121e12),
+    "a100-40gb": GPU("A100 40 GB", 40_536 * MiB, 1.555e12, 312e12),
 }
 
 

@@ -78,8 +78,41 @@ def nemotron_nano_9b_v2() -> ModelSpec:
     )
 
 
-_SIM_MODELS: dict[str, Callable[[], ModelSpec]] = {"nemotron-nano-9b-v2": nemotron_nano_9b_v2}
-_SIM_CONFIGS: dict[str, dict[str, Any]] = {"nemotron-nano-9b-v2": NEMOTRON_NANO_9B_V2}
+# The CaR paper's models (docs/reproduction.md, CaR): OPT-13B (facebook/opt-13b config.json:
+# 40 layers, 40 heads x 128, 2,048 positions) and Llama-2 7B LongLoRA (Llama-2 7B's shape,
+# 32 layers, 32 heads x 128, no GQA, with LongLoRA's 32K context). Both full attention, fp16.
+OPT_13B: dict[str, Any] = {
+    "num_hidden_layers": 40, "num_attention_heads": 40, "hidden_size": 5120,
+    "max_position_embeddings": 2048,
+}  # fmt: skip
+LLAMA_2_7B_32K: dict[str, Any] = {
+    "num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+    "max_position_embeddings": 32768,
+}  # fmt: skip
+
+
+def _dense_mha(name: str, cfg: dict[str, Any], params: int) -> ModelSpec:
+    """A decoder with every layer full multi-head attention (KV heads = query heads)."""
+    heads = int(cfg["num_attention_heads"])
+    layer = LayerSpec(Kind.FULL, num_kv_heads=heads, head_dim=int(cfg["hidden_size"]) // heads)
+    return ModelSpec(
+        name=name,
+        groups=group_layers([(i, layer) for i in range(int(cfg["num_hidden_layers"]))]),
+        max_model_len=int(cfg["max_position_embeddings"]),
+        weight_bytes=params * 2,
+    )
+
+
+_SIM_MODELS: dict[str, Callable[[], ModelSpec]] = {
+    "nemotron-nano-9b-v2": nemotron_nano_9b_v2,
+    "opt-13b": lambda: _dense_mha("opt-13b", OPT_13B, 12_850_000_000),
+    "llama-2-7b-32k": lambda: _dense_mha("llama-2-7b-32k", LLAMA_2_7B_32K, 6_740_000_000),
+}
+_SIM_CONFIGS: dict[str, dict[str, Any]] = {
+    "nemotron-nano-9b-v2": NEMOTRON_NANO_9B_V2,
+    "opt-13b": OPT_13B,
+    "llama-2-7b-32k": LLAMA_2_7B_32K,
+}
 
 
 def get_model(name: str) -> ModelSpec:
