@@ -32,11 +32,16 @@ Approach
     and share from the first reorder on.
 
     `crop` (assisted decoding) moves every layer's length back; the rows keep their slots
-    and the next forward overwrites them.
+    and the next forward overwrites them. Assisted decoding first calls
+    `activate_past_recording`: on a cache not yet opened, sliding-window groups are then
+    stored as full attention (the layers still attend to their window only), so a crop
+    can go back into positions a window had left, as transformers' own recording layers
+    keep their past.
 
 Limitations
     `crop` only where every layer keeps every position (a window's released blocks and a
-    state cannot go back); no reordering of a model with state layers (Mamba: their views
+    state cannot go back: transformers refuses assisted decoding with a recurrent state
+    too); no reordering of a model with state layers (Mamba: their views
     need the rows' state blocks at one stride). Cross attention
     (mllama) needs the image token count up front (`image_tokens`), one image per row.
     Encoder caches (LLaVA-OneVision's vision embeddings) are not kept: transformers
@@ -296,6 +301,15 @@ def _chunk_as_window(group: KVGroup) -> KVGroup:
     return dataclasses.replace(group, spec=window)
 
 
+def _window_as_full(group: KVGroup) -> KVGroup:
+    """A sliding-window group stored as full attention (every position kept)."""
+    spec = group.spec
+    if spec.kind is not Kind.SLIDING_WINDOW:
+        return group
+    full = dataclasses.replace(spec, kind=Kind.FULL, window=None)
+    return dataclasses.replace(group, spec=full)
+
+
 def default_budget_bytes(
     spec: ModelSpec,
     *,
@@ -376,6 +390,7 @@ class VmmCache(Cache):
         self._budget, self._chunk_bytes = budget_bytes, chunk_bytes
         self._max_length = max_length or text.max_position_embeddings
         self._kv_config = KVCacheConfig(kv_split=kv_split, layout=layout)
+        self._record_past = False  # windows kept whole for `crop` (`activate_past_recording`)
         structure = self._spec(2)
         conv = 0
         if any(g.spec.kind is Kind.MAMBA for g in structure.groups):
@@ -398,6 +413,8 @@ class VmmCache(Cache):
         options = dataclasses.replace(self._options, dtype_bytes=itemsize)
         spec = model_spec_from_config(self._config, options=options)
         groups = tuple(_chunk_as_window(g) for g in spec.groups if g.spec.model == "target")
+        if self._record_past:
+            groups = tuple(_window_as_full(g) for g in groups)
         return dataclasses.replace(spec, groups=groups)
 
     def _open(self, dtype: torch.dtype, num_rows: int) -> KVCache:
@@ -456,6 +473,20 @@ class VmmCache(Cache):
             )
         store.remap_rows(sources)
 
+    def activate_past_recording(self) -> None:
+        """Keep what a `crop` may take back (transformers calls it before assisted
+        decoding): sliding-window groups are stored whole. On a cache already opened with
+        window groups, `UnsupportedLayer` (their released blocks cannot come back)."""
+        if not self._record_past and self.store.is_open:
+            windows = [g.name for g in self.kv.model.groups if g.spec.kind is Kind.SLIDING_WINDOW]
+            if windows:
+                raise UnsupportedLayer(
+                    f"window groups {windows} already released blocks: record the past "
+                    "(assisted decoding) only from a cache that has not run a forward yet"
+                )
+        self._record_past = True
+        super().activate_past_recording()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
         count; assisted decoding drops rejected candidates). The rows keep their slots (an
@@ -469,11 +500,10 @@ class VmmCache(Cache):
         if tokens_to_remove == 0:
             return
         parts = [layer for layer in self.layers if isinstance(layer, AttentionPart)]
-        other = [
-            i
-            for i, layer in enumerate(self.layers)
-            if not isinstance(layer, (VmmLayer, VmmCrossLayer, DummyLayer))
-        ]
+        whole = (VmmLayer, VmmCrossLayer, DummyLayer)
+        if self._record_past:
+            whole += (VmmSlidingLayer,)
+        other = [i for i, layer in enumerate(self.layers) if not isinstance(layer, whole)]
         if other:
             raise UnsupportedLayer(
                 f"layers {other} keep a window or a state: VmmCache crops only caches whose "
@@ -481,6 +511,8 @@ class VmmCache(Cache):
             )
         for layer in parts:
             layer.seen = max(0, layer.seen + tokens_to_remove)
+            if isinstance(layer, VmmSlidingLayer):
+                layer.cumulative_length = layer.seen
         self.store.tokens_cropped -= tokens_to_remove
 
     def close(self) -> None:
