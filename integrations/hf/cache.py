@@ -500,7 +500,7 @@ class VmmCache(Cache):
         if tokens_to_remove == 0:
             return
         parts = [layer for layer in self.layers if isinstance(layer, AttentionPart)]
-        whole = (VmmLayer, VmmCrossLayer, DummyLayer)
+        whole: tuple[type, ...] = (VmmLayer, VmmCrossLayer, DummyLayer)
         if self._record_past:
             whole += (VmmSlidingLayer,)
         other = [i for i, layer in enumerate(self.layers) if not isinstance(layer, whole)]
