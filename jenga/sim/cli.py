@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from jenga.errors import AllocatorError
-from jenga.sim import grid, report, seeds, sweep
+from jenga.sim import grid, report, seeds, sharing, sharing_cli, sweep
 from jenga.sim.engine import ADMISSIONS, PREFILLS, EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
@@ -103,11 +103,15 @@ def _parse_params(items: list[str]) -> dict[str, object]:
     return params
 
 
+def _names() -> list[str]:
+    return sorted([*SCENARIOS, *sharing.SCENARIOS])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)} (default {DEFAULT_SCENARIO})")
+    p.add_argument("--scenario", help=f"one of {_names()} (default {DEFAULT_SCENARIO})")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
     p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
@@ -199,7 +203,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 
 
 def _print_lists(console: Console) -> None:
-    console.print("scenarios:", ", ".join(sorted(SCENARIOS)))
+    console.print("scenarios:", ", ".join(_names()))
     console.print("models:", ", ".join(model_names()))
     console.print("gpus:", ", ".join(sorted(GPUS)))
     console.print("workloads:", ", ".join(sorted(GENERATORS)))
@@ -316,6 +320,8 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    if args.scenario in sharing.SCENARIOS:  # samples and beams sharing blocks
+        return sharing_cli.run(args, console)
     _check_mode(args)
     if args.sweep == GRID:
         return _run_grid(args, console)
