@@ -41,8 +41,8 @@ Approach
 Limitations
     `crop` only where every layer keeps every position (a window's released blocks and a
     state cannot go back: transformers refuses assisted decoding with a recurrent state
-    too); no reordering of a model with state layers (Mamba: their views
-    need the rows' state blocks at one stride). Cross attention
+    too). Rows of a state model that share a state block after a reorder read a gathered
+    copy of their states until their next allocation (`integrations.hf.layers`). Cross attention
     (mllama) needs the image token count up front (`image_tokens`), one image per row.
     Encoder caches (LLaVA-OneVision's vision embeddings) are not kept: transformers
     recomputes them in the prefill, so the cache holds the decoder's groups only. The
@@ -216,16 +216,14 @@ class RowStore:
         fork it (`KVCache.fork`: every block shared; the block the next token writes into
         is copied by that row's next allocation); a source no row takes is freed.
 
-        Raises `UnsupportedLayer` for a cache with state layers (their views need the
-        rows' state blocks at one stride), `ValueError` for no rows, `IndexError` for a
-        source outside the rows; nothing changes then."""
+        State layers: gathered state copies are written back first; afterwards rows that
+        share a state block read gathered copies until their next allocation copies the
+        block (`StatePart.flush_states`).
+
+        Raises `ValueError` for no rows, `IndexError` for a source outside the rows;
+        nothing changes then."""
         if self.num_rows == 0:
             return  # nothing stored yet: the first forward opens the rows it is given
-        if self.state_layers:
-            raise UnsupportedLayer(
-                f"{len(self.state_layers)} state layers: their rows cannot be reordered, "
-                "expanded or selected"
-            )
         if not sources:
             raise ValueError(f"a batch of 0 rows selected from {self.num_rows}")
         bad = [s for s in sources if not 0 <= s < self.num_rows]
@@ -242,6 +240,8 @@ class RowStore:
             else:
                 children[rid] = []
                 new_ids.append(rid)
+        for layer in self.state_layers:
+            layer.flush_states()
         for rid, kids in children.items():
             if kids:
                 self.kv.fork(rid, kids)
@@ -251,6 +251,10 @@ class RowStore:
         self.row_lengths = [self.row_lengths[s] for s in sources]
         self.row_ids, self.num_rows = new_ids, len(new_ids)
         self.length = min(self.row_lengths)
+        for g in self.state_blocks:
+            self.state_blocks[g] = [self.table(r, g)[-1] for r in range(self.num_rows)]
+        for layer in self.state_layers:
+            layer.repoint()
 
     def attention_group(self, layer: int) -> int:
         return self.kv.group_of(layer).index
@@ -284,7 +288,10 @@ class RowStore:
                         self.state_moves += 1
                         target = rng.tensor(size, torch.uint8, base + geo.block_offset(dst))
                         target.copy_(rng.tensor(size, torch.uint8, base + geo.block_offset(src)))
-        if moved:
+        gathered = any(layer.has_gathered() for layer in self.state_layers)
+        for layer in self.state_layers:
+            layer.flush_states()  # gathered copies into the rows' live blocks
+        if moved or gathered:
             for layer in self.state_layers:
                 layer.repoint()
 

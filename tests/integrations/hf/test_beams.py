@@ -38,7 +38,7 @@ def run(model, batch: int, mode: dict, cache: VmmCache | None = None):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "jamba"])
 def test_beams_and_samples_bitwise_equal_to_dynamic_cache(name: str, batch: int, mode: str):
     model = tiny_model(name)
     ref = run(model, batch, MODES[mode])
@@ -151,13 +151,44 @@ def test_bad_reorders_are_refused_with_nothing_changed():
     cache.close()
 
 
-def test_state_layers_are_not_reordered():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mamba_beams_through_checkpoint_moves_match_dynamic_cache(batch: int):
+    """Jamba, a state block every 4 tokens: beams that continue one beam share its state
+    block, read gathered copies until their next step copies the block, and the states
+    move to new checkpoint blocks under them; tokens and scores stay bitwise equal."""
     model = tiny_model("jamba")
-    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20)
-    prefill(model, cache, torch.ones(2, 5, dtype=torch.long))
-    with pytest.raises(UnsupportedLayer, match="2 state layers"):
-        cache.reorder_cache(torch.tensor([1, 0]))
+    mode = MODES["beams4-return2"]
+    ref = run(model, batch, mode)
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK,
+                     checkpoint_interval=4)  # fmt: skip
+    out = run(model, batch, mode, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores, strict=True))
+    assert cache.store.state_moves > 0 and cache.kv.stats()["kv.cow.blocks"] > 0
+    cache.kv.check_invariants(expensive=True)
     cache.close()
+
+
+def test_reordered_mamba_rows_read_gathered_states_bitwise_equal():
+    model = tiny_model("jamba")
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(4))
+    ref = transformers.DynamicCache(config=model.config)
+    ours = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    assert torch.equal(prefill(model, ours, ids), prefill(model, ref, ids))
+    layer = ours.store.state_layers[0]
+    assert not layer.has_gathered()  # rows allocated in order: one strided view each
+    for cache in (ref, ours):
+        cache.reorder_cache(torch.tensor([1, 1]))  # both rows continue row 1
+    assert layer.has_gathered()  # one shared block: a copy per row
+    assert torch.equal(layer.recurrent_states[0], ref.layers[0].recurrent_states[0])
+    col = torch.tensor([[7], [9]])
+    assert torch.equal(decode(model, ours, col), decode(model, ref, col))
+    assert ours.kv.stats()["kv.cow.blocks"] > 0  # the shared block was copied
+    for _ in range(3):
+        col = col + 1
+        assert torch.equal(decode(model, ours, col), decode(model, ref, col))
+    ours.kv.check_invariants(expensive=True)
+    ours.close()
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
