@@ -26,8 +26,9 @@ Approach
 
 Limitations
     Greedy beam search only (no beam sampling, length penalty or early stopping by EOS);
-    the engine refuses beams with a seed, with ``n``, with ``overlap``, images or state
-    groups, and more beams than ``max_running`` (a group must be able to run at once).
+    the engine refuses beams with a seed, with ``n``, with ``overlap`` or images, and more
+    beams than ``max_running`` (a group must be able to run at once). A Mamba state is
+    forked like a partly filled block: each beam copies it on its first step.
 """
 
 from __future__ import annotations

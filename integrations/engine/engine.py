@@ -34,7 +34,7 @@ Approach
 Limitations
     Greedy or plain seeded sampling (no temperature, top-k or top-p); greedy beam
     search (``beams``, see `beams`) without EOS; ``n`` samples are forked without regard
-    to ``max_running``, and not with ``overlap``, images or state groups; recompute (not
+    to ``max_running``, and not with ``overlap`` or images; recompute (not
     swap) preemption; one model (any family `ModelForward` serves; images for
     LLaVA-OneVision and Mllama, see `images`).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from jenga.specs import Kind
 
 import vmm
 from integrations.engine.beams import BeamGroup
@@ -314,11 +313,9 @@ class MiniEngine:
             raise ValueError(
                 f"request {request_id!r}: n={n} samples need a seed (greedy ones agree)"
             )
-        state = [g.name for g in self.kv.model.groups if g.spec.kind is Kind.MAMBA]
         why = (
             "overlap=True allocates a decode token before the fork" if self.config.overlap
             else "requests with images" if images
-            else f"state groups {state}" if state
             else ""
         )  # fmt: skip
         if why:
@@ -332,7 +329,6 @@ class MiniEngine:
             raise ValueError(f"request {request_id!r}: beams must be an int > 0, got {beams!r}")
         if beams == 1:
             return
-        state = [g.name for g in self.kv.model.groups if g.spec.kind is Kind.MAMBA]
         cfg = self.config
         why = (
             f"n={n} samples" if n > 1
@@ -342,7 +338,6 @@ class MiniEngine:
             else "overlap=True (a decode token is allocated before the beams are chosen)"
             if cfg.overlap
             else "images" if images
-            else f"state groups {state}" if state
             else ""
         )  # fmt: skip
         if why:

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from integrations.engine import EngineConfig, MiniEngine  # noqa: E402
 from tests.integrations.engine.test_engine import CHUNK, tiny  # noqa: E402
+from tests.integrations.hf.families import tiny_model  # noqa: E402
 
 PROMPT = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(8)).tolist()
 NEW = 6
@@ -99,4 +100,33 @@ def test_bad_beam_widths_and_options_are_refused_at_add_request(llama):
     with pytest.raises(ValueError, match="beams=2 are not served with overlap=True"):
         eng.add_request("a", PROMPT, NEW, beams=2)
     assert not eng.pending
+    eng.close()
+
+
+@pytest.mark.parametrize("budget_chunks", [64, 24])
+def test_mamba_hybrid_beams_and_samples_equal_the_reference(budget_chunks: int):
+    """Jamba (a state checkpoint every 8 tokens): a fork copies each beam's or sample's
+    live state on its first step; with 24 chunks samples and beams are preempted and
+    recompute their states, and every sequence still equals transformers'."""
+    model = tiny_model("jamba")
+    model.generation_config.eos_token_id = None
+    prompt = PROMPT[:13]
+    ids = torch.tensor([prompt])
+    ref_beams = reference(model, prompt, 2)
+    ref_samples = []
+    for i in range(2):
+        torch.manual_seed(100 + i)
+        seq = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=True,
+            top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0,
+        )  # fmt: skip
+        ref_samples.append(seq[0, 13:].tolist())
+    eng = engine(model, token_budget=12, budget_bytes=budget_chunks * CHUNK, checkpoint_interval=8)
+    eng.add_request("b", prompt, NEW, beams=2)
+    eng.add_request("s", prompt, NEW, n=2, seed=100)
+    out = eng.run(max_steps=400)
+    assert [out[("b", i)] for i in range(2)] == ref_beams
+    assert [out[("s", i)] for i in range(2)] == ref_samples
+    assert (eng.stats["preemptions"] > 0) == (budget_chunks == 24)
+    eng.kv.check_invariants(expensive=True)
     eng.close()
