@@ -22,6 +22,7 @@ MODES = {
     "beams3-return3": {"num_beams": 3, "num_return_sequences": 3},
     "beams4-return2": {"num_beams": 4, "num_return_sequences": 2},
     "sample-return2": {"do_sample": True, "num_return_sequences": 2},
+    "sample-return3": {"do_sample": True, "num_return_sequences": 3},
     "sample-return4": {"do_sample": True, "num_return_sequences": 4},
 }
 
