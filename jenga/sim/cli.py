@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from jenga.errors import AllocatorError
-from jenga.sim import grid, report, seeds, sharing, sharing_cli, sweep
+from jenga.sim import grid, report, seeds, sweep
 from jenga.sim.engine import ADMISSIONS, PREFILLS, EngineConfig
 from jenga.sim.hardware import GPUS, HardwareError
 from jenga.sim.metrics import summarize
@@ -103,8 +103,15 @@ def _parse_params(items: list[str]) -> dict[str, object]:
     return params
 
 
+def _sharing_scenarios() -> list[str]:
+    """The parallel-sampling and beam-search scenarios (`jenga.sim.sharing`)."""
+    from jenga.sim.sharing import SCENARIOS as SHARING
+
+    return sorted(SHARING)
+
+
 def _names() -> list[str]:
-    return sorted([*SCENARIOS, *sharing.SCENARIOS])
+    return sorted([*SCENARIOS, *_sharing_scenarios()])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,11 +210,12 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 
 
 def _print_lists(console: Console) -> None:
-    console.print("scenarios:", ", ".join(_names()))
+    console.print("scenarios:", ", ".join(sorted(SCENARIOS)))
     console.print("models:", ", ".join(model_names()))
     console.print("gpus:", ", ".join(sorted(GPUS)))
     console.print("workloads:", ", ".join(sorted(GENERATORS)))
     console.print("allocators:", ", ".join(sorted(ALLOCATORS)))
+    console.print("sharing scenarios (samples, beams):", ", ".join(_sharing_scenarios()))
 
 
 def _seed_list(args: argparse.Namespace, scenario: Scenario) -> list[int]:
@@ -320,8 +328,6 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    if args.scenario in sharing.SCENARIOS:  # samples and beams sharing blocks
-        return sharing_cli.run(args, console)
     _check_mode(args)
     if args.sweep == GRID:
         return _run_grid(args, console)
@@ -369,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         _print_lists(console)
         return 0
     try:
+        if args.scenario in _sharing_scenarios():
+            from jenga.sim import sharing_cli
+
+            return sharing_cli.run(args, console)
         return run(args, console)
     except (SimError, WorkloadError, HardwareError, UnknownModel, SpecError, AllocatorError) as exc:
         one_line = " ".join(str(exc).split())
