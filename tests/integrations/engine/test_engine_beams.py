@@ -70,6 +70,20 @@ def test_beams_under_preemption_equal_the_reference(llama):
     eng.close()
 
 
+def test_beams_on_the_packed_forward_under_preemption_equal_the_reference(llama):
+    """attention='flash': the packed Llama forward over the block tables (torch's SDPA on
+    CPU) reads the forked beams' shared blocks the same way."""
+    model, ref = llama
+    eng = engine(model, token_budget=16, budget_bytes=10 * CHUNK, attention="flash")
+    eng.add_request("a", PROMPT, NEW, beams=4)
+    eng.add_request("s", PROMPT, NEW, n=3, seed=5)  # samples competing for the chunks
+    out = eng.run(max_steps=400)
+    assert [out[("a", i)] for i in range(4)] == ref
+    assert eng.stats["preemptions"] > 0
+    eng.kv.check_invariants(expensive=True)
+    eng.close()
+
+
 @pytest.mark.parametrize("beams", [2, 3])
 def test_narrower_beams_and_a_window_model_equal_the_reference(beams: int):
     model = tiny("mistral")
