@@ -37,10 +37,11 @@ Approach
            └────────── preempt (free) ────────┘
 
 Limitations
-    Greedy or plain seeded sampling (no temperature, top-k or top-p); no beam search;
-    ``n`` samples are forked without regard to ``max_running``, and not with
-    ``overlap``, images or state groups; recompute (not swap) preemption; one model (any family
-    `ModelForward` serves; images for LLaVA-OneVision and Mllama, see `images`).
+    Greedy or plain seeded sampling (no temperature, top-k or top-p); greedy beam
+    search (``beams``, see `beams`) without EOS; ``n`` samples are forked without regard
+    to ``max_running``, and not with ``overlap`` or images; recompute (not
+    swap) preemption; one model (any family `ModelForward` serves; images for
+    LLaVA-OneVision and Mllama, see `images`).
     With ``overlap``, decode tokens of step t+1 are allocated before step t's forward
     (lengths are known; EOS is not used), so memory is committed one token early.
 """
@@ -55,9 +56,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-from jenga.specs import Kind
 
 import vmm
+from integrations.engine.beams import BeamGroup
 from integrations.engine.forward import PackedForward, Segment, flash_kernel
 from integrations.engine.images import IMAGE_ADAPTERS, RequestImages
 from integrations.engine.model_forward import ModelForward
@@ -179,6 +180,8 @@ class EngineRequest:
     generator: torch.Generator | None = None
     n: int = 1
     seed: int = 0
+    beam: BeamGroup | None = None  # the beam group this request is a beam of
+    order: int = 0  # `add_request` order
 
     @property
     def sequence(self) -> list[int]:
@@ -238,6 +241,7 @@ class MiniEngine:
         self.done: dict[Hashable, EngineRequest] = {}
         self.step_index = 0
         self._ahead: dict[Hashable, int] = {}  # tokens allocated ahead (overlap)
+        self._added = 0
         self.stats = {"steps": 0, "preemptions": 0, "prefix.hit_tokens": 0, "tokens.computed": 0,
                       "running.max": 0}  # fmt: skip
 
@@ -251,6 +255,7 @@ class MiniEngine:
         *,
         n: int = 1,
         seed: int | None = None,
+        beams: int = 1,
     ) -> None:
         """Queue a request. `images`: the processor's image inputs for this one prompt
         (``pixel_values`` and what the model takes with them, batch 1); their features are
@@ -258,11 +263,20 @@ class MiniEngine:
         ``seed``: sample (softmax of the logits, ``torch.multinomial`` with a generator
         seeded ``seed``) instead of greedy. ``n`` > 1 (needs a seed): parallel sampling,
         samples ``(request_id, i)``, sample i seeded ``seed + i``, forked from sample 0
-        once the prompt is computed (they share its blocks, `KVCache.fork`)."""
+        once the prompt is computed (they share its blocks, `KVCache.fork`).
+        ``beams`` > 1: greedy beam search of that width (`integrations.engine.beams`);
+        results ``(request_id, i)``, the i-th best sequence, as transformers'
+        ``generate(num_beams=beams, num_return_sequences=beams)`` orders them."""
         prompt = self._checked_request(request_id, prompt, max_new_tokens, arrival_step)
         self._check_samples(request_id, n, seed, images)
+        self._check_beams(request_id, beams, n, seed, images)
         rid = (request_id, 0) if n > 1 else request_id
-        req = EngineRequest(rid, prompt, max_new_tokens, arrival_step, n=n)
+        self._added += 1
+        group = BeamGroup(request_id, beams, max_new_tokens, self._added) if beams > 1 else None
+        if group is not None:
+            rid = group.beams[0]
+        req = EngineRequest(rid, prompt, max_new_tokens, arrival_step, n=n, beam=group)
+        req.order = self._added
         if seed is not None:
             req.seed, req.generator = seed, torch.Generator().manual_seed(seed)
         if images:
@@ -328,15 +342,35 @@ class MiniEngine:
             raise ValueError(
                 f"request {request_id!r}: n={n} samples need a seed (greedy ones agree)"
             )
-        state = [g.name for g in self.kv.model.groups if g.spec.kind is Kind.MAMBA]
         why = (
             "overlap=True allocates a decode token before the fork" if self.config.overlap
             else "requests with images" if images
-            else f"state groups {state}" if state
             else ""
         )  # fmt: skip
         if why:
             raise ValueError(f"request {request_id!r}: n={n} samples are not served with {why}")
+
+    def _check_beams(
+        self, request_id: Hashable, beams: int, n: int, seed: int | None, images: Any
+    ) -> None:
+        """`ValueError` unless a beam search of width ``beams`` can be served."""
+        if type(beams) is not int or beams <= 0:
+            raise ValueError(f"request {request_id!r}: beams must be an int > 0, got {beams!r}")
+        if beams == 1:
+            return
+        cfg = self.config
+        why = (
+            f"n={n} samples" if n > 1
+            else f"seed={seed} (beam sampling is not served)" if seed is not None
+            else f"max_running={cfg.max_running} (every beam must run at once)"
+            if beams > cfg.max_running
+            else "overlap=True (a decode token is allocated before the beams are chosen)"
+            if cfg.overlap
+            else "images" if images
+            else ""
+        )  # fmt: skip
+        if why:
+            raise ValueError(f"request {request_id!r}: beams={beams} are not served with {why}")
 
     # ---- scheduling ------------------------------------------------------------------------
     def _arrivals(self) -> None:
@@ -349,6 +383,8 @@ class MiniEngine:
 
     def _preempt_newest(self) -> EngineRequest:
         victim = self.running.pop()
+        if victim.beam is not None:  # its logits are recomputed with its KV
+            victim.beam.logits.pop(victim.request_id, None)
         self._ahead.pop(victim.request_id, None)
         self.kv.free(victim.request_id)
         victim.num_computed = 0
@@ -356,6 +392,26 @@ class MiniEngine:
         self.waiting.appendleft(victim)
         self.stats["preemptions"] += 1
         return victim
+
+    def _preempt_waiting_beam(self) -> bool:
+        """Nothing ran and the head of the queue does not fit: free the newest beam that
+        waits for its group (not the head's group) and queue it behind the head, so one
+        group completes at a time instead of each holding the memory another needs."""
+        head = self.waiting[0]
+        head_order = head.beam.order if head.beam is not None else head.order
+        for at in range(len(self.running) - 1, -1, -1):
+            victim = self.running[at]
+            if victim.beam is None or victim.beam.order <= head_order:
+                continue  # only a group added after the head makes way for it
+            del self.running[at]
+            victim.beam.logits.pop(victim.request_id, None)
+            self.kv.free(victim.request_id)
+            victim.num_computed = 0
+            victim.num_preemptions += 1
+            self.waiting.insert(1, victim)
+            self.stats["preemptions"] += 1
+            return True
+        return False
 
     def _segment_tokens(self, start: int, end: int, budget: int) -> int:
         """Tokens of the next segment: the budget's share, cut at the next state
@@ -370,6 +426,9 @@ class MiniEngine:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_computed == len(req.sequence):  # a beam waiting for its group
+                i += 1
+                continue
             n = self._segment_tokens(req.num_computed, len(req.sequence), budget)
             if self._ahead.get(req.request_id) == n:
                 del self._ahead[req.request_id]  # allocated (and mapped) last step
@@ -442,6 +501,8 @@ class MiniEngine:
             self.tier.before_schedule()
         segments, budget = self._schedule_running(self.config.token_budget)
         segments += self._admit(budget)
+        while not segments and self.waiting and self._preempt_waiting_beam():
+            segments = self._admit(budget)
         self.step_index += 1
         self.stats["steps"] += 1
         if not segments:
@@ -460,6 +521,10 @@ class MiniEngine:
         self.stats["tokens.computed"] += len(tokens)
         for seg, row in zip(segments, logits, strict=True):
             self._after_forward(by_id[seg.request_id], seg, row)
+        groups = {id(r.beam): r.beam for r in self.running if r.beam is not None}
+        for group in groups.values():
+            if group.ready:
+                self._beam_step(group)
         self.running = [r for r in self.running if not r.finished]
         if self.tier is not None:
             self.tier.on_step(time.perf_counter() - started)
@@ -480,6 +545,12 @@ class MiniEngine:
     def _after_forward(self, req: EngineRequest, seg: Segment, logits: torch.Tensor) -> None:
         req.num_computed = seg.stop
         samples = [req]
+        if req.beam is not None:
+            if seg.stop == len(req.sequence):
+                req.beam.stash(req.request_id, logits)
+            if self.config.use_prefix_cache:
+                self.kv.cache(req.request_id, req.num_computed)
+            return
         if seg.stop == len(req.sequence):
             samples += self._fork_samples(req)
             for sample in samples:
@@ -518,13 +589,61 @@ class MiniEngine:
         self.running.extend(kids)
         return kids
 
+    def _beam_step(self, group: BeamGroup) -> None:
+        """Choose the next beams (`BeamGroup.select`) and remap them: the first new beam
+        that continues an old one takes its request over, the others fork it (its blocks
+        shared), an old beam no new one continues is freed; after the last token every
+        beam is done, results ``(request_id, i)`` best first."""
+        by_id = {r.request_id: r for r in self.running}
+        old = [by_id[b] for b in group.beams]
+        choice = group.select()
+        outputs = [[*old[s].output, t] for s, t in zip(choice.sources, choice.tokens, strict=True)]
+        at = next(i for i, r in enumerate(self.running) if r.beam is group)
+        self.running = [r for r in self.running if r.beam is not group]
+        if len(outputs[0]) >= group.max_new_tokens:
+            for beam in old:
+                self.kv.free(beam.request_id)
+            for i, out in enumerate(outputs):
+                first = old[0]
+                self.done[(group.request_id, i)] = EngineRequest(
+                    (group.request_id, i), first.prompt, first.max_new_tokens,
+                    first.arrival_step, output=out,
+                )  # fmt: skip
+            return
+        taken: set[int] = set()
+        new: list[EngineRequest] = []
+        kids: dict[int, list[Hashable]] = {}
+        for s, out in zip(choice.sources, outputs, strict=True):
+            src = old[s]
+            if s in taken:
+                beam = EngineRequest(
+                    group.new_id(), src.prompt, src.max_new_tokens, src.arrival_step,
+                    num_computed=src.num_computed, beam=group, order=src.order,
+                )  # fmt: skip
+                kids.setdefault(s, []).append(beam.request_id)
+            else:
+                taken.add(s)
+                beam = src
+            beam.output = out
+            new.append(beam)
+        for s, ids in kids.items():
+            self.kv.fork(old[s].request_id, ids)
+        for s, beam in enumerate(old):
+            if s not in taken:
+                self.kv.free(beam.request_id)
+        for beam, token in zip(new, choice.tokens, strict=True):
+            self.kv.append_tokens(beam.request_id, [token])
+        group.beams = [b.request_id for b in new]
+        self.running[at:at] = new  # the group keeps its place in the preemption order
+
     def run(self, max_steps: int = 10_000) -> dict[Hashable, list[int]]:
         """Step until every request finished; returns each request's generated tokens."""
         while self.pending or self.waiting or self.running:
             if self.stats["steps"] >= max_steps:
                 raise RuntimeError(f"not finished after {max_steps} steps")
             computed = self.step()
-            if not computed and not self.running and not self.pending and self.waiting:
+            stuck = all(r.num_computed == len(r.sequence) for r in self.running)  # beams wait
+            if not computed and stuck and not self.pending and self.waiting:
                 usage = self.kv.allocator.usage()
                 raise vmm.OutOfMemory(
                     f"request {self.waiting[0].request_id!r} does not fit in the KV cache "

@@ -32,12 +32,17 @@ Approach
     and share from the first reorder on.
 
     `crop` (assisted decoding) moves every layer's length back; the rows keep their slots
-    and the next forward overwrites them.
+    and the next forward overwrites them. Assisted decoding first calls
+    `activate_past_recording`: on a cache not yet opened, sliding-window groups are then
+    stored as full attention (the layers still attend to their window only), so a crop
+    can go back into positions a window had left, as transformers' own recording layers
+    keep their past.
 
 Limitations
     `crop` only where every layer keeps every position (a window's released blocks and a
-    state cannot go back); no reordering of a model with state layers (Mamba: their views
-    need the rows' state blocks at one stride). Cross attention
+    state cannot go back: transformers refuses assisted decoding with a recurrent state
+    too). Rows of a state model that share a state block after a reorder read a gathered
+    copy of their states until their next allocation (`integrations.hf.layers`). Cross attention
     (mllama) needs the image token count up front (`image_tokens`), one image per row.
     Encoder caches (LLaVA-OneVision's vision embeddings) are not kept: transformers
     recomputes them in the prefill, so the cache holds the decoder's groups only. The
@@ -211,16 +216,14 @@ class RowStore:
         fork it (`KVCache.fork`: every block shared; the block the next token writes into
         is copied by that row's next allocation); a source no row takes is freed.
 
-        Raises `UnsupportedLayer` for a cache with state layers (their views need the
-        rows' state blocks at one stride), `ValueError` for no rows, `IndexError` for a
-        source outside the rows; nothing changes then."""
+        State layers: gathered state copies are written back first; afterwards rows that
+        share a state block read gathered copies until their next allocation copies the
+        block (`StatePart.flush_states`).
+
+        Raises `ValueError` for no rows, `IndexError` for a source outside the rows;
+        nothing changes then."""
         if self.num_rows == 0:
             return  # nothing stored yet: the first forward opens the rows it is given
-        if self.state_layers:
-            raise UnsupportedLayer(
-                f"{len(self.state_layers)} state layers: their rows cannot be reordered, "
-                "expanded or selected"
-            )
         if not sources:
             raise ValueError(f"a batch of 0 rows selected from {self.num_rows}")
         bad = [s for s in sources if not 0 <= s < self.num_rows]
@@ -237,6 +240,8 @@ class RowStore:
             else:
                 children[rid] = []
                 new_ids.append(rid)
+        for layer in self.state_layers:
+            layer.flush_states()
         for rid, kids in children.items():
             if kids:
                 self.kv.fork(rid, kids)
@@ -246,6 +251,10 @@ class RowStore:
         self.row_lengths = [self.row_lengths[s] for s in sources]
         self.row_ids, self.num_rows = new_ids, len(new_ids)
         self.length = min(self.row_lengths)
+        for g in self.state_blocks:
+            self.state_blocks[g] = [self.table(r, g)[-1] for r in range(self.num_rows)]
+        for layer in self.state_layers:
+            layer.repoint()
 
     def attention_group(self, layer: int) -> int:
         return self.kv.group_of(layer).index
@@ -279,7 +288,10 @@ class RowStore:
                         self.state_moves += 1
                         target = rng.tensor(size, torch.uint8, base + geo.block_offset(dst))
                         target.copy_(rng.tensor(size, torch.uint8, base + geo.block_offset(src)))
-        if moved:
+        gathered = any(layer.has_gathered() for layer in self.state_layers)
+        for layer in self.state_layers:
+            layer.flush_states()  # gathered copies into the rows' live blocks
+        if moved or gathered:
             for layer in self.state_layers:
                 layer.repoint()
 
@@ -294,6 +306,15 @@ def _chunk_as_window(group: KVGroup) -> KVGroup:
         return group
     window = dataclasses.replace(spec, kind=Kind.SLIDING_WINDOW, window=spec.chunk, chunk=None)
     return dataclasses.replace(group, spec=window)
+
+
+def _window_as_full(group: KVGroup) -> KVGroup:
+    """A sliding-window group stored as full attention (every position kept)."""
+    spec = group.spec
+    if spec.kind is not Kind.SLIDING_WINDOW:
+        return group
+    full = dataclasses.replace(spec, kind=Kind.FULL, window=None)
+    return dataclasses.replace(group, spec=full)
 
 
 def default_budget_bytes(
@@ -376,6 +397,7 @@ class VmmCache(Cache):
         self._budget, self._chunk_bytes = budget_bytes, chunk_bytes
         self._max_length = max_length or text.max_position_embeddings
         self._kv_config = KVCacheConfig(kv_split=kv_split, layout=layout)
+        self._record_past = False  # windows kept whole for `crop` (`activate_past_recording`)
         structure = self._spec(2)
         conv = 0
         if any(g.spec.kind is Kind.MAMBA for g in structure.groups):
@@ -398,6 +420,8 @@ class VmmCache(Cache):
         options = dataclasses.replace(self._options, dtype_bytes=itemsize)
         spec = model_spec_from_config(self._config, options=options)
         groups = tuple(_chunk_as_window(g) for g in spec.groups if g.spec.model == "target")
+        if self._record_past:
+            groups = tuple(_window_as_full(g) for g in groups)
         return dataclasses.replace(spec, groups=groups)
 
     def _open(self, dtype: torch.dtype, num_rows: int) -> KVCache:
@@ -456,6 +480,20 @@ class VmmCache(Cache):
             )
         store.remap_rows(sources)
 
+    def activate_past_recording(self) -> None:
+        """Keep what a `crop` may take back (transformers calls it before assisted
+        decoding): sliding-window groups are stored whole. On a cache already opened with
+        window groups, `UnsupportedLayer` (their released blocks cannot come back)."""
+        if not self._record_past and self.store.is_open:
+            windows = [g.name for g in self.kv.model.groups if g.spec.kind is Kind.SLIDING_WINDOW]
+            if windows:
+                raise UnsupportedLayer(
+                    f"window groups {windows} already released blocks: record the past "
+                    "(assisted decoding) only from a cache that has not run a forward yet"
+                )
+        self._record_past = True
+        super().activate_past_recording()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative
         count; assisted decoding drops rejected candidates). The rows keep their slots (an
@@ -469,11 +507,10 @@ class VmmCache(Cache):
         if tokens_to_remove == 0:
             return
         parts = [layer for layer in self.layers if isinstance(layer, AttentionPart)]
-        other = [
-            i
-            for i, layer in enumerate(self.layers)
-            if not isinstance(layer, (VmmLayer, VmmCrossLayer, DummyLayer))
-        ]
+        whole: tuple[type, ...] = (VmmLayer, VmmCrossLayer, DummyLayer)
+        if self._record_past:
+            whole += (VmmSlidingLayer,)
+        other = [i for i, layer in enumerate(self.layers) if not isinstance(layer, whole)]
         if other:
             raise UnsupportedLayer(
                 f"layers {other} keep a window or a state: VmmCache crops only caches whose "
@@ -481,6 +518,8 @@ class VmmCache(Cache):
             )
         for layer in parts:
             layer.seen = max(0, layer.seen + tokens_to_remove)
+            if isinstance(layer, VmmSlidingLayer):
+                layer.cumulative_length = layer.seen
         self.store.tokens_cropped -= tokens_to_remove
 
     def close(self) -> None:

@@ -30,10 +30,17 @@ Approach
     block and the layers re-point their views (`repoint`). The store is typed by the
     `LayerStore` protocol (`integrations.hf.store`).
 
+    Rows whose live state blocks have no uniform positive stride (after beam reordering:
+    rows that continue one beam share its block until their next step copies it, and the
+    copies land anywhere) get a gathered copy instead of a view (`index_select`, what
+    transformers' own reorder makes). The copy is the rows' state until the store's next
+    allocation, which writes it into each row's live block (`flush_states`) and points
+    again: a view once the blocks are in order (a checkpoint move allocates the rows'
+    new blocks in row order), else a new gathered copy.
+
 Limitations
     Released positions of a chunked layer read as zeros, correct only under the chunked
-    mask. State views need the rows' blocks at one positive stride (a fresh cache's rows
-    allocate in order); otherwise `UnsupportedLayer`.
+    mask.
 """
 
 from __future__ import annotations
@@ -209,26 +216,53 @@ class StatePart:
             )
         offsets = [geo.block_offset(b) + geo.layer_offset(self.layer_idx) + offset for b in blocks]
         steps = {b - a for a, b in itertools.pairwise(offsets)}
-        if len(steps) > 1 or any(step <= 0 for step in steps):
-            raise UnsupportedLayer(
-                f"layer {self.layer_idx}: rows' state blocks {blocks} have no uniform stride"
-            )
+        rng = kv.ranges[group][geo.range_index(self.layer_idx)]
+        if len(steps) > 1 or any(step <= 0 for step in steps):  # a gathered copy
+            return torch.stack([rng.tensor(shape, dtype, off) for off in offsets])
         row_stride = (steps.pop() if steps else geo.page_bytes) // itemsize
         inner = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             inner[i] = inner[i + 1] * shape[i + 1]
-        rng = kv.ranges[group][geo.range_index(self.layer_idx)]
         return rng.tensor((rows, *shape), dtype, offsets[0], (row_stride, *inner))
+
+    def flush_states(self) -> None:
+        """Write every gathered copy (see module note) into the rows' live blocks."""
+        for key in self._gathered():
+            which, view = key[0], self._views()[key]
+            for row in range(view.shape[0]):
+                self._row_state(row, view.dtype, self._offset(which), view.shape[1:]).copy_(
+                    view[row]
+                )
+
+    def _row_state(
+        self, row: int, dtype: torch.dtype, offset: int, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        kv, group = self.store.kv, self.store.state_group(self.layer_idx)
+        geo = kv.geometries[group]
+        block = self.store.table(row, group)[-1]
+        rng = kv.ranges[group][geo.range_index(self.layer_idx)]
+        return rng.tensor(tuple(shape), dtype, geo.block_offset(block) + geo.layer_offset(
+            self.layer_idx) + offset)  # fmt: skip
 
     def _views(self) -> dict[tuple[int, int], torch.Tensor]:
         """(0 conv / 1 recurrent, state index) -> the view of our blocks we handed out."""
         return self.__dict__.setdefault("_state_views", {})
+
+    def has_gathered(self) -> bool:
+        return bool(self._gathered())
+
+    def _gathered(self) -> set[tuple[int, int]]:
+        """Keys of `_views` that are gathered copies, not views of our blocks."""
+        return self.__dict__.setdefault("_state_gathered", set())
 
     def _offset(self, which: int) -> int:
         return 0 if which == 0 else self.store.recurrent_offset
 
     def _point(self, which: int, idx: int, rows: int, dtype: torch.dtype, shape: tuple) -> None:
         view = self._state_view(rows, dtype, self._offset(which), tuple(shape))
+        base = self.store.kv.ranges[self.store.state_group(self.layer_idx)]
+        gathered = not any(r.va <= view.data_ptr() < r.va + r.size for r in base)
+        (self._gathered().add if gathered else self._gathered().discard)((which, idx))
         (self.conv_states, self.recurrent_states)[which][idx] = view
         self._views()[(which, idx)] = view
 
@@ -246,7 +280,7 @@ class StatePart:
         for which, states in enumerate((self.conv_states, self.recurrent_states)):
             for idx, old in list(states.items()):
                 if old is not None:
-                    self._point(which, idx, old.shape[0], old.dtype, old.shape[1:])
+                    self._point(which, idx, self.store.num_rows, old.dtype, old.shape[1:])
 
     def state_layout(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
         """(dtype, per-row shape) of the conv and recurrent states, once initialized."""

@@ -105,11 +105,22 @@ def _parse_params(items: list[str]) -> dict[str, object]:
     return params
 
 
+def _sharing_scenarios() -> list[str]:
+    """The parallel-sampling and beam-search scenarios (`jenga.sim.sharing`)."""
+    from jenga.sim.sharing import SCENARIOS as SHARING
+
+    return sorted(SHARING)
+
+
+def _names() -> list[str]:
+    return sorted([*SCENARIOS, *_sharing_scenarios()])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--scenario", help=f"one of {sorted(SCENARIOS)} (default {DEFAULT_SCENARIO})")
+    p.add_argument("--scenario", help=f"one of {_names()} (default {DEFAULT_SCENARIO})")
     p.add_argument("--model", help="model preset (see --list)")
     p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
     p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
@@ -206,6 +217,7 @@ def _print_lists(console: Console) -> None:
     console.print("gpus:", ", ".join(sorted(GPUS)))
     console.print("workloads:", ", ".join(sorted(GENERATORS)))
     console.print("allocators:", ", ".join(sorted(ALLOCATORS)))
+    console.print("sharing scenarios (samples, beams):", ", ".join(_sharing_scenarios()))
 
 
 def _seed_list(args: argparse.Namespace, scenario: Scenario) -> list[int]:
@@ -370,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         _print_lists(console)
         return 0
     try:
+        if args.scenario in _sharing_scenarios():
+            from jenga.sim import sharing_cli
+
+            return sharing_cli.run(args, console)
         return run(args, console)
     except (SimError, WorkloadError, HardwareError, UnknownModel, SpecError, AllocatorError) as exc:
         one_line = " ".join(str(exc).split())

@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from integrations.hf.layers import UnsupportedLayer  # noqa: E402
+from jenga.specs import Kind  # noqa: E402
 
 from integrations.hf import VmmCache, cache_kwargs  # noqa: E402
 from tests.integrations.hf.test_vmm_cache import SMALL, inputs, tiny_model  # noqa: E402
@@ -21,6 +22,7 @@ MODES = {
     "beams3-return3": {"num_beams": 3, "num_return_sequences": 3},
     "beams4-return2": {"num_beams": 4, "num_return_sequences": 2},
     "sample-return2": {"do_sample": True, "num_return_sequences": 2},
+    "sample-return3": {"do_sample": True, "num_return_sequences": 3},
     "sample-return4": {"do_sample": True, "num_return_sequences": 4},
 }
 
@@ -37,7 +39,7 @@ def run(model, batch: int, mode: dict, cache: VmmCache | None = None):
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "jamba"])
 def test_beams_and_samples_bitwise_equal_to_dynamic_cache(name: str, batch: int, mode: str):
     model = tiny_model(name)
     ref = run(model, batch, MODES[mode])
@@ -62,7 +64,7 @@ def test_beams_and_samples_bitwise_equal_to_dynamic_cache(name: str, batch: int,
     cache.close()
 
 
-@pytest.mark.parametrize("name", ["gemma2", "ministral", "gemma3"])
+@pytest.mark.parametrize("name", ["ministral", "gemma3"])
 def test_beams_over_mixed_window_and_full_layers(name: str):
     model = tiny_model(name)
     mode = MODES["beams4-return2"]
@@ -150,19 +152,52 @@ def test_bad_reorders_are_refused_with_nothing_changed():
     cache.close()
 
 
-def test_state_layers_are_not_reordered():
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mamba_beams_through_checkpoint_moves_match_dynamic_cache(batch: int):
+    """Jamba, a state block every 4 tokens: beams that continue one beam share its state
+    block, read gathered copies until their next step copies the block, and the states
+    move to new checkpoint blocks under them; tokens and scores stay bitwise equal."""
     model = tiny_model("jamba")
-    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20)
-    prefill(model, cache, torch.ones(2, 5, dtype=torch.long))
-    with pytest.raises(UnsupportedLayer, match="2 state layers"):
-        cache.reorder_cache(torch.tensor([1, 0]))
+    mode = MODES["beams4-return2"]
+    ref = run(model, batch, mode)
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK,
+                     checkpoint_interval=4)  # fmt: skip
+    out = run(model, batch, mode, cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores, strict=True))
+    assert cache.store.state_moves > 0 and cache.kv.stats()["kv.cow.blocks"] > 0
+    cache.kv.check_invariants(expensive=True)
     cache.close()
 
 
-def test_assisted_decoding_crops_and_matches_dynamic_cache():
+def test_reordered_mamba_rows_read_gathered_states_bitwise_equal():
+    model = tiny_model("jamba")
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(4))
+    ref = transformers.DynamicCache(config=model.config)
+    ours = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    assert torch.equal(prefill(model, ours, ids), prefill(model, ref, ids))
+    layer = ours.store.state_layers[0]
+    assert not layer.has_gathered()  # rows allocated in order: one strided view each
+    for cache in (ref, ours):
+        cache.reorder_cache(torch.tensor([1, 1]))  # both rows continue row 1
+    assert layer.has_gathered()  # one shared block: a copy per row
+    assert torch.equal(layer.recurrent_states[0], ref.layers[0].recurrent_states[0])
+    col = torch.tensor([[7], [9]])
+    assert torch.equal(decode(model, ours, col), decode(model, ref, col))
+    assert ours.kv.stats()["kv.cow.blocks"] > 0  # the shared block was copied
+    for _ in range(3):
+        col = col + 1
+        assert torch.equal(decode(model, ours, col), decode(model, ref, col))
+    ours.kv.check_invariants(expensive=True)
+    ours.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_assisted_decoding_crops_and_matches_dynamic_cache(name: str):
     """A random 1-layer draft: most candidates are rejected, so `crop` runs with a
-    negative count; tokens and scores stay bitwise equal."""
-    model = tiny_model("llama")
+    negative count; tokens and scores stay bitwise equal. Windows (8 tokens, 23 in all)
+    are kept whole once transformers activates past recording, so a crop can go back."""
+    model = tiny_model(name)
     torch.manual_seed(1)
     config = transformers.LlamaConfig(**SMALL, num_hidden_layers=1)
     draft = transformers.LlamaForCausalLM(config).eval()
@@ -175,6 +210,39 @@ def test_assisted_decoding_crops_and_matches_dynamic_cache():
     assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores, strict=True))
     assert cache.store.tokens_cropped > 0  # rejected candidates were cropped
     assert cache.kv.num_tokens(cache.store.request(0)) >= cache.get_seq_length()
+    assert all(g.spec.kind is Kind.FULL for g in cache.kv.model.groups)
+    cache.kv.check_invariants(expensive=True)
+    cache.close()
+
+
+def test_assisted_decoding_of_a_state_model_is_refused_as_by_transformers():
+    """transformers refuses assisted decoding for a model with a recurrent state (it
+    cannot roll one back), with its own cache and with VmmCache alike: the assisted
+    matrix has no Mamba hybrid."""
+    model = tiny_model("jamba")
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**SMALL, num_hidden_layers=1)
+    ).eval()
+    args = {"max_new_tokens": 4, "do_sample": False, "assistant_model": draft}
+    message = "assisted generation is not supported with stateful models"
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs(1), **args)
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20)
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs(1), **cache_kwargs(cache), **args)
+    cache.close()
+
+
+def test_past_recording_after_a_window_released_blocks_is_refused():
+    model = tiny_model("mistral")
+    cache = VmmCache(model.config, chunk_bytes=4096, budget_bytes=8 << 20, block_size=BLOCK)
+    prefill(model, cache, torch.ones(1, 13, dtype=torch.long))
+    with pytest.raises(UnsupportedLayer, match=r"window groups \['sliding_window'\] already"):
+        cache.activate_past_recording()
+    with pytest.raises(UnsupportedLayer, match="keep a window or a state"):
+        cache.crop(-1)  # still refused: nothing changed
+    assert cache.get_seq_length() == 13
     cache.close()
 
 
