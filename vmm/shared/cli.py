@@ -251,7 +251,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="another uid that may list, change limits and stop")  # fmt: skip
     st.add_argument("--idle-timeout", type=float, default=10.0,
                     help="seconds a connection that is not a tenant may stay idle")  # fmt: skip
-    st.add_argument("--max-conns-per-uid", type=_count, default=128)
+    st.add_argument("--max-conns-per-uid", type=_count, default=128,
+                    help="connections one uid may hold open (128)")  # fmt: skip
     st.add_argument("--socket-mode", type=_mode, default=0o600,
                     help="mode bits of a pool named by an absolute path (octal, default 600: "
                     "the owner's uid only; 660 lets its group connect)")  # fmt: skip
