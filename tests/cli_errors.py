@@ -1,7 +1,8 @@
-"""The console scripts run as a user runs them, for the bad-argument tables of each CLI
-(`tests/vmm/test_bench_cli_errors.py`, `tests/vmm/shared/test_pool_cli_errors.py`,
-`tests/jenga/sim/test_sim_cli_errors.py`): a child interpreter runs the script's module as
-``__main__``; `assert_one_line` checks what a refusal must look like."""
+"""The commands the package installs, run as a user runs them, for the bad-argument tables
+of each (`tests/vmm/test_bench_cli_errors.py`, `tests/vmm/shared/test_pool_cli_errors.py`,
+`tests/jenga/sim/test_sim_cli_errors.py`, `tests/jenga/test_presets_table_cli_errors.py`): a
+child interpreter runs the command's module as ``__main__``; `assert_one_line` checks what a
+refusal must look like."""
 
 from __future__ import annotations
 
