@@ -3,14 +3,17 @@
 Run ``python -m jenga.presets_table`` to print both tables (VMM mode and static modes);
 ``--chunk-bytes`` and ``--epsilon`` change the VMM parameters; ``--update DOC`` rewrites
 the tables embedded in DOC between the markers. The docs embed the default output, and
-a test keeps them in step.
+a test keeps them in step. A bad flag, a DOC that cannot be read or holds no markers
+prints one line on stderr and exits 2 (DOC is left as it was).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from jenga import presets
 from jenga.pages import (
@@ -87,18 +90,53 @@ def replace_embedded_tables(doc: str, tables: str) -> str:
     return doc[: start + len(BEGIN_MARKER)] + tables + doc[end:]
 
 
+PROG = "python -m jenga.presets_table"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line on stderr (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _chunk_bytes(text: str) -> int:
+    """An argparse type: an integer number of bytes > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expects an integer number of bytes > 0, got {text!r}")
+    return value
+
+
+def _fail(reason: str) -> int:
+    print(f"{PROG}: error: {' '.join(reason.split())}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
-    parser.add_argument("--epsilon", type=float, default=0.01)
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk-bytes", type=_chunk_bytes, default=DEFAULT_CHUNK_BYTES,
+                        help=f"VMM chunk size in bytes ({DEFAULT_CHUNK_BYTES})")  # fmt: skip
+    parser.add_argument("--epsilon", type=float, default=0.01,
+                        help="largest tail share of a large page, in [0, 1) (0.01)")  # fmt: skip
     parser.add_argument("--update", metavar="DOC", help="rewrite the tables embedded in DOC")
     args = parser.parse_args(argv)
-    tables = tables_markdown(chunk_bytes=args.chunk_bytes, epsilon=args.epsilon)
-    if args.update:
-        path = Path(args.update)
-        path.write_text(replace_embedded_tables(path.read_text(), tables))
-    else:
+    try:
+        tables = tables_markdown(chunk_bytes=args.chunk_bytes, epsilon=args.epsilon)
+    except ValueError as exc:  # SpecError: a page geometry the parameters cannot make
+        return _fail(str(exc))
+    if not args.update:
         print(tables, end="")
+        return 0
+    path = Path(args.update)
+    try:
+        path.write_text(replace_embedded_tables(path.read_text(), tables))
+    except (ValueError, OSError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return _fail(f"--update {args.update}: {reason}")
     return 0
 
 

@@ -117,11 +117,7 @@ for _ in $(seq 50); do
   sleep 0.2
 done
 "$VPY" -c "import json, sys; print('vmm-pool ls:', json.load(open(sys.argv[1])))" "$WORK/ls.json"
-if "$WORK/venv/bin/vmm-pool" --help | grep -q '\bstop\b'; then
-  "$WORK/venv/bin/vmm-pool" stop "$NAME"
-else
-  kill -TERM "$POOL_PID"  # the owner stops on SIGTERM
-fi
+"$WORK/venv/bin/vmm-pool" stop "$NAME"  # returns once the owner is gone
 wait "$POOL_PID" || fail "the pool owner exited with status $?: $(cat "$WORK/pool.txt")"
 POOL_PID=
 if "$WORK/venv/bin/vmm-pool" ls "$NAME" --json >/dev/null 2>&1; then

@@ -14,7 +14,8 @@ setups (`jenga.sim.tier_scenarios`): TTFT per KV cache configuration, GPU only o
 host tier (``--host-gib``, ``--link``, ``--high-water``, ``--window``).
 
 Mistakes on the command line (a NaN or negative size, a zero block size, an unknown
-name) print one line on stderr and exit 2; a requested allocator that produced no
+name, an output in a folder that does not exist, ``--plot-dir`` without matplotlib) print
+one line on stderr and exit 2 before anything runs; a requested allocator that produced no
 result makes the exit status 1 after the report.
 """
 
@@ -25,6 +26,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import NoReturn
 
 from rich.console import Console
@@ -116,34 +118,7 @@ def _names() -> list[str]:
     return sorted([*SCENARIOS, *_sharing_scenarios()])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--scenario", help=f"one of {_names()} (default {DEFAULT_SCENARIO})")
-    p.add_argument("--model", help="model preset (see --list)")
-    p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
-    p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
-    p.add_argument("--reserved-gib", type=_NON_NEGATIVE, help="fixed GiB kept back (activations)")
-    p.add_argument("--kv-gib", type=_POSITIVE, help="KV cache size in GiB (overrides the GPU's)")
-    p.add_argument("--workload", help=f"one of {sorted(GENERATORS)}")
-    p.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="workload parameter (repeatable), e.g. num_requests=50",
-    )
-    p.add_argument("--seed", type=_SEED)
-    p.add_argument("--seeds", metavar="LIST", help="run each seed, e.g. 0-9: mean and range")
-    p.add_argument("--rate", type=_POSITIVE, help="Poisson arrivals per second (default: at once)")
-    p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
-    p.add_argument("--max-num-batched-tokens", type=_COUNT)
-    p.add_argument("--max-num-seqs", type=_COUNT)
-    p.add_argument("--admission", choices=ADMISSIONS, help="allocate the first chunk or the prompt")
-    p.add_argument("--prefill", choices=PREFILLS, help="chunked (vLLM V1) or separate (0.6)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
-    p.add_argument("--block-size", type=_COUNT, help="tokens per block of attention groups")
+def _add_sweep_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep",
         metavar="KEY=LIST",
@@ -167,12 +142,55 @@ def build_parser() -> argparse.ArgumentParser:
         help="grid: KV sizes as shares of each scenario's own "
         f"(default {','.join(f'{x:g}' for x in grid.QUICK_KV_SCALES)})",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="jenga-sim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--scenario", help=f"one of {_names()} (default {DEFAULT_SCENARIO})")
+    p.add_argument("--model", help="model preset (see --list)")
+    p.add_argument("--gpu", help=f"one of {sorted(GPUS)}")
+    p.add_argument("--reserved", type=_SHARE, help="share of GPU memory left unused (0.1)")
+    p.add_argument("--reserved-gib", type=_NON_NEGATIVE, help="fixed GiB kept back (activations)")
+    p.add_argument("--kv-gib", type=_POSITIVE, help="KV cache size in GiB (overrides the GPU's)")
+    p.add_argument("--workload", help=f"one of {sorted(GENERATORS)}")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload parameter (repeatable), e.g. num_requests=50 (arxiv-qa)",
+    )
+    p.add_argument("--seed", type=_SEED, help="trace seed (default: the scenario's, 0)")
+    p.add_argument("--seeds", metavar="LIST", help="run each seed, e.g. 0-9: mean and range")
+    p.add_argument(
+        "--rate",
+        type=_POSITIVE,
+        help="Poisson arrivals per second (default: the scenario's pacing)",
+    )
+    p.add_argument("--allocators", help="comma-separated, e.g. uniform,jenga_vmm")
+    p.add_argument(
+        "--max-num-batched-tokens", type=_COUNT, help="engine: tokens per step (the scenario's)"
+    )
+    p.add_argument("--max-num-seqs", type=_COUNT, help="engine: requests per step (the scenario's)")
+    p.add_argument("--admission", choices=ADMISSIONS, help="allocate the first chunk or the prompt")
+    p.add_argument("--prefill", choices=PREFILLS, help="chunked (vLLM V1) or separate (0.6)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    p.add_argument("--block-size", type=_COUNT, help="tokens per block of attention groups")
+    _add_sweep_flags(p)
     p.add_argument("--markdown", metavar="PATH", help="grid: write the ratio table as Markdown")
     p.add_argument("--json", metavar="PATH", help="write results as JSON ('-' for stdout)")
     p.add_argument("--timelines", action="store_true", help="include per-step timelines in --json")
-    p.add_argument("--plot-dir", help="write PNG plots there")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--list", action="store_true", help="list scenarios (car-*: TTFT), models...")
+    p.add_argument(
+        "--plot-dir", help="write PNG plots there (created if missing; needs the plot extra)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="list scenarios (car-*: TTFT; sampling/beam: sharing), models, workloads, allocators",
+    )
     tier_scenarios.add_arguments(p)
     return p
 
@@ -329,6 +347,37 @@ def _run_seeds(args: argparse.Namespace, console: Console, scenario: Scenario) -
     return _no_result_status(console, sorted(not_run.keys() - set(seeds.allocators_of(per_seed))))
 
 
+def _check_file(flag: str, path: str | None) -> None:
+    """Raise `SimError` unless ``path`` (a file to write; '-' is stdout) can be written."""
+    if path is None or (flag == "--json" and path == "-"):
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise SimError(f"{flag} {path}: is a folder, expected a file path")
+    if not folder.is_dir():
+        raise SimError(f"{flag} {path}: folder {folder} does not exist")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Raise `SimError` for an output that would fail only after the run."""
+    _check_file("--json", args.json)
+    _check_file("--markdown", args.markdown)
+    if args.timelines and not args.json:
+        raise SimError("--timelines adds to --json: give --json PATH too")
+    if args.plot_dir is None:
+        return
+    if Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
+        raise SimError(f"--plot-dir {args.plot_dir}: exists and is not a folder")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SimError(
+            "--plot-dir needs matplotlib, which is not installed: install jenga-vmm with the "
+            "'plot' extra (from a clone: pip install '.[plot]')"
+        ) from None
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.scenario in tier_scenarios.TIER_SCENARIOS:
         return tier_scenarios.main(args, console, _parse_params(args.param))
@@ -336,6 +385,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if tier_flags:
         raise SimError(f"{', '.join(tier_flags)}: only the tier scenarios read them")
     _check_mode(args)
+    _check_outputs(args)
     if args.sweep == GRID:
         return _run_grid(args, console)
     scenario = scenario_from_args(args)

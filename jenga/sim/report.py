@@ -59,7 +59,7 @@ def table(scenario: Scenario, summaries: list[Summary], missing: dict[str, str])
     """One row per allocator. "avg batch": mean decode batch; "full %": the full-attention
     groups' share of held KV (min-max over busy steps); "commit GiB": mean committed."""
     t = Table(
-        title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}",
+        title=f"{scenario.label}: {scenario.model} on {scenario.gpu}, {scenario.workload}",
         box=box.SIMPLE_HEAD,
     )
     for col in TABLE_COLUMNS:
@@ -125,7 +125,7 @@ def seeds_table(scenario: Scenario, per_seed: PerSeed) -> Table:
     by_name = spreads(per_seed)
     ratio = seed_ratios(per_seed, metric, baseline)
     t = Table(
-        title=f"{scenario.name}: {scenario.model} on {scenario.gpu}, {scenario.workload}, "
+        title=f"{scenario.label}: {scenario.model} on {scenario.gpu}, {scenario.workload}, "
         f"mean (min-max) over {len(per_seed)} seeds",
         box=box.SIMPLE_HEAD,
     )

@@ -97,6 +97,12 @@ class Scenario:
     prefix_cache: bool = True
     block_size: int | None = None  # tokens per block of attention groups (None: 16)
     headline: tuple[str, str] = ("avg_decode_batch", "uniform")  # (metric, baseline)
+    overrides: tuple[str, ...] = ()  # "key=value" changed from the named scenario's own
+
+    @property
+    def label(self) -> str:
+        """The name, and what was changed from the named scenario (tables, plots)."""
+        return f"{self.name} with {', '.join(self.overrides)}" if self.overrides else self.name
 
     def kv_bytes(self, model: ModelSpec) -> int:
         if self.kv_gib is not None:
@@ -317,5 +323,32 @@ def run_scenario(
 
 
 def with_overrides(scenario: Scenario, **changes: object) -> Scenario:
-    """A copy of ``scenario`` with the non-None ``changes`` applied."""
-    return replace(scenario, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
+    """A copy of ``scenario`` with the non-None ``changes`` applied. What differs from the
+    named scenario is listed in ``overrides`` (the tables' titles show it), and the note,
+    which describes the named scenario's own setup, becomes that list (a new ``seed`` keeps
+    the note; ``allocators`` are not listed: the table's rows name them)."""
+    given = {k: v for k, v in changes.items() if v is not None}
+    changed = _changed(scenario, given)
+    if any(not c.startswith("seed=") for c in changed):
+        given["note"] = f"{scenario.name} with {', '.join(changed)}"
+    return replace(scenario, **given, overrides=tuple(changed))  # type: ignore[arg-type]
+
+
+def _changed(scenario: Scenario, given: dict[str, object]) -> list[str]:
+    """``key=value`` for each value in ``given`` that differs from ``scenario``'s."""
+    out = []
+    for key, value in given.items():
+        old = getattr(scenario, key)
+        if key == "workload_params" and isinstance(value, dict):
+            out += [f"{k}={v}" for k, v in value.items() if old.get(k, _ABSENT) != v]
+        elif key == "engine" and isinstance(value, EngineConfig):
+            out += [f"{f}={getattr(value, f)}" for f in vars(value)
+                    if getattr(value, f) != getattr(old, f)]  # fmt: skip
+        elif key == "allocators":
+            continue  # the table's rows name them
+        elif value != old:
+            out.append(f"{key}={value}")
+    return out
+
+
+_ABSENT = object()

@@ -107,7 +107,7 @@ def sweep_table(scenario: Scenario, key: str, sweep: Sweep, metric: str = "hit_r
     baseline = scenario.headline[1]
     n_seeds = len(next(iter(sweep.values()))[0])
     t = Table(
-        title=f"{scenario.name}: {LABELS.get(metric, metric)} by {key} "
+        title=f"{scenario.label}: {LABELS.get(metric, metric)} by {key} "
         f"(mean (min-max) over {n_seeds} seed(s))",
         box=box.SIMPLE_HEAD,
     )
@@ -188,7 +188,7 @@ def plot_sweep(
         ax.set_xscale("log", base=2)
         ax.set_xticks(values, [f"{v:g}" for v in values])
     label = LABELS.get(metric, metric)
-    ax.set(xlabel=key, ylabel=label, title=scenario.name)
+    ax.set(xlabel=key, ylabel=label, title=scenario.label)
     ax.legend(fontsize=7)
     fig.tight_layout()
     out = Path(plot_dir)

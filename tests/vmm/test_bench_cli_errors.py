@@ -4,11 +4,11 @@ traceback, and nothing measured first (each case would otherwise run the tiny be
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cli_errors import MIN_CASES, assert_one_line, run_cli
 
 TINY = ["--backend", "host", "--chunk-sizes", "64K", "--counts", "4", "--rounds", "1",
         "--map-rounds", "1", "--create-count", "2", "--views", "5", "--no-progress"]  # fmt: skip
@@ -70,23 +70,10 @@ def _no_driver_env() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_arguments_end_in_one_line(name: str, tmp_path: Path) -> None:
     argv, expected = BAD[name]
-    proc = subprocess.run(
-        [sys.executable, "-m", "vmm.bench", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=_no_driver_env(),
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0, (name, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("vmm-bench"), lines
-    assert expected in lines[0], lines
-    assert proc.stdout.strip() == "", proc.stdout  # refused before anything was measured
+    proc = run_cli("vmm.bench", argv, tmp_path, env=_no_driver_env())
+    assert_one_line(proc, "vmm-bench", expected)  # stdout empty: nothing was measured
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(BAD) >= 20
+    assert len(BAD) >= MIN_CASES

@@ -652,6 +652,9 @@ class PoolOwner:
                 {"op": "error", "req": req, "error": error} if error else {"op": "ok", "req": req}
             )
             self._send(peer, reply)
+        elif op == "stop":  # `vmm-pool stop`: the loop ends after this event, then `close`
+            self._send(peer, {"op": "ok", "req": req})
+            self.stop()
         else:
             raise ProtocolError(f"op {op!r} is not for operators")
 

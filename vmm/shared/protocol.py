@@ -25,6 +25,7 @@ so nothing is left on disk when the owner dies. Messages (``op`` field)::
                       reclaim{n, id}   limits{min, max}
                       refused{error}   (hello refused; the socket then closes)
     operator -> owner hello{role: "operator"}   list{req}   set_limits{req, tenant, min, max}
+                      stop{req}   (the owner answers ok, then stops serving)
     owner -> operator state{req, ..., tenants, last}   ok{req}   error{req, error}
 
 Replies carry the ``req`` of their request, so a reply that arrives after its requester
@@ -188,6 +189,7 @@ TO_OWNER: dict[str, Schema] = {
     "list": {"req": REQ},
     "set_limits": {"req": REQ, "tenant": NAME, "min": Opt(Int(0, MAX_INT, null=True)),
                    "max": Opt(Int(0, MAX_INT, null=True))},
+    "stop": {"req": REQ},
 }  # fmt: skip
 #: What the owner may send a tenant or an operator.
 FROM_OWNER: dict[str, Schema] = {

@@ -235,3 +235,24 @@ def test_seed_lists_parse_and_reject_nonsense():
         parse_seeds("1,1")
     with pytest.raises(SimError, match=r"expects e\.g\. 0-9"):
         parse_seeds("a-b")
+
+
+def test_overrides_show_in_the_title_and_replace_the_note():
+    from jenga.sim.cli import build_parser, scenario_from_args
+
+    from jenga.sim import report
+
+    def scenario(*argv: str):
+        return scenario_from_args(build_parser().parse_args(list(argv)))
+
+    own = scenario()
+    assert own.overrides == () and own.label == "mamba-chat" and "Mamba-2 hybrid" in own.note
+    other = scenario("--model", "gemma-2-9b", "--param", "num_clients=2", "--kv-gib", "4")
+    assert other.overrides == ("model=gemma-2-9b", "kv_gib=4.0", "num_clients=2")
+    assert other.note == "mamba-chat with model=gemma-2-9b, kv_gib=4.0, num_clients=2"
+    title = report.table(other, [], {}).title
+    assert title == f"{other.note}: gemma-2-9b on h100-80gb, multi-turn"
+    reseeded = scenario("--seed", "3", "--allocators", "vllm_v1")
+    assert reseeded.overrides == ("seed=3",) and reseeded.note == own.note
+    engine = scenario("--scenario", "arxiv-ministral", "--max-num-seqs", "8", "--no-prefix-cache")
+    assert engine.overrides == ("max_num_seqs=8", "prefix_cache=False")

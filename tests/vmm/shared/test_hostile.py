@@ -137,6 +137,7 @@ AFTER_HELLO: list[tuple[str, dict]] = [
     ("report negative", {"op": "report", "cached": -1, "mapped": 0}),
     ("a second hello", {"op": "hello", "tenant": "again"}),
     ("an operator op", {"op": "list", "req": 1}),
+    ("a tenant asking the owner to stop", {"op": "stop", "req": 1}),  # only operators may
 ]
 
 
