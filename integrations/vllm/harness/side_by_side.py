@@ -30,6 +30,13 @@ Usage::
 
     python -m integrations.vllm.harness.side_by_side --memory-mb 256 --json out.json
     python -m integrations.vllm.harness.side_by_side --memory-mb 1024 --requests 256 --reps 3
+    python -m integrations.vllm.harness.side_by_side --managers vllm jenga-vmm \
+        --sweep requests=8,16,32 memory-mb=128,256 seeds=0-2 --json s.json --table s.md
+
+``--sweep`` runs a grid per case (`integrations.vllm.harness.sweep`; ``--seed`` other than
+0 draws each request's topic and lengths, see `Workload`) and writes the ratios ours ÷
+vLLM per cell (`integrations.vllm.harness.sweep_report`); ``make vllm-sweep`` regenerates
+the tables in docs/results/.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -46,7 +54,7 @@ from typing import Any
 
 from vmm.bench.stats import percentile
 
-from integrations.vllm.harness import cases, replay
+from integrations.vllm.harness import cases, replay, sweep
 from integrations.vllm.harness.pinning import PinningTally, chunk_pinning
 
 
@@ -464,6 +472,54 @@ def scheduler_setup(workload: Workload, order: str | None = None) -> replay.Sche
     )
 
 
+def main_sweep(args: argparse.Namespace, workload: Workload) -> int:
+    """``--sweep``: every cell of the grid (`sweep.run_grid`), ``--json`` rewritten after
+    each case, then the ratio table (``--table``) and heat maps (``--plots``)."""
+    grid = sweep.parse_grid(
+        args.sweep, requests=args.requests, memory_mb=args.memory_mb, seed=args.seed
+    )
+    payload: dict[str, Any] = {
+        "command": " ".join(["python -m integrations.vllm.harness.side_by_side", *sys.argv[1:]]),
+        "grid": asdict(grid),
+        "order": args.order or "default",
+        "window": args.window,
+        "workload": asdict(workload),
+        "managers": list(args.managers),
+        "cells": [],
+    }
+
+    def save(cells: list[dict[str, Any]]) -> None:
+        payload["cells"] = cells
+        if args.json is not None:
+            args.json.write_text(json.dumps(payload, indent=1))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = replay.write_tiny_model(Path(tmp) / "model")
+
+        def run_cell(case: str, memory: int, requests: int, seed: int) -> dict[str, Any]:
+            load = replace(workload, requests=requests, seed=seed)
+            setup = scheduler_setup(load, args.order)
+            return {
+                m: asdict(
+                    run_case(
+                        model_dir,
+                        case,
+                        memory,
+                        load,
+                        manager=m,
+                        setup=setup,
+                        window=args.window,
+                        checked=False,
+                    )
+                )
+                for m in args.managers
+            }
+
+        save(sweep.run_grid(args.cases, grid, run_cell, on_case=save))
+    print(sweep.write_outputs(payload, args.table, args.plots))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     workload = Workload(
@@ -475,9 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     if args.sweep is not None:
-        from integrations.vllm.harness import sweep
-
-        return sweep.main_sweep(args, workload)
+        return main_sweep(args, workload)
     setup = scheduler_setup(workload, args.order)
     traces: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,7 +13,7 @@ Approach
     (``--requests``, ``--memory-mb``, ``--seed``). Each cell runs every manager of
     ``--managers`` (vLLM's must be one: ratios are taken against it) with the scheduler
     alone plus the committed-bytes reading (no per-step block check, no pinning walk),
-    with `side_by_side.scheduler_setup` of that cell's workload. The JSON (``--json``)
+    with the scheduler limits of that cell's workload. The JSON (``--json``)
     is rewritten after every case, so a long sweep cut short keeps its finished cases.
 
 Limitations
@@ -23,18 +23,14 @@ Limitations
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from integrations.vllm.harness import replay, sweep_report
-from integrations.vllm.harness.side_by_side import Workload, run_case, scheduler_setup
+from integrations.vllm.harness import sweep_report
 
 
 class SweepSpecError(ValueError):
@@ -94,44 +90,27 @@ def parse_grid(items: Sequence[str], *, requests: int, memory_mb: int, seed: int
     )
 
 
-def run_sweep(
-    model_dir: Path,
+def run_grid(
     case_names: Sequence[str],
     grid: Grid,
-    workload: Workload,
-    managers: Sequence[str],
+    run_cell: Callable[[str, int, int, int], dict[str, Any]],
     *,
-    order: str | None = None,
-    window: int = 64,
-    on_case: Any = None,
+    on_case: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One record per case, memory, requests and seed: ``rows`` maps each manager to its
-    `side_by_side.Row` as a dict. ``on_case(cells)`` is called after each case."""
-    if "vllm" not in managers:
-        raise SweepSpecError(f"a sweep compares against vLLM's manager; managers {managers}")
+    """One record per case, memory, requests and seed, in that nesting order:
+    ``rows`` is ``run_cell(case, memory_mb, requests, seed)`` (manager -> row dict).
+    ``on_case(cells so far)`` is called after each case."""
     cells: list[dict[str, Any]] = []
     for case in case_names:
         for memory in grid.memory_mb:
             for requests in grid.requests:
                 for seed in grid.seeds:
-                    load = replace(workload, requests=requests, seed=seed)
-                    setup = scheduler_setup(load, order)
                     start = time.perf_counter()
-                    rows = {
-                        m: asdict(
-                            run_case(
-                                model_dir,
-                                case,
-                                memory,
-                                load,
-                                manager=m,
-                                setup=setup,
-                                window=window,
-                                checked=False,
-                            )
+                    rows = run_cell(case, memory, requests, seed)
+                    if "vllm" not in rows:
+                        raise SweepSpecError(
+                            f"a sweep compares against vLLM's manager; got {sorted(rows)}"
                         )
-                        for m in managers
-                    }
                     cells.append(
                         {"case": case, "memory_mb": memory, "requests": requests, "seed": seed}
                         | {"rows": rows}
@@ -147,43 +126,11 @@ def run_sweep(
     return cells
 
 
-def main_sweep(args: argparse.Namespace, workload: Workload) -> int:
-    """``side_by_side --sweep``: run the grid, write ``--json``, ``--table``, ``--plots``."""
-    grid = parse_grid(args.sweep, requests=args.requests, memory_mb=args.memory_mb, seed=args.seed)
-    payload: dict[str, Any] = {
-        "command": " ".join(["python -m integrations.vllm.harness.side_by_side", *sys.argv[1:]]),
-        "grid": asdict(grid),
-        "order": args.order or "default",
-        "window": args.window,
-        "workload": asdict(workload),
-        "managers": list(args.managers),
-        "cells": [],
-    }
-
-    def save(cells: list[dict[str, Any]]) -> None:
-        payload["cells"] = cells
-        if args.json is not None:
-            args.json.write_text(json.dumps(payload, indent=1))
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = replay.write_tiny_model(Path(tmp) / "model")
-        cells = run_sweep(
-            model_dir,
-            args.cases,
-            grid,
-            workload,
-            tuple(args.managers),
-            order=args.order,
-            window=args.window,
-            on_case=save,
-        )
-    save(cells)
-    table = sweep_report.markdown(payload)
-    print(table)
-    if args.table is not None:
-        args.table.write_text(table)
-    if args.plots is not None:
-        written = sweep_report.heat_maps(payload, args.plots)
-        if written is None:
-            print("matplotlib is not importable here: no heat maps", file=sys.stderr)
-    return 0
+def write_outputs(payload: dict[str, Any], table: Path | None, plots: Path | None) -> str:
+    """The ratio table (returned, and written to ``table``) and heat maps in ``plots``."""
+    text = sweep_report.markdown(payload)
+    if table is not None:
+        table.write_text(text)
+    if plots is not None and sweep_report.heat_maps(payload, plots) is None:
+        print("matplotlib is not importable here: no heat maps", file=sys.stderr)
+    return text
