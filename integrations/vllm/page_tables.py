@@ -52,17 +52,46 @@ def layer_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tup
     return table, check_room(table, memory, options)
 
 
-def place(group: KVGroup, options: JengaVllmOptions, memory: int) -> GroupPlacement:
+def place(
+    group: KVGroup, options: JengaVllmOptions, memory: int, epsilon: float | None = None
+) -> GroupPlacement:
     try:
         return place_group(
             group.spec.page_bytes,
             group.num_layers,
             options.chunk_bytes,
-            epsilon=options.page_epsilon,
+            epsilon=options.page_epsilon if epsilon is None else epsilon,
             least_waste_chunks=pool_least_waste_chunks(memory, options.chunk_bytes),
         )
     except PlacementError as exc:
         raise JengaVllmError(f"group {group.name!r}: {exc}") from exc
+
+
+POOL_SHARE_OF_ONE_PAGE_EACH = 4
+"""With the default epsilon, one large page in every group may take at most this share
+(1/4) of the pool; past it the epsilon doubles (up to `WIDEST_EPSILON`) for smaller pages."""
+WIDEST_EPSILON = 0.5
+
+
+def place_groups(
+    groups: tuple[KVGroup, ...], options: JengaVllmOptions, memory: int
+) -> tuple[GroupPlacement, ...]:
+    """Per-group placements (`place`). With the default epsilon, pages small enough that
+    one in each group takes at most 1/`POOL_SHARE_OF_ONE_PAGE_EACH` of the pool: the
+    least-waste Mamba page of a 2-layer group is 9 chunks (32 states), so 7 such groups
+    held half of a 256 MiB pool with one page each, and a group that grew later found no
+    room for a page and evicted its own cached states (a shared prefix's among them)
+    while free chunks sat unused; a pool below 64 chunks could not hold them at all. An
+    explicit ``epsilon`` is kept as given."""
+    epsilon = options.page_epsilon
+    total = memory // options.chunk_bytes
+    while True:
+        placements = tuple(place(g, options, memory, epsilon) for g in groups)
+        one_each = sum(p.chunks_per_page for p in placements)
+        fits = one_each * POOL_SHARE_OF_ONE_PAGE_EACH <= total
+        if fits or options.epsilon is not None or epsilon >= WIDEST_EPSILON:
+            return placements
+        epsilon = min(WIDEST_EPSILON, 2 * epsilon)
 
 
 def group_page_table(
