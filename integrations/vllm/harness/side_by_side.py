@@ -496,24 +496,27 @@ def main_sweep(args: argparse.Namespace, workload: Workload) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
 
+        def run_one(case: str, memory: int, load: Workload, manager: str) -> dict[str, Any]:
+            """The row, or the error a manager raised (a cell it cannot run loses)."""
+            setup = scheduler_setup(load, args.order)
+            try:
+                row = run_case(
+                    model_dir,
+                    case,
+                    memory,
+                    load,
+                    manager=manager,
+                    setup=setup,
+                    window=args.window,
+                    checked=False,
+                )
+            except Exception as exc:  # recorded in the cell, reported as losing
+                return {"error": f"{type(exc).__name__}: {exc}"}
+            return asdict(row)
+
         def run_cell(case: str, memory: int, requests: int, seed: int) -> dict[str, Any]:
             load = replace(workload, requests=requests, seed=seed)
-            setup = scheduler_setup(load, args.order)
-            return {
-                m: asdict(
-                    run_case(
-                        model_dir,
-                        case,
-                        memory,
-                        load,
-                        manager=m,
-                        setup=setup,
-                        window=args.window,
-                        checked=False,
-                    )
-                )
-                for m in args.managers
-            }
+            return {m: run_one(case, memory, load, m) for m in args.managers}
 
         save(sweep.run_grid(args.cases, grid, run_cell, on_case=save))
     print(sweep.write_outputs(payload, args.table, args.plots))

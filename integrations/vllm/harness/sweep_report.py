@@ -34,8 +34,16 @@ def ratio(ours: float, theirs: float) -> float:
 
 
 def cell_ratios(cell: dict[str, Any], manager: str) -> dict[str, float]:
-    """Ratio per `METRICS` of ``manager``'s row to vLLM's in one cell."""
+    """Ratio per `METRICS` of ``manager``'s row to vLLM's in one cell; a manager that
+    raised (its row holds ``error``) counts as 0 running and hits, or vLLM's as infinite
+    for ours."""
     ours, theirs = cell["rows"][manager], cell["rows"]["vllm"]
+    if "error" in ours:
+        return {"avg_running": 0.0, "hit_tokens": 0.0, "preemptions": 1.0, "committed_bytes": 1.0}
+    if "error" in theirs:
+        return {"avg_running": math.inf, "hit_tokens": math.inf, "preemptions": 1.0} | {
+            "committed_bytes": 1.0
+        }
     return {m: ratio(float(ours[m]), float(theirs[m])) for m in METRICS}
 
 
@@ -125,6 +133,14 @@ def markdown(payload: dict[str, Any]) -> str:
             f"| {s['case']} | {s['manager']} | {s['cells']} | {len(s['losing'])} | "
             f"{_fmt(s['min_running'])} | {_fmt(s['min_hits'])} | {_fmt(s['max_committed'])} |"
         )
+    errors = [
+        f"- {c['case']}, {m}: {c['memory_mb']}, {c['requests']}, {c['seed']}: {r['error']}"
+        for c in payload["cells"]
+        for m, r in c["rows"].items()
+        if "error" in r
+    ]
+    if errors:
+        lines += ["", "Runs that raised (case, manager: memory MiB, requests, seed):", "", *errors]
     losing = [(s, cell) for s in stats for cell in s["losing"]]
     if losing:
         lines += ["", "Losing cells (case, manager: memory MiB, requests, seed: what):", ""]

@@ -53,3 +53,13 @@ def test_heat_maps_write_one_png_per_case_and_manager(tmp_path: Path) -> None:
     written = heat_maps(_payload(), tmp_path)
     assert written == [tmp_path / "jamba-jenga-vmm.png"]
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_manager_that_raised_loses_its_cell_and_is_listed() -> None:
+    payload = _payload()
+    payload["cells"][1]["rows"]["jenga-vmm"] = {"error": "JengaVllmError: 64 chunks, 63 held"}
+    ratios = cell_ratios(payload["cells"][1], "jenga-vmm")
+    assert loses(ratios) == ["avg_running", "hit_tokens"]
+    text = markdown(payload)
+    assert "- jamba, jenga-vmm: 512, 16, 0: JengaVllmError: 64 chunks, 63 held" in text
+    assert "| jamba | jenga-vmm | 2 | 2 |" in text
