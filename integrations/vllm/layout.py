@@ -36,8 +36,9 @@ Approach
       ``shapes`` do not size a state (vLLM's tests build ``MambaSpec(shapes=(1, 1))``)
       takes the slot, and a page larger than the slot is left to vLLM's worker.
     - Mamba groups follow vLLM's cache mode: "align" writes a state only where a step
-      ends (``mamba_step_end_only``) and caches only the states within a request's prompt
-      (``mamba_prompt_states_only``), as vLLM's manager; "none" keeps one per block.
+      ends (``mamba_step_end_only``) and, on VMM pages, caches only the states within a
+      request's prompt (``mamba_prompt_states_only``), as vLLM's manager does; "none"
+      keeps one per block.
 
     The pieces live by concern: errors in `integrations.vllm.errors`, the user's
     options and `TensorGeometry` in `integrations.vllm.options`, spec translation and
@@ -186,8 +187,10 @@ def build_layout(
     config = AllocatorConfig.from_page_table(
         model, table, total_units, _rules(options), mamba_step_end_only=align
     )
-    # vLLM's "align" mode caches the states prefill steps write, none a decode step writes
-    config = dataclasses.replace(config, mamba_prompt_states_only=align)
+    # vLLM's "align" mode caches the states prefill steps write, none a decode step
+    # writes; on VMM pages ours does the same (each cached state holds part of a mapped
+    # page); on vLLM's shared slots every state stays cached, as measured best there
+    config = dataclasses.replace(config, mamba_prompt_states_only=align and not shared)
     groups = []
     rows = zip(vgroups, kv_groups, table.groups, placements, strict=True)
     for i, (vg, kg, row, placement) in enumerate(rows):

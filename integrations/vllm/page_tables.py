@@ -67,28 +67,24 @@ def place(
         raise JengaVllmError(f"group {group.name!r}: {exc}") from exc
 
 
-POOL_SHARE_OF_ONE_PAGE_EACH = 4
-"""With the default epsilon, one large page in every group may take at most this share
-(1/4) of the pool; past it the epsilon doubles (up to `WIDEST_EPSILON`) for smaller pages."""
 WIDEST_EPSILON = 0.5
+"""The most waste a page takes, with the default epsilon, to let one page per group fit."""
 
 
 def place_groups(
     groups: tuple[KVGroup, ...], options: JengaVllmOptions, memory: int
 ) -> tuple[GroupPlacement, ...]:
     """Per-group placements (`place`). With the default epsilon, pages small enough that
-    one in each group takes at most 1/`POOL_SHARE_OF_ONE_PAGE_EACH` of the pool: the
-    least-waste Mamba page of a 2-layer group is 9 chunks (32 states), so 7 such groups
-    held half of a 256 MiB pool with one page each, and a group that grew later found no
-    room for a page and evicted its own cached states (a shared prefix's among them)
-    while free chunks sat unused; a pool below 64 chunks could not hold them at all. An
-    explicit ``epsilon`` is kept as given."""
+    one in each group fits the pool: the epsilon doubles (up to `WIDEST_EPSILON`) until
+    they do. The least-waste Mamba page of Jamba's 2-layer groups is 9 chunks (32 states),
+    so its 7 Mamba groups and one attention group need 64 chunks and a 128 MiB pool (63)
+    was refused; 5-chunk pages (16 states, 12.5 % waste) fit it. An explicit ``epsilon``
+    is kept as given (`check_room` then refuses a pool without room)."""
     epsilon = options.page_epsilon
     total = memory // options.chunk_bytes
     while True:
         placements = tuple(place(g, options, memory, epsilon) for g in groups)
-        one_each = sum(p.chunks_per_page for p in placements)
-        fits = one_each * POOL_SHARE_OF_ONE_PAGE_EACH <= total
+        fits = sum(p.chunks_per_page for p in placements) <= total
         if fits or options.epsilon is not None or epsilon >= WIDEST_EPSILON:
             return placements
         epsilon = min(WIDEST_EPSILON, 2 * epsilon)

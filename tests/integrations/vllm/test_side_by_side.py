@@ -215,7 +215,7 @@ def test_jamba_16_requests_on_vmm_pages_run_and_hit_as_much_as_vllm(model_dir: P
 def test_jamba_in_128_mib_runs_on_vmm_pages_and_keeps_up_with_vllm(model_dir: Path) -> None:
     """128 MiB (63 chunks): with the least-waste Mamba page (9 chunks per 2-layer group)
     one page in each of Jamba's 8 groups needed 64 chunks and the manager refused to
-    start; pages now shrink until one in each group takes at most a quarter of the pool."""
+    start; with the default epsilon pages now shrink until one in each group fits."""
     rows = compare(model_dir, ["jamba"], 128, Workload(requests=16), SETUP, ("vllm", "jenga-vmm"))
     ours, theirs = (next(r for r in rows if r.manager == m) for m in ("jenga-vmm", "vllm"))
     assert ours.avg_running >= theirs.avg_running
