@@ -5,6 +5,9 @@ regenerated from a saved sweep in any environment::
 
     python -m integrations.vllm.harness.sweep_report sweep.json --table out.md --plots DIR
 
+Several JSON files (sweeps of the same managers run apart) are merged into one table
+(``--merged FILE`` also writes the merged JSON).
+
 Per case and manager of ours, one ratio ours ÷ vLLM per cell (requests x memory x seed)
 for average running requests, prefix-hit tokens, preemptions and committed bytes. A
 ratio whose vLLM value is 0 is 1 when ours is 0 too, else infinite. A cell *loses* when
@@ -196,13 +199,31 @@ def heat_maps(payload: dict[str, Any], folder: Path) -> list[Path] | None:
     return written
 
 
+def merge(payloads: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One payload of sweeps run apart (say one process per case): the cells of all, in
+    order, and each command; their managers must be the same."""
+    first = payloads[0]
+    for other in payloads[1:]:
+        if other["managers"] != first["managers"]:
+            raise ValueError(
+                f"sweeps of different managers: {first['managers']} and {other['managers']}"
+            )
+    return first | {
+        "command": " ; ".join(p.get("command", "?") for p in payloads),
+        "cells": [c for p in payloads for c in p["cells"]],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="tables and heat maps of a sweep's JSON")
-    parser.add_argument("json", type=Path)
+    parser = argparse.ArgumentParser(description="tables and heat maps of sweeps' JSON")
+    parser.add_argument("json", type=Path, nargs="+", help="one sweep, or several to merge")
+    parser.add_argument("--merged", type=Path, default=None, help="write the merged JSON here")
     parser.add_argument("--table", type=Path, default=None)
     parser.add_argument("--plots", type=Path, default=None)
     args = parser.parse_args(argv)
-    payload = json.loads(args.json.read_text())
+    payload = merge([json.loads(path.read_text()) for path in args.json])
+    if args.merged is not None:
+        args.merged.write_text(json.dumps(payload, indent=1))
     table = markdown(payload)
     if args.table is None:
         print(table)

@@ -63,3 +63,26 @@ def test_a_manager_that_raised_loses_its_cell_and_is_listed() -> None:
     text = markdown(payload)
     assert "- jamba, jenga-vmm: 512, 16, 0: JengaVllmError: 64 chunks, 63 held" in text
     assert "| jamba | jenga-vmm | 2 | 2 |" in text
+
+
+def test_sweeps_run_apart_merge_into_one_table(tmp_path: Path) -> None:
+    import json
+
+    from integrations.vllm.harness.sweep_report import main, merge
+
+    one, two = _payload(), _payload()
+    for cell in two["cells"]:
+        cell["case"] = "gemma2"
+    two["command"] = "y"
+    merged = merge([one, two])
+    assert [c["case"] for c in merged["cells"]] == ["jamba", "jamba", "gemma2", "gemma2"]
+    assert merged["command"] == "x ; y"
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, payload in zip(paths, (one, two), strict=True):
+        path.write_text(json.dumps(payload))
+    out, table = tmp_path / "m.json", tmp_path / "m.md"
+    assert main([*map(str, paths), "--merged", str(out), "--table", str(table)]) == 0
+    assert json.loads(out.read_text()) == merged
+    assert "| gemma2 | jenga-vmm | 2 | 1 |" in table.read_text()
+    with pytest.raises(ValueError, match="different managers"):
+        merge([one, two | {"managers": ["vllm", "jenga"]}])
