@@ -8,7 +8,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.hpp' 2>/dev/null) CMakeLi
 CLANG_SOURCES := $(shell find csrc tests/vmm/cuda_emulator -name '*.cpp' -o -name '*.hpp' \
                    -o -name '*.c' -o -name '*.h' 2>/dev/null)
 
-.PHONY: release-check run test lint format build stubs stubs-check clean test-vllm test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan test-hf-oldest hf-venv test-gpu
+.PHONY: release-check run test lint format build stubs stubs-check clean test-vllm vllm-sweep test-vllm-conformance vllm-venv test-cuda-emulated cuda-emulator test-asan test-hf-oldest hf-venv test-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -124,6 +124,26 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/bin/python
 
 vllm-venv: $(VLLM_STAMP)
 	@$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps $(VLLM_BUILD) -e . 2>&1 | grep -v "^$$" || true
+
+# Side-by-side sweeps (vLLM's manager vs ours, ratio tables in docs/results/, heat maps in
+# docs/figures/vllm-sweep/ drawn by .venv, which has matplotlib):
+#   make vllm-sweep [VLLM=0.32.0] [SWEEP_DATE=YYYY-MM-DD]
+SWEEP_DATE  ?= $(shell date -u +%F)
+SWEEP_OUT   := docs/results/$(SWEEP_DATE)-vllm-sweep
+SWEEP_CMD   := nice $(VLLM_VENV)/bin/python -m integrations.vllm.harness.side_by_side
+SWEEP_SMALL := --cases llama gemma2 ministral jamba --managers vllm jenga-vmm \
+	--sweep requests=8,16,32,64,128,256 memory-mb=128,256,512,1024 seeds=0-2
+SWEEP_REAL  := --cases gemma2-9b ministral-8b jamba-1.5-mini gpt-oss-20b qwen3-next-80b \
+	--managers vllm jenga-vmm --question-tokens 2000 \
+	--sweep requests=64,128,256 memory-gib=20,40,80 seeds=0-2
+
+vllm-sweep: vllm-venv build
+	$(SWEEP_CMD) $(SWEEP_SMALL) --json $(SWEEP_OUT)-small.json --table $(SWEEP_OUT)-small.md
+	$(SWEEP_CMD) $(SWEEP_REAL) --json $(SWEEP_OUT)-real.json --table $(SWEEP_OUT)-real.md
+	$(PY) -m integrations.vllm.harness.sweep_report $(SWEEP_OUT)-small.json \
+		--table $(SWEEP_OUT)-small.md --plots docs/figures/vllm-sweep/small
+	$(PY) -m integrations.vllm.harness.sweep_report $(SWEEP_OUT)-real.json \
+		--table $(SWEEP_OUT)-real.md --plots docs/figures/vllm-sweep/real
 
 test-vllm: vllm-venv
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm

@@ -190,6 +190,10 @@ class JengaAllocator:
             )
             for g in config.groups
         )
+        # groups whose cached states stop at the prompt (`mamba_prompt_states_only`)
+        self._prompt_states_only = [
+            config.mamba_prompt_states_only and p.holds_state for p in self.policies
+        ]
         self._core = _core.Core(
             [g.blocks_per_large_page for g in config.groups],
             [g.units_per_large_page for g in config.groups],
@@ -322,9 +326,11 @@ class JengaAllocator:
         self._check_length(request_id, "prompt", len(prompt))
         spans = checked_images(images, len(prompt))
         if size is None:
-            return LiveRequest(-1, TokenBuffer(prompt), spans, salt, self._hasher)
-        req = LiveRequest(-1, TokenCount(len(prompt)), spans, salt, self._hasher)
-        req.digests, req.digest_block_size = (digests if digests is not None else []), size
+            req = LiveRequest(-1, TokenBuffer(prompt), spans, salt, self._hasher)
+        else:
+            req = LiveRequest(-1, TokenCount(len(prompt)), spans, salt, self._hasher)
+            req.digests, req.digest_block_size = (digests if digests is not None else []), size
+        req.prompt_tokens = len(prompt)
         return req
 
     def _adopt(self, match: PrefixMatch | None, length: int, salt: int) -> LiveRequest | None:
@@ -515,6 +521,8 @@ class JengaAllocator:
             )
         t = policy.tokens_per_block
         stop = min(len(table), computed // t)
+        if self._prompt_states_only[g] and req.prompt_tokens >= 0:
+            stop = min(stop, req.prompt_tokens // t)
         if stop <= start:
             return 0
         hashes = req.identities(t, start, stop)

@@ -116,6 +116,11 @@ class AllocatorConfig:
     mamba_step_end_only: bool = False
     # how blocks are named in the prefix cache (digest, key, the index's short key)
     identity: BlockIdentity = field(default_factory=BlockIdentity)
+    # Mamba: True to cache only the states at checkpoints within a request's prompt (as
+    # vLLM's "align" mode does): a state a decode step writes serves only a request that
+    # repeats the output verbatim, and keeping each one fills the pool with states that
+    # LRU ranks above an older shared prefix's (which then goes first)
+    mamba_prompt_states_only: bool = False
 
     @classmethod
     def from_page_table(

@@ -129,6 +129,8 @@ class LiveRequest:
     # the caller's chained digests, one per `digest_block_size` tokens (None: hash tokens)
     digests: Sequence[bytes] | None = None
     digest_block_size: int = 0
+    # prompt tokens at admission (-1: unknown; Mamba caching may stop there)
+    prompt_tokens: int = -1
     # group -> block index shared with a forked sibling that the next token writes into
     # (copied on that write: `jenga.fork`)
     shared_tail: dict[int, int] = field(default_factory=dict)

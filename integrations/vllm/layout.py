@@ -36,7 +36,9 @@ Approach
       ``shapes`` do not size a state (vLLM's tests build ``MambaSpec(shapes=(1, 1))``)
       takes the slot, and a page larger than the slot is left to vLLM's worker.
     - Mamba groups follow vLLM's cache mode: "align" writes a state only where a step
-      ends (``mamba_step_end_only``); "none" keeps one per block, as vLLM's manager.
+      ends (``mamba_step_end_only``) and, on VMM pages, caches only the states within a
+      request's prompt (``mamba_prompt_states_only``), as vLLM's manager does; "none"
+      keeps one per block.
 
     The pieces live by concern: errors in `integrations.vllm.errors`, the user's
     options and `TensorGeometry` in `integrations.vllm.options`, spec translation and
@@ -53,6 +55,7 @@ Limitations
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,7 +70,7 @@ from integrations.vllm.page_tables import (
     check_room,
     group_page_table,
     layer_pages,
-    place,
+    place_groups,
     vllm_slot_pages,
 )
 from integrations.vllm.placement import GroupPlacement
@@ -175,18 +178,19 @@ def build_layout(
     if shared:
         table, total_units = vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
     elif geometry is TensorGeometry.PER_GROUP:
-        placements = tuple(place(g, options, memory) for g in kv_groups)
+        placements = place_groups(tuple(kv_groups), options, memory)
         table = group_page_table(model, placements, options)
         total_units = check_room(table, memory, options)
     else:
         table, total_units = layer_pages(model, memory, options)
+    align = mamba_step_end_only(vgroups)
     config = AllocatorConfig.from_page_table(
-        model,
-        table,
-        total_units,
-        _rules(options),
-        mamba_step_end_only=mamba_step_end_only(vgroups),
+        model, table, total_units, _rules(options), mamba_step_end_only=align
     )
+    # vLLM's "align" mode caches the states prefill steps write, none a decode step
+    # writes; on VMM pages ours does the same (each cached state holds part of a mapped
+    # page); on vLLM's shared slots every state stays cached, as measured best there
+    config = dataclasses.replace(config, mamba_prompt_states_only=align and not shared)
     groups = []
     rows = zip(vgroups, kv_groups, table.groups, placements, strict=True)
     for i, (vg, kg, row, placement) in enumerate(rows):

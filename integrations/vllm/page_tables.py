@@ -52,17 +52,42 @@ def layer_pages(model: ModelSpec, memory: int, options: JengaVllmOptions) -> tup
     return table, check_room(table, memory, options)
 
 
-def place(group: KVGroup, options: JengaVllmOptions, memory: int) -> GroupPlacement:
+def place(
+    group: KVGroup, options: JengaVllmOptions, memory: int, epsilon: float | None = None
+) -> GroupPlacement:
     try:
         return place_group(
             group.spec.page_bytes,
             group.num_layers,
             options.chunk_bytes,
-            epsilon=options.page_epsilon,
+            epsilon=options.page_epsilon if epsilon is None else epsilon,
             least_waste_chunks=pool_least_waste_chunks(memory, options.chunk_bytes),
         )
     except PlacementError as exc:
         raise JengaVllmError(f"group {group.name!r}: {exc}") from exc
+
+
+WIDEST_EPSILON = 0.5
+"""The most waste a page takes, with the default epsilon, to let one page per group fit."""
+
+
+def place_groups(
+    groups: tuple[KVGroup, ...], options: JengaVllmOptions, memory: int
+) -> tuple[GroupPlacement, ...]:
+    """Per-group placements (`place`). With the default epsilon, pages small enough that
+    one in each group fits the pool: the epsilon doubles (up to `WIDEST_EPSILON`) until
+    they do. The least-waste Mamba page of Jamba's 2-layer groups is 9 chunks (32 states),
+    so its 7 Mamba groups and one attention group need 64 chunks and a 128 MiB pool (63)
+    was refused; 5-chunk pages (16 states, 12.5 % waste) fit it. An explicit ``epsilon``
+    is kept as given (`check_room` then refuses a pool without room)."""
+    epsilon = options.page_epsilon
+    total = memory // options.chunk_bytes
+    while True:
+        placements = tuple(place(g, options, memory, epsilon) for g in groups)
+        fits = sum(p.chunks_per_page for p in placements) <= total
+        if fits or options.epsilon is not None or epsilon >= WIDEST_EPSILON:
+            return placements
+        epsilon = min(WIDEST_EPSILON, 2 * epsilon)
 
 
 def group_page_table(

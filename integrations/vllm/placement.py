@@ -50,10 +50,12 @@ STRIDE_ALIGN = 512
 
 MAX_CHUNKS_PER_PAGE = 64
 
-POOL_PAGES_PER_LARGEST = 512
+POOL_PAGES_PER_LARGEST = 256
 """A page may grow past the smallest within-epsilon one, to cut its waste, up to
-``pool chunks // POOL_PAGES_PER_LARGEST`` chunks (1/512 of the pool: at most one page
-per group pinned by a request's partly filled page costs that little of the pool)."""
+``pool chunks // POOL_PAGES_PER_LARGEST`` chunks (1/256 of the pool: at most one page
+per group pinned by a request's partly filled page costs that little of the pool). At
+1/512, Gemma 2 9B at 20 GiB could not take its exact 21-chunk page (no tail) and held
+1.6 % fewer blocks than vLLM in 4-chunk pages (0.976x vLLM's running requests)."""
 
 
 def pool_least_waste_chunks(pool_bytes: int, chunk_bytes: int) -> int:

@@ -86,3 +86,28 @@ def test_the_state_count_decides_whether_a_chunk_fits():
     end_only.add_request("a", list(range(2048)))
     assert end_only.allocate("a", 2048) is not None  # 32 + 1
     assert end_only.usage().free_units == 0
+
+
+@pytest.mark.parametrize("prompt_only", [False, True])
+def test_decode_states_are_cached_only_without_prompt_states_only(prompt_only):
+    """``mamba_prompt_states_only`` (vLLM's align mode): the states a decode step writes
+    past the prompt are not entered in the prefix cache (vLLM's manager caches none), so
+    they cannot crowd out an older shared prefix's state; attention blocks still are."""
+    config = AllocatorConfig(
+        GROUPS, 1024, mamba_step_end_only=True, mamba_prompt_states_only=prompt_only
+    )
+    alloc = JengaAllocator(config)
+    prompt = list(range(64))
+    alloc.add_request("a", prompt)
+    assert alloc.allocate("a", 64) is not None
+    assert alloc.cache("a", 64) == 4 + 1  # 4 attention blocks, the state after 64
+    for i in range(32):  # decode 32 tokens, one per step: states after 80 and 96
+        assert alloc.allocate("a", 1) is not None
+        alloc.append_tokens("a", [1000 + i])
+        alloc.cache("a", 65 + i)
+    alloc.free("a")
+    assert alloc.usage().cached_blocks == (6, 1 if prompt_only else 3)
+    assert alloc.prefix_match([*prompt, 5]).hit == 64
+    follow_up = [*prompt, *range(1000, 1032), 5]
+    assert alloc.prefix_match(follow_up).hit == (64 if prompt_only else 96)
+    alloc.check_invariants(expensive=True)

@@ -30,13 +30,22 @@ Usage::
 
     python -m integrations.vllm.harness.side_by_side --memory-mb 256 --json out.json
     python -m integrations.vllm.harness.side_by_side --memory-mb 1024 --requests 256 --reps 3
+    python -m integrations.vllm.harness.side_by_side --managers vllm jenga-vmm \
+        --sweep requests=8,16,32 memory-mb=128,256 seeds=0-2 --json s.json --table s.md
+
+``--sweep`` runs a grid per case (`integrations.vllm.harness.sweep`; ``--seed`` other than
+0 draws each request's topic and lengths, see `Workload`) and writes the ratios ours ÷
+vLLM per cell (`integrations.vllm.harness.sweep_report`); ``make vllm-sweep`` regenerates
+the tables in docs/results/.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -45,29 +54,59 @@ from typing import Any
 
 from vmm.bench.stats import percentile
 
-from integrations.vllm.harness import cases, replay
+from integrations.vllm.harness import cases, replay, sweep
 from integrations.vllm.harness.pinning import PinningTally, chunk_pinning
 
 
 @dataclass(frozen=True)
 class Workload:
+    """The shared-prefix workload. ``seed`` 0: request ``i`` takes topic ``i % topics``,
+    ``question_tokens`` and ``output_tokens``; another seed draws each request's topic
+    uniformly and its question and output lengths uniformly in [1/2, 3/2] of those
+    (`random.Random(seed)`), so a sweep sees other mixes of the same shape."""
+
     requests: int = 64
     system_tokens: int = 512
     topic_tokens: int = 256
     topics: int = 8
     question_tokens: int = 200
     output_tokens: int = 64
+    seed: int = 0
+
+    def _draws(self) -> list[tuple[int, int, int]]:
+        """(topic, question tokens, output tokens) per request."""
+        if self.seed == 0:
+            return [
+                (i % self.topics, self.question_tokens, self.output_tokens)
+                for i in range(self.requests)
+            ]
+        rng = random.Random(self.seed)
+        q, o = self.question_tokens, self.output_tokens
+        return [
+            (
+                rng.randrange(self.topics),
+                rng.randint(max(1, q // 2), max(1, q * 3 // 2)),
+                rng.randint(max(1, o // 2), max(1, o * 3 // 2)),
+            )
+            for _ in range(self.requests)
+        ]
 
     def prompts(self) -> list[list[int]]:
-        out = []
-        for i in range(self.requests):
-            topic = i % self.topics
-            out.append(
-                [1] * self.system_tokens
-                + [100 + topic] * self.topic_tokens
-                + [1000 + i] * self.question_tokens
-            )
-        return out
+        return [
+            [1] * self.system_tokens + [100 + topic] * self.topic_tokens + [1000 + i] * question
+            for i, (topic, question, _) in enumerate(self._draws())
+        ]
+
+    def outputs(self) -> list[int]:
+        """Output tokens per request."""
+        return [out for _, _, out in self._draws()]
+
+    def longest(self) -> int:
+        """The most tokens one request reaches (prompt and output)."""
+        return max(
+            (self.system_tokens + self.topic_tokens + q + o for _, q, o in self._draws()),
+            default=0,
+        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +156,8 @@ def run_case(
     checked: bool = True,
 ) -> Row:
     """One run. ``checked``: after every step check that no live block is shared and
-    measure chunk pinning (outside the timed calls); False runs the scheduler alone, as
-    an engine does (the pinning and committed columns are then left at 0)."""
+    measure chunk pinning (outside the timed calls); False runs the scheduler with only
+    the committed-bytes reading after each step (the pinning columns are then 0)."""
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
     start = time.perf_counter()
@@ -136,20 +175,22 @@ def run_case(
     specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
-    peak = PeakCommitted(scheduler, manager, trace)
+    peak = PeakCommitted(scheduler, manager, trace, pinning=checked)
     prompts = workload.prompts()
     half = len(prompts) // 2
-    outputs = [workload.output_tokens] * len(prompts)
+    outputs = workload.outputs()
     waves = [
         replay.make_requests(prompts[:half], outputs[:half], setup.block_size, prefix="a"),
         replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
     ]
     reports = [
-        replay.replay(scheduler, wave, after_step=peak if checked else None, check_blocks=checked)
-        for wave in waves
+        replay.replay(scheduler, wave, after_step=peak, check_blocks=checked) for wave in waves
     ]
+    expected = {
+        f"{'a' if i < half else 'b'}{i if i < half else i - half}": n for i, n in enumerate(outputs)
+    }
     for report in reports:
-        wrong = {k: v for k, v in report.output_tokens.items() if v != workload.output_tokens}
+        wrong = {k: v for k, v in report.output_tokens.items() if v != expected[k]}
         if wrong:
             raise RuntimeError(f"{case}: requests finished with wrong token counts: {wrong}")
     row = summarize(case, manager, int(kv_config.num_blocks), reports, start, peak.bytes)
@@ -168,14 +209,21 @@ class PeakCommitted:
     Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
     after each step, at its peak, and the chunk pinning of every step (`pinning`).
     vLLM's manager and ours on vLLM's tensors: the whole KV buffer vLLM allocates up
-    front (no pinning figures).
+    front (no pinning figures). ``pinning`` False: the mapped units alone (no per-block
+    walk).
     """
 
     def __init__(
-        self, scheduler: Any, manager: str, trace: list[dict[str, Any]] | None = None
+        self,
+        scheduler: Any,
+        manager: str,
+        trace: list[dict[str, Any]] | None = None,
+        *,
+        pinning: bool = True,
     ) -> None:
         self.kv = scheduler.kv_cache_manager
         self.trace = trace
+        self.measure_pinning = pinning
         self.pinning = PinningTally()
         self.on_vmm = manager.startswith("jenga-vmm")
         if self.on_vmm:
@@ -187,7 +235,10 @@ class PeakCommitted:
 
     def __call__(self, scheduler: Any, out: Any) -> None:
         step: dict[str, Any] = {}
-        if self.on_vmm:
+        if self.on_vmm and not self.measure_pinning:
+            mapped = self.kv.allocator.usage().used_units
+            self.bytes = max(self.bytes, mapped * self.kv.layout.options.chunk_bytes)
+        elif self.on_vmm:
             running = [r.request_id for r in scheduler.running]
             mapped, single, packable = chunk_pinning(self.kv, running)
             self.pinning.add(mapped, single, packable)
@@ -374,6 +425,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--window", type=int, default=64, help="sliding window (tokens)")
     parser.add_argument(
+        "--seed", type=int, default=0, help="0: the fixed workload; else drawn topics, lengths"
+    )
+    parser.add_argument(
+        "--sweep",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUES",
+        help="a grid instead of one run: requests=8,16 memory-mb=128,256 (or memory-gib=20,40) "
+        "seeds=0-2; writes --json, a ratio table (--table) and heat maps (--plots)",
+    )
+    parser.add_argument("--table", type=Path, default=None, help="sweep: markdown table here")
+    parser.add_argument("--plots", type=Path, default=None, help="sweep: heat-map PNG folder")
+    parser.add_argument(
         "--order",
         choices=("compact", "paper", "pinned"),
         default=None,
@@ -397,6 +461,68 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def scheduler_setup(workload: Workload, order: str | None = None) -> replay.SchedulerSetup:
+    """The scheduler limits of one run: ``max_model_len`` the longest request rounded up
+    to 1,024 (at least 2,048), 256 sequences, 2,048 batched tokens."""
+    return replay.SchedulerSetup(
+        max_model_len=max(2048, -(-workload.longest() // 1024) * 1024),
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        jenga_options={} if order is None else {"order": order},
+    )
+
+
+def main_sweep(args: argparse.Namespace, workload: Workload) -> int:
+    """``--sweep``: every cell of the grid (`sweep.run_grid`), ``--json`` rewritten after
+    each case, then the ratio table (``--table``) and heat maps (``--plots``)."""
+    grid = sweep.parse_grid(
+        args.sweep, requests=args.requests, memory_mb=args.memory_mb, seed=args.seed
+    )
+    payload: dict[str, Any] = {
+        "command": " ".join(["python -m integrations.vllm.harness.side_by_side", *sys.argv[1:]]),
+        "grid": asdict(grid),
+        "order": args.order or "default",
+        "window": args.window,
+        "workload": asdict(workload),
+        "managers": list(args.managers),
+        "cells": [],
+    }
+
+    def save(cells: list[dict[str, Any]]) -> None:
+        payload["cells"] = cells
+        if args.json is not None:
+            args.json.write_text(json.dumps(payload, indent=1))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = replay.write_tiny_model(Path(tmp) / "model")
+
+        def run_one(case: str, memory: int, load: Workload, manager: str) -> dict[str, Any]:
+            """The row, or the error a manager raised (a cell it cannot run loses)."""
+            setup = scheduler_setup(load, args.order)
+            try:
+                row = run_case(
+                    model_dir,
+                    case,
+                    memory,
+                    load,
+                    manager=manager,
+                    setup=setup,
+                    window=args.window,
+                    checked=False,
+                )
+            except Exception as exc:  # recorded in the cell, reported as losing
+                return {"error": f"{type(exc).__name__}: {exc}"}
+            return asdict(row)
+
+        def run_cell(case: str, memory: int, requests: int, seed: int) -> dict[str, Any]:
+            load = replace(workload, requests=requests, seed=seed)
+            return {m: run_one(case, memory, load, m) for m in args.managers}
+
+        save(sweep.run_grid(args.cases, grid, run_cell, on_case=save))
+    print(sweep.write_outputs(payload, args.table, args.plots))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     workload = Workload(
@@ -405,14 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         question_tokens=args.question_tokens,
         system_tokens=args.system_tokens,
         topics=args.topics,
+        seed=args.seed,
     )
-    longest = workload.system_tokens + workload.topic_tokens + args.question_tokens + args.output
-    setup = replay.SchedulerSetup(
-        max_model_len=max(2048, -(-longest // 1024) * 1024),
-        max_num_seqs=256,
-        max_num_batched_tokens=2048,
-        jenga_options={} if args.order is None else {"order": args.order},
-    )
+    if args.sweep is not None:
+        return main_sweep(args, workload)
+    setup = scheduler_setup(workload, args.order)
     traces: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")

@@ -115,17 +115,25 @@ def test_option_strings_become_the_tensor_geometry() -> None:
         JengaVllmOptions(geometry="shared_slots")
 
 
-@pytest.mark.parametrize(("geometry", "chunks"), [("per_group", 64), ("per_layer", 58)])
+@pytest.mark.parametrize(
+    ("geometry", "epsilon", "mib", "chunks"),
+    [("per_group", 0.05, 64, 64), ("per_layer", None, 64, 58), ("per_group", None, 14, 8)],
+)
 def test_a_pool_without_room_for_one_page_per_group_is_refused(
-    model_dir: Path, geometry: str, chunks: int
+    model_dir: Path, geometry: str, epsilon: float | None, mib: int, chunks: int
 ) -> None:
-    """jamba: 7 Mamba groups of 2 layers x 280 KiB and one attention group. per_group: a
-    Mamba page is 9 chunks (32 states at a 288 KiB stride), 7 x 9 + 1 = 64; per_layer:
-    a Mamba page is 4 chunks per layer range (29 states), 7 x 2 x 4 + 2 x 1 = 58."""
-    config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=256))
-    kv_config = replay.kv_cache_config_for(config, cases.layer_specs("jamba"), 64 << 20)
+    """jamba: 7 Mamba groups of 2 layers x 280 KiB and one attention group. per_group
+    with epsilon 5 %: a Mamba page is 9 chunks (32 states at a 288 KiB stride), 7 x 9 + 1
+    = 64; per_layer: a Mamba page is 4 chunks per layer range (29 states), 7 x 2 x 4 +
+    2 x 1 = 58. per_group with the default epsilon widens it (up to 50 %) until one page
+    per group fits: 1-chunk pages of 2 states, 7 x 1 + 1 = 8, more than 14 MiB holds
+    (vLLM's own check wants 128-token requests to fit there)."""
+    length = 256 if mib >= 64 else 128
+    config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=length))
+    kv_config = replay.kv_cache_config_for(config, cases.layer_specs("jamba"), mib << 20)
+    options = JengaVllmOptions(pages="vmm", geometry=geometry, epsilon=epsilon)
     with pytest.raises(JengaVllmError, match=rf"needs a large page in each group: {chunks} chunks"):
-        build_layout(kv_config, 256, JengaVllmOptions(pages="vmm", geometry=geometry))
+        build_layout(kv_config, length, options)
 
 
 def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:
