@@ -35,8 +35,8 @@ Approach
     4. a free block in a large page of another request,
     5. evict one cached block of g (LRU; ties: the longest prefix first, then block id).
 
-    The rules that change this are one value, `AllocationRules` (``AllocatorConfig.rules``),
-    handed to the core whole (`jenga._core.Rules`):
+    The rules that change this are one value, `AllocationRules` (``AllocatorConfig.rules``), handed
+    to the core whole (`jenga._core.Rules`):
 
     - ``order``: `AllocationOrder.PAPER` as above; ``COMPACT`` tries 4 before 2 (commits
       fewer units, frees less cleanly); ``PINNED`` is compact order with one more step
@@ -68,9 +68,9 @@ Approach
       out-of-window blocks stay cached; reusing them keeps the group's pages few, so
       whole pages become evictable for other groups.
 
-    On "no room" `allocate` returns None and the core rolls back every step it took
-    (releases and evictions included): every primitive mutation is logged and undone
-    last-first, which restores the exact state.
+    On "no room" `allocate` returns None and the core rolls back every step it took (releases and
+    evictions included): every primitive mutation is logged and undone last-first, which restores
+    the exact state.
 
 Limitations
     One allocator serves one model (groups of a draft and a target model are just more
@@ -190,10 +190,8 @@ class JengaAllocator:
             )
             for g in config.groups
         )
-        # groups whose cached states stop at the prompt (`mamba_prompt_states_only`)
-        self._prompt_states_only = [
-            config.mamba_prompt_states_only and p.holds_state for p in self.policies
-        ]
+        only = config.mamba_prompt_states_only  # cached states stop at the prompt
+        self._prompt_states_only = [only and p.holds_state for p in self.policies]
         self._core = _core.Core(
             [g.blocks_per_large_page for g in config.groups],
             [g.units_per_large_page for g in config.groups],
@@ -325,10 +323,9 @@ class JengaAllocator:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
         spans = checked_images(images, len(prompt))
-        if size is None:
-            req = LiveRequest(-1, TokenBuffer(prompt), spans, salt, self._hasher)
-        else:
-            req = LiveRequest(-1, TokenCount(len(prompt)), spans, salt, self._hasher)
+        tokens = TokenBuffer(prompt) if size is None else TokenCount(len(prompt))
+        req = LiveRequest(-1, tokens, spans, salt, self._hasher)
+        if size is not None:
             req.digests, req.digest_block_size = (digests if digests is not None else []), size
         req.prompt_tokens = len(prompt)
         return req
