@@ -250,6 +250,13 @@ def aux_outputs_read_the_block_pool(vllm_config: VllmConfig) -> bool:
     return AT_LEAST_0_33 and aux is not None and bool(aux.enabled)
 
 
+def kv_connector_base_class() -> type:
+    """vLLM's `KVConnectorBase_V1` (the scheduler-side connector interface)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return KVConnectorBase_V1
+
+
 # -- engine (harness, tests) -------------------------------------------------------------
 def engine_core_class() -> type:
     from vllm.v1.engine.core import EngineCore
