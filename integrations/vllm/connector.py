@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from jenga.allocator import NULL_BLOCK
 from jenga.specs import Kind
@@ -66,19 +66,79 @@ class ParkedRequest:
     serial: int
 
 
+Offer = tuple[int, int, int]
+"""A Mamba boundary state offered to a connector: (group, vLLM block id, boundary tokens)."""
+
+
 @dataclass(slots=True)
 class ConnectorState:
     """What the manager keeps for connectors: parked requests by the id of each block
-    object handed out for them, the next parked serial, block ids queued for zeroing."""
+    object handed out for them, the next parked serial, block ids queued for zeroing;
+    the Mamba groups whose boundary states are offered ("align" mode), per request the
+    blocks of each looked at so far and the offers not yet taken."""
 
     parked: dict[int, ParkedRequest] = field(default_factory=dict)
     num_parked: int = 0
     live_parked: set[ParkedRequest] = field(default_factory=set)
     to_zero: list[int] = field(default_factory=list)
+    mamba_groups: tuple[int, ...] = ()
+    offered: dict[Hashable, list[int]] = field(default_factory=dict)
+    offers: dict[Hashable, list[Offer]] = field(default_factory=dict)
+
+    def forget(self, request_id: Hashable) -> None:
+        """The request left the manager: its offers not yet taken go (vLLM's rule: an
+        offer holds committed bytes only while the request holds the block)."""
+        self.offered.pop(request_id, None)
+        self.offers.pop(request_id, None)
+
+
+def new_state(manager: JengaKVCacheManager) -> ConnectorState:
+    """The connector state of a new manager; boundary states are offered in "align"
+    mode only (states written where a step ends, as vLLM's manager offers them)."""
+    layout = manager.layout
+    align = layout.allocator_config.mamba_step_end_only
+    mamba = tuple(g for g, grp in enumerate(layout.groups) if grp.kind is Kind.MAMBA)
+    return ConnectorState(mamba_groups=mamba if align else ())
+
+
+def offer_boundary_states(manager: JengaKVCacheManager, request_id: str, computed: int) -> None:
+    """Offer the request's Mamba states at block boundaries within ``computed`` tokens
+    (the ones just committed with the step that writes them), each once."""
+    state = manager._connector
+    done = state.offered.setdefault(request_id, [0] * len(state.mamba_groups))
+    ids = None
+    for i, g in enumerate(state.mamba_groups):
+        size = manager.layout.groups[g].block_size
+        stop = computed // size
+        if stop <= done[i]:
+            continue
+        if ids is None:
+            ids = manager.get_block_ids(request_id)
+        null = manager._block_ids.null_blocks[g].block_id
+        row = ids[g]
+        new = [
+            (g, row[j], (j + 1) * size)
+            for j in range(done[i], min(stop, len(row)))
+            if row[j] != null
+        ]
+        if new:
+            state.offers.setdefault(request_id, []).extend(new)
+        done[i] = stop
+
+
+def take_offers(manager: JengaKVCacheManager) -> dict[str, list[Offer]]:
+    """The offers since the last call, by request id (drained)."""
+    state = manager._connector
+    offers, state.offers = state.offers, {}
+    return {str(rid): entries for rid, entries in offers.items()}
 
 
 class ConnectorBlockPool:
-    """The ``block_pool`` vLLM's scheduler and connectors read, over the jenga manager."""
+    """The ``block_pool`` vLLM's scheduler and connectors read, over the jenga manager.
+
+    Only what the scheduler and the served connectors call; vLLM's pool internals (free
+    counts, free queue, hash map) are not here: reading them raises AttributeError.
+    """
 
     def __init__(self, manager: JengaKVCacheManager) -> None:
         self._manager = manager
@@ -95,12 +155,6 @@ class ConnectorBlockPool:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._manager.evict_blocks(block_ids)
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise AttributeError(
-            f"the jenga manager's block pool does not serve {name!r} (vLLM's BlockPool "
-            "internals are not built)"
-        )
 
 
 def external_then_new(

@@ -177,7 +177,7 @@ class JengaKVCacheManager:
         # the last lookup (request id, match), adopted by that request's admission
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
-        self._connector = connector.ConnectorState()
+        self._connector = connector.new_state(self)
 
     @property
     def enable_kv_cache_events(self) -> bool:
@@ -532,6 +532,7 @@ class JengaKVCacheManager:
     def _release(self, rid: Hashable) -> None:
         self._apply_plan(self.allocator.free(rid))
         del self._requests[rid]
+        self._connector.forget(rid)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the hashes of the request's blocks complete within the computed tokens."""
@@ -555,6 +556,8 @@ class JengaKVCacheManager:
         added = self.allocator.cache(rid, computed, digests=() if hashes is None else hashes)
         if added and self.identity.events_on:
             self._record(request, state, computed)
+        if self._connector.mamba_groups:
+            connector.offer_boundary_states(self, rid, computed)
         if self._cache_step:
             # a block is named only once its digest exists: with lookahead hashes the
             # digests lag the computed tokens, so the next call must look again
@@ -717,9 +720,10 @@ class JengaKVCacheManager:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba boundary states offered to a KV connector: vLLM offers the sub-block
-        ("align" partial-hit) states, which jenga does not make; none."""
-        return {}
+        """Mamba boundary states (vLLM's "align" mode) committed since the last call, for
+        a KV connector to offload: ``{request id: [(group, block id, boundary tokens)]}``
+        (`integrations.vllm.connector.offer_boundary_states`)."""
+        return connector.take_offers(self)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
         """A KV producer's sub-block Mamba tails: none (jenga makes no partial hits)."""
