@@ -154,6 +154,7 @@ def config_classes() -> dict[str, type]:
     from vllm import config
 
     names = ("CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "VllmConfig")
+    names += ("KVTransferConfig",)
     return {name: getattr(config, name) for name in names}
 
 
@@ -227,6 +228,21 @@ def model_runner_output(**kwargs: Any) -> ModelRunnerOutput:
     from vllm.v1.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput(**kwargs)
+
+
+def kv_connector_output(**kwargs: Any) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(**kwargs)
+
+
+def offloading_worker_metadata(completed_jobs: dict[int, int]) -> Any:
+    """The worker-to-scheduler metadata of vLLM's OffloadingConnector (finished jobs)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+
+    return OffloadingWorkerMetadata(completed_jobs=dict(completed_jobs))
 
 
 def scheduler_owns_output_update() -> bool:
