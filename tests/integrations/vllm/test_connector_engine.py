@@ -12,8 +12,9 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from integrations.vllm import compat
 from integrations.vllm.harness import offload, replay
+
+from integrations.vllm import compat
 
 BLOCK = 16
 GPU_BYTES = 7 << 20  # llama case: about 25 blocks of 16 tokens (1.4 documents)
