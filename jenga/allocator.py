@@ -577,6 +577,21 @@ class JengaAllocator:
         self._core.evict_cached_pages(num_units)
         return self._drain_plan()
 
+    def uncache_blocks(self, group: int | str, blocks: Sequence[int]) -> MappingPlan:
+        """Drop ``blocks`` of ``group`` from the prefix cache, as a KV load that failed
+        leaves their data bad: a cached block turns free (its page unmapped when left
+        empty: the returned plan), one a request holds loses its identity (no later
+        request hits it; it turns free, not cached, when released). Unhashed blocks are
+        left alone. Raises `InvalidSize` (nothing changed) for an id outside the group."""
+        g = self._group(group)
+        ids = [int(b) for b in blocks]
+        try:
+            self._core.uncache_blocks(g, ids)
+        except IndexError as e:
+            raise InvalidSize(str(e)) from None
+        self._epoch += 1
+        return self._drain_plan()
+
     # -- capacity ---------------------------------------------------------------------
     @property
     def total_units(self) -> int:

@@ -30,6 +30,11 @@ Approach
       connector that drives vLLM's own `BlockPool` (its ref counts, free queue, hash
       map) cannot run on it and is refused at start-up
       (`integrations.vllm.scheduler.check_connector`).
+    - Eviction by block id (`evict_by_id`, vLLM's ``evict_blocks`` after a failed load
+      under the "fail" policy): each id is dropped from the prefix cache of every group
+      it names a block of (`jenga.allocator.JengaAllocator.uncache_blocks`); on VMM
+      ranges ids repeat across groups, so an id drops that block in each of them (more
+      than vLLM drops, never less).
     - Failed loads: `record_blocks_for_zeroing` queues the attention blocks past the
       valid prefix for the worker to zero (`take_new_block_ids`), as vLLM's manager
       does when the KV cache needs zeroing; the recompute that follows writes them.
@@ -37,8 +42,7 @@ Approach
 Limitations
     Mamba boundary-state offers and partial-tail offloads are vLLM's "align" sub-block
     hits, which the jenga manager does not make (``enable_partial_hash_hits`` is False):
-    none are offered. `evict_blocks` drops a block from the prefix cache only when no
-    request holds it (`jenga.allocator.JengaAllocator.uncache_blocks`).
+    none are offered.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from jenga.specs import Kind
 
 from integrations.vllm.compat import KVCacheBlock, KVCacheBlocks, kv_connector_base_class
 from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.slots import SlotError
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import Request
@@ -288,3 +293,26 @@ def _connector_problems(kv_connector: object) -> Iterable[str]:
             f"{name} offloading only some KV-cache groups (it bounds its loads by vLLM's "
             "hybrid coordinator's per-group hits)"
         )
+
+
+def evict_by_id(manager: JengaKVCacheManager, block_ids: Iterable[int]) -> None:
+    """Drop the blocks these vLLM ids name from the prefix cache, in every group."""
+    ids = sorted(set(block_ids))
+    for g, group in enumerate(manager.layout.groups):
+        blocks = []
+        for vllm_id in ids:
+            if vllm_id == group.null_block_id:
+                continue
+            try:
+                block = manager._block_ids.allocator_block(g, vllm_id)
+            except SlotError:
+                continue  # a slot of another group (vLLM's shared tensors)
+            if 0 <= block < group.capacity:
+                blocks.append(block)
+        if not blocks:
+            continue
+        if manager.identity.events_on:
+            manager.identity.forget(
+                g, [b for b in blocks if manager.allocator.is_cached_block(g, b)]
+            )
+        manager._apply_plan(manager.allocator.uncache_blocks(g, blocks))

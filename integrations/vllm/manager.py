@@ -615,7 +615,9 @@ class JengaKVCacheManager:
             )
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")
+        """Drop these vLLM blocks from the prefix cache (a KV load left them bad); see
+        `integrations.vllm.connector.evict_by_id`."""
+        connector.evict_by_id(self, block_ids)
 
     def set_capacity(self, num_units: int) -> None:
         """Grow or shrink the KV cache to ``num_units`` units (chunks on VMM tensors, block
