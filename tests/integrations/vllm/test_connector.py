@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.connector import bind_connector
 from integrations.vllm.errors import UnsupportedFeature
+
 from tests.integrations.vllm.test_conformance_fixes import (
     BLOCK,
     _config,
