@@ -35,14 +35,18 @@ Approach
       it names a block of (`jenga.allocator.JengaAllocator.uncache_blocks`); on VMM
       ranges ids repeat across groups, so an id drops that block in each of them (more
       than vLLM drops, never less).
+    - Mamba boundary states ("align" mode): each state committed at a block boundary is
+      offered once to the connector (`offer_boundary_states`, drained by
+      `take_offers`), as vLLM's manager offers the snapshots it caches.
     - Failed loads: `record_blocks_for_zeroing` queues the attention blocks past the
       valid prefix for the worker to zero (`take_new_block_ids`), as vLLM's manager
       does when the KV cache needs zeroing; the recompute that follows writes them.
 
 Limitations
-    Mamba boundary-state offers and partial-tail offloads are vLLM's "align" sub-block
-    hits, which the jenga manager does not make (``enable_partial_hash_hits`` is False):
-    none are offered.
+    Partial-tail offloads (a KV producer's sub-block Mamba tails) belong to vLLM's "align"
+    sub-block hits, which the jenga manager does not make (``enable_partial_hash_hits``
+    is False): none are offered. The block pool serves the scheduler's calls, not vLLM's
+    `BlockPool` internals. Decode context parallelism stays refused.
 """
 
 from __future__ import annotations
