@@ -29,7 +29,7 @@ Approach
       read: ``free_blocks`` (deferred frees), ``null_block``, ``evict_blocks``. A
       connector that drives vLLM's own `BlockPool` (its ref counts, free queue, hash
       map) cannot run on it and is refused at start-up
-      (`integrations.vllm.scheduler.check_connector`).
+      (`bind_connector`).
     - Eviction by block id (`evict_by_id`, vLLM's ``evict_blocks`` after a failed load
       under the "fail" policy): each id is dropped from the prefix cache of every group
       it names a block of (`jenga.allocator.JengaAllocator.uncache_blocks`); on VMM
