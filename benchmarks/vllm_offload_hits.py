@@ -52,7 +52,7 @@ def _core(model_dir: Path, jenga: bool, gpu_mb: int, cpu_mb: int, max_len: int) 
 def workload(docs: int, doc_tokens: int, rounds: int, suffix: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     bodies = [[50_000 + d, *range(1000 * d, 1000 * d + doc_tokens - 1)] for d in range(docs)]
-    prompts = []
+    prompts: list[list[int]] = []
     for r in range(rounds + 1):
         order = list(range(docs)) if r == 0 else rng.sample(range(docs), docs)
         for d in order:
