@@ -578,15 +578,11 @@ class JengaAllocator:
         return self._drain_plan()
 
     def uncache_blocks(self, group: int | str, blocks: Sequence[int]) -> MappingPlan:
-        """Drop ``blocks`` of ``group`` from the prefix cache, as a KV load that failed
-        leaves their data bad: a cached block turns free (its page unmapped when left
-        empty: the returned plan), one a request holds loses its identity (no later
-        request hits it; it turns free, not cached, when released). Unhashed blocks are
-        left alone. Raises `InvalidSize` (nothing changed) for an id outside the group."""
-        g = self._group(group)
-        ids = [int(b) for b in blocks]
+        """Drop ``blocks`` of ``group`` from the prefix cache (bad data): cached ones turn
+        free (pages left empty unmapped: the plan), held ones lose their identity (free,
+        not cached, at release). `InvalidSize` (nothing changed): an id outside the group."""
         try:
-            self._core.uncache_blocks(g, ids)
+            self._core.uncache_blocks(self._group(group), [int(b) for b in blocks])
         except IndexError as e:
             raise InvalidSize(str(e)) from None
         self._epoch += 1

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jenga.allocator import NULL_BLOCK
 from jenga.specs import Kind
@@ -64,7 +64,10 @@ from integrations.vllm.slots import SlotError
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import Request
-    from integrations.vllm.manager import JengaKVCacheManager
+
+JengaKVCacheManager = Any
+"""The `integrations.vllm.manager.JengaKVCacheManager` these functions serve (not imported:
+the manager imports this module)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -338,12 +338,8 @@ class JengaKVCacheManager:
             state, request, num_new_tokens, num_lookahead_tokens
         ):
             return self.empty_kv_cache_blocks
-        self._check_call(
-            request,
-            num_new_tokens,
-            num_new_computed_tokens + num_external_computed_tokens,
-            num_encoder_tokens,
-        )
+        known = num_new_computed_tokens + num_external_computed_tokens
+        self._check_call(request, num_new_tokens, known, num_encoder_tokens)
         rid = request.request_id
         admitted = state is None
         state = state or self._admit(request, num_new_computed_tokens)
@@ -362,12 +358,8 @@ class JengaKVCacheManager:
         # as vLLM: release on the processed basis (an in-flight step reads below it)
         processed = max(0, computed - request.num_in_flight_tokens)
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
-        if room and admitted and num_external_computed_tokens:
-            new_blocks = connector.external_then_new(
-                self, request, num_external_computed_tokens, target, processed
-            )
-        else:
-            new_blocks = self._allocate(request, need, processed) if room else None
+        external = num_external_computed_tokens if admitted else 0
+        new_blocks = self._grow(request, need, target, processed, external) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -420,6 +412,15 @@ class JengaKVCacheManager:
                 "a vLLM block slot has no size there"
             )
         return self._fits(rid, target, reserved_blocks)
+
+    def _grow(
+        self, request: Request, need: int, target: int, processed: int, external: int
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """`_allocate` of ``need`` tokens; a just-admitted request's ``external`` connector
+        tokens first, in a call of their own (`connector.external_then_new`)."""
+        if external:
+            return connector.external_then_new(self, request, external, target, processed)
+        return self._allocate(request, need, processed)
 
     def _allocate(
         self, request: Request, need: int, processed: int

@@ -57,9 +57,7 @@ class OffloadHostWorker(engine.HostWorker):
         self.num_stores += sum(1 for _, _, is_load in jobs if not is_load)
         output.kv_connector_output = compat.kv_connector_output(
             finished_recving=loads or None,
-            kv_connector_worker_meta=compat.offloading_worker_metadata(
-                {j: 1 for j, _, _ in jobs}
-            )
+            kv_connector_worker_meta=compat.offloading_worker_metadata({j: 1 for j, _, _ in jobs})
             if jobs
             else None,
         )
