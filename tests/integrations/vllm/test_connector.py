@@ -4,6 +4,7 @@ boundary-state offers, and the connectors refused at start-up."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +13,8 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from integrations.vllm.connector import bind_connector
 from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.harness import cases, replay
 
 from integrations.vllm import compat
 from tests.integrations.vllm.test_conformance_fixes import (
@@ -179,13 +180,22 @@ def test_a_freed_request_takes_its_untaken_offers_with_it() -> None:
 
 
 # -- start-up refusals --------------------------------------------------------------------
-def test_a_connector_that_drives_vllms_block_pool_is_refused_by_name() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
-        SimpleCPUOffloadConnector,
+def test_a_connector_that_drives_vllms_block_pool_is_refused_at_start_up(
+    model_dir: Path,
+) -> None:
+    """vLLM's scheduler builds the connector; binding it to our manager refuses it, naming
+    it and what it reads (here: vLLM's own GPU block pool)."""
+    config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=512))
+    config.kv_transfer_config = compat.config_classes()["KVTransferConfig"](
+        kv_connector="SimpleCPUOffloadConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 26},
     )
-
-    _, ours = _managers(_config(_full()))
-    connector = object.__new__(SimpleCPUOffloadConnector)  # only its class is looked at
-    with pytest.raises(UnsupportedFeature, match=r"SimpleCPUOffloadConnector \(it drives"):
-        bind_connector(ours, connector)
-    assert not hasattr(ours, "block_pool")
+    kv_config = replay.kv_cache_config_for(config, cases.layer_specs("llama"), 16 << 20)
+    with pytest.raises(
+        UnsupportedFeature,
+        match=r"does not support the KV connector\(s\) SimpleCPUOffloadConnector \(it drives "
+        r"vLLM's own GPU block pool: bind_gpu_block_pool\)",
+    ):
+        replay.make_scheduler(config, kv_config, jenga=True)
+    assert replay.make_scheduler(config, kv_config, jenga=False).connector is not None
