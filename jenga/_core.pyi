@@ -238,6 +238,14 @@ class Core:
         """
         Grow or shrink the pool to `units` units; a shrink takes free units only (ValueError, nothing changed, when fewer are free)
         """
+    def uncache_blocks(
+        self,
+        group: typing.SupportsInt | typing.SupportsIndex,
+        blocks: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    ) -> int:
+        """
+        Drop these blocks of a group from the prefix cache (bad data): cached ones turn free (pages left empty are unmapped: plan ops), used ones lose their hash; returns how many left the index
+        """
     @property
     def free_units(self) -> int: ...
     @property

@@ -582,6 +582,17 @@ class JengaAllocator:
         self._core.evict_cached_pages(num_units)
         return self._drain_plan()
 
+    def uncache_blocks(self, group: int | str, blocks: Sequence[int]) -> MappingPlan:
+        """Drop ``blocks`` of ``group`` from the prefix cache (bad data): cached ones turn
+        free (pages left empty unmapped: the plan), held ones lose their identity (free,
+        not cached, at release). `InvalidSize` (nothing changed): an id outside the group."""
+        try:
+            self._core.uncache_blocks(self._group(group), [int(b) for b in blocks])
+        except IndexError as e:
+            raise InvalidSize(str(e)) from None
+        self._epoch += 1
+        return self._drain_plan()
+
     # -- capacity ---------------------------------------------------------------------
     @property
     def total_units(self) -> int:

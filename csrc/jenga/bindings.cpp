@@ -518,6 +518,11 @@ void register_jenga(py::module_ m) {
       .def("evict_cached_pages", &Core::evict_cached_pages, py::arg("units"), Release(),
            "Evict whole evictable pages in step 3's order until `units` units are freed or "
            "none is left; returns the units freed (the unmaps are plan ops)")
+      .def("uncache_blocks", locked(&Core::uncache_blocks), py::arg("group"), py::arg("blocks"),
+           Release(),
+           "Drop these blocks of a group from the prefix cache (bad data): cached ones turn "
+           "free (pages left empty are unmapped: plan ops), used ones lose their hash; "
+           "returns how many left the index")
       .def("set_total_units", locked(&Core::set_total_units), py::arg("units"), Release(),
            "Grow or shrink the pool to `units` units; a shrink takes free units only "
            "(ValueError, nothing changed, when fewer are free)")

@@ -251,6 +251,36 @@ int64_t Core::evict_cached_pages(int64_t units) {
   return free_units_ - before;
 }
 
+int64_t Core::uncache_blocks(int32_t g, const std::vector<int32_t>& blocks) {
+  Group& G = grp(g);
+  for (const int32_t b : blocks) {
+    if (b < 0 || static_cast<size_t>(b) >= G.blocks.size()) {
+      throw std::out_of_range("block " + str(b) + " is outside group " + str(g) + "'s " +
+                              str(static_cast<int64_t>(G.blocks.size())) + " blocks");
+    }
+  }
+  int64_t dropped = 0;
+  for (const int32_t b : blocks) {
+    Block& k = G.blocks[static_cast<size_t>(b)];
+    if (!k.hashed) continue;
+    ++dropped;
+    if (k.state != State::kCached) {  // USED: the index forgets it, the holders keep it
+      if (G.hash_to_block.find(short_key(k.hash)) == b) G.hash_to_block.erase(short_key(k.hash));
+      k.hashed = false;
+      continue;
+    }
+    prim_uncache(g, b);
+    prim_push_free(g, b);
+    counters_.blocks_evicted += 1;
+    const int32_t page = page_of(G, b);
+    if (G.pages[static_cast<size_t>(page)].num_free == G.blocks_per_page) {
+      prim_unmap(g, page);
+      counters_.pages_unmapped += 1;
+    }
+  }
+  return dropped;
+}
+
 void Core::evict_lru_page(Counters& c) {
   const PageKey victim = *evictable_pages_.begin();
   const int32_t g = std::get<2>(victim);

@@ -261,6 +261,12 @@ class Core {
   // and the pages are unmapped (plan ops). Returns the units freed. All or nothing: a
   // failure midway rolls every eviction back. Throws std::invalid_argument if units < 0.
   int64_t evict_cached_pages(int64_t units);
+  // Drop `blocks` of group g from the prefix cache (their data is known bad): a CACHED one
+  // becomes FREE (its page unmapped when left with only FREE blocks: a plan op), a USED one
+  // loses its hash and turns FREE instead of CACHED at its last release; an unhashed one is
+  // left as it is. Returns the blocks that left the index. Throws std::out_of_range (nothing
+  // changed) for an id outside the group.
+  int64_t uncache_blocks(int32_t g, const std::vector<int32_t>& blocks);
   // Grow or shrink the pool to `units` units (> 0). A shrink takes free units only: it
   // throws std::invalid_argument (nothing changed) when fewer than `total - units` are
   // free; the caller evicts cached pages first (evict_cached_pages).

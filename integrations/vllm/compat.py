@@ -153,7 +153,14 @@ def config_classes() -> dict[str, type]:
     """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
     from vllm import config
 
-    names = ("CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "VllmConfig")
+    names = (
+        "CacheConfig",
+        "DeviceConfig",
+        "KVTransferConfig",
+        "ModelConfig",
+        "SchedulerConfig",
+        "VllmConfig",
+    )
     return {name: getattr(config, name) for name in names}
 
 
@@ -229,6 +236,21 @@ def model_runner_output(**kwargs: Any) -> ModelRunnerOutput:
     return ModelRunnerOutput(**kwargs)
 
 
+def kv_connector_output(**kwargs: Any) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(**kwargs)
+
+
+def offloading_worker_metadata(completed_jobs: dict[int, int]) -> Any:
+    """The worker-to-scheduler metadata of vLLM's OffloadingConnector (finished jobs)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+
+    return OffloadingWorkerMetadata(completed_jobs=dict(completed_jobs))
+
+
 def scheduler_owns_output_update() -> bool:
     """Whether ``Scheduler`` itself defines the async-aware ``_update_request_with_output``.
 
@@ -248,6 +270,13 @@ def aux_outputs_read_the_block_pool(vllm_config: VllmConfig) -> bool:
     """
     aux = getattr(vllm_config, "aux_output_config", None)
     return AT_LEAST_0_33 and aux is not None and bool(aux.enabled)
+
+
+def kv_connector_base_class() -> type:
+    """vLLM's `KVConnectorBase_V1` (the scheduler-side connector interface)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return KVConnectorBase_V1
 
 
 # -- engine (harness, tests) -------------------------------------------------------------

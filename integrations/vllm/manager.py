@@ -66,10 +66,11 @@ Approach
     (`integrations.vllm.coordinator`) the engine reads.
 
 Limitations
-    No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
-    slot allocation, no watermark. `get_computed_blocks` returns the hit's blocks as
-    vLLM does (the tables of one prefix lookup); `allocate_slots` adopts that lookup (or
-    looks up again when a call that may evict ran in between). The
+    KV connectors are served beside the manager (`integrations.vllm.connector`:
+    external tokens, deferred frees, zeroing after failed loads). No speculative-decoding
+    lookahead beyond plain slot allocation, no watermark. `get_computed_blocks` returns
+    the hit's blocks as vLLM does (the tables of one prefix lookup); `allocate_slots`
+    adopts that lookup (or looks up again when a call that may evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
     whole pages of evictable blocks), not vLLM's block count.
 """
@@ -86,6 +87,7 @@ from jenga.pages import capacity_units
 from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
 
+from integrations.vllm import connector
 from integrations.vllm.block_ids import new_block_ids
 from integrations.vllm.compat import (
     AllBlocksCleared,
@@ -130,9 +132,12 @@ class _RequestState:
 class JengaKVCacheManager:
     """The Scheduler-facing surface of vLLM's `KVCacheManager`, on a `JengaAllocator`.
 
-    Invariants: a request is in ``_requests`` exactly while the allocator holds it; block
+    Invariants: a request is in ``_requests`` exactly while the allocator holds it (a
+    request parked for a connector is held under its `connector.ParkedRequest` id); block
     objects are interned per (group, id) so identity comparisons in the scheduler behave.
     """
+
+    block_pool: connector.ConnectorBlockPool  # set by `bind_connector` only
 
     def __init__(
         self,
@@ -172,6 +177,7 @@ class JengaKVCacheManager:
         # the last lookup (request id, match), adopted by that request's admission
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
+        self._connector = connector.new_state(self)
 
     @property
     def enable_kv_cache_events(self) -> bool:
@@ -275,7 +281,25 @@ class JengaKVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        raise UnsupportedFeature("KV connectors are not supported by the jenga manager")
+        """`get_computed_blocks` plus ``hit_diverged``: always False, as jenga's hit is
+        valid in every group (no group's hit runs deeper than the one reported)."""
+        return *self.get_computed_blocks(request, max_cache_hit_length), False
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """The hit cut at ``num_computed_tokens`` (a connector's longer hit covers the
+        rest); the next admission adopts the cut hit."""
+        last = self._last_match
+        if last is not None and last[1].hit > num_computed_tokens:
+            match = last[1]
+            tables = [
+                t[: num_computed_tokens // g.block_size]
+                for t, g in zip(match.tables, self.layout.groups, strict=True)
+            ]
+            cut = replace(match, hit=num_computed_tokens, tables=tables)
+            self._last_match = (last[0], cut)
+        return connector.truncated(self, blocks, num_computed_tokens)
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request whose blocks are committed to the prefix cache."""
@@ -314,10 +338,8 @@ class JengaKVCacheManager:
             state, request, num_new_tokens, num_lookahead_tokens
         ):
             return self.empty_kv_cache_blocks
-        external = bool(num_external_computed_tokens or delay_cache_blocks)
-        self._check_call(
-            request, num_new_tokens, num_new_computed_tokens, external, num_encoder_tokens
-        )
+        known = num_new_computed_tokens + num_external_computed_tokens
+        self._check_call(request, num_new_tokens, known, num_encoder_tokens)
         rid = request.request_id
         admitted = state is None
         state = state or self._admit(request, num_new_computed_tokens)
@@ -329,13 +351,15 @@ class JengaKVCacheManager:
             self.counters["requests.rejected"] += 1
             return None
         computed = request.num_computed_tokens + num_new_computed_tokens
+        computed += num_external_computed_tokens  # loaded by the connector
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
         # as vLLM: release on the processed basis (an in-flight step reads below it)
         processed = max(0, computed - request.num_in_flight_tokens)
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
-        new_blocks = self._allocate(request, need, processed) if room else None
+        external = num_external_computed_tokens if admitted else 0
+        new_blocks = self._grow(request, need, target, processed, external) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -343,19 +367,15 @@ class JengaKVCacheManager:
                 self._apply_plan(self.allocator.release_skipped(rid, release_upto=processed))
             self.counters["requests.rejected"] += 1
             return None
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:  # delayed: cached once loaded
             self._cache(request, state, cache_upto)
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         return self._blocks_of(new_blocks)
 
-    def _check_call(
-        self, request: Request, new: int, new_computed: int, external: bool, encoder: int
-    ) -> None:
-        """`allocate_slots`' refusals: connector tokens, encoder tokens without a
-        cross-attention group, a call with no tokens at all."""
-        if external:
-            raise UnsupportedFeature("external (connector) KV tokens are not supported")
+    def _check_call(self, request: Request, new: int, new_computed: int, encoder: int) -> None:
+        """`allocate_slots`' refusals: encoder tokens without a cross-attention group, a
+        call with no tokens at all (``new_computed``: local hit plus connector tokens)."""
         if encoder and not self._encoder_side:
             raise JengaVllmError(
                 f"request {request.request_id!r}: {encoder} encoder tokens, but the "
@@ -392,6 +412,15 @@ class JengaKVCacheManager:
                 "a vLLM block slot has no size there"
             )
         return self._fits(rid, target, reserved_blocks)
+
+    def _grow(
+        self, request: Request, need: int, target: int, processed: int, external: int
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """`_allocate` of ``need`` tokens; a just-admitted request's ``external`` connector
+        tokens first, in a call of their own (`connector.external_then_new`)."""
+        if external:
+            return connector.external_then_new(self, request, external, target, processed)
+        return self._allocate(request, need, processed)
 
     def _allocate(
         self, request: Request, need: int, processed: int
@@ -504,6 +533,7 @@ class JengaKVCacheManager:
     def _release(self, rid: Hashable) -> None:
         self._apply_plan(self.allocator.free(rid))
         del self._requests[rid]
+        self._connector.forget(rid)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Commit the hashes of the request's blocks complete within the computed tokens."""
@@ -527,6 +557,8 @@ class JengaKVCacheManager:
         added = self.allocator.cache(rid, computed, digests=() if hashes is None else hashes)
         if added and self.identity.events_on:
             self._record(request, state, computed)
+        if self._connector.mamba_groups:
+            connector.offer_boundary_states(self, rid, computed)
         if self._cache_step:
             # a block is named only once its digest exists: with lookahead hashes the
             # digests lag the computed tokens, so the next call must look again
@@ -562,9 +594,17 @@ class JengaKVCacheManager:
             self._release(request.request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        """Frees at once (no deferred frees without connectors); nothing is left to pop."""
-        self.free(request)
-        return []
+        """Free the request for the scheduler, but keep its blocks until they come back
+        through ``block_pool.free_blocks`` (an in-flight step may still write them); its
+        live blocks in allocation order (`integrations.vllm.connector`)."""
+        return connector.park_request(self, request)
+
+    def bind_connector(self) -> connector.ConnectorBlockPool:
+        """Give this manager the ``block_pool`` vLLM's scheduler and connectors read
+        (deferred frees, the null block); only a manager with a connector has one."""
+        pool = connector.ConnectorBlockPool(self)
+        self.block_pool = pool
+        return pool
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -576,7 +616,9 @@ class JengaKVCacheManager:
             )
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        raise UnsupportedFeature("evicting blocks by id (KV connectors) is not supported")
+        """Drop these vLLM blocks from the prefix cache (a KV load left them bad); see
+        `integrations.vllm.connector.evict_by_id`."""
+        connector.evict_by_id(self, block_ids)
 
     def set_capacity(self, num_units: int) -> None:
         """Grow or shrink the KV cache to ``num_units`` units (chunks on VMM tensors, block
@@ -596,7 +638,7 @@ class JengaKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; refused (False) while any request holds blocks."""
-        if self._requests:
+        if self._requests or self._connector.live_parked:
             return False
         units = self.allocator.total_units
         self.allocator = self._new_allocator()
@@ -673,24 +715,26 @@ class JengaKVCacheManager:
         return plans
 
     def take_new_block_ids(self) -> list[int]:
-        return []
+        """Block ids queued for zeroing (`record_blocks_for_zeroing`), drained."""
+        ids, self._connector.to_zero = self._connector.to_zero, []
+        return ids
 
     def take_kv_cache_block_copies(self) -> tuple[list[object], list[KVCacheBlock]]:
         return [], []
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba boundary states offered to a KV connector: none (connectors are refused;
-        vLLM's scheduler drains this every step and hands it to a connector only)."""
-        return {}
+        """Mamba boundary states (vLLM's "align" mode) committed since the last call, for
+        a KV connector to offload: ``{request id: [(group, block id, boundary tokens)]}``
+        (`integrations.vllm.connector.offer_boundary_states`)."""
+        return connector.take_offers(self)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """vLLM calls this for KV-producer connectors only, which are refused."""
-        raise UnsupportedFeature(
-            "KV connectors are not supported by the jenga manager (partial-tail offloads)"
-        )
+        """A KV producer's sub-block Mamba tails: none (jenga makes no partial hits)."""
+        return []
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        raise UnsupportedFeature("block zeroing after failed KV loads needs a KV connector")
+        """Queue the blocks a failed KV load left unwritten, from ``start_token`` on."""
+        connector.record_for_zeroing(self, request_id, start_token)
 
     def check_invariants(self, expensive: bool = False) -> None:
         """The allocator's checks plus: every live request is known to the allocator."""

@@ -11,7 +11,10 @@ Approach
     `JengaVllmOptions`): the plugin then sets ``scheduler_cls`` to `JengaAsyncScheduler`
     under async scheduling and to `JengaScheduler` otherwise
     (`integrations.vllm.activation`); ``--scheduler-cls`` naming either class also works.
-    Features the manager does not serve are refused up front with `UnsupportedFeature`.
+    Features the manager does not serve are refused up front with `UnsupportedFeature`;
+    a KV connector vLLM built is re-bound to the jenga manager
+    (`integrations.vllm.connector.bind_connector`, which refuses the ones that drive
+    vLLM's own block pool).
 
 Limitations
     vLLM's own manager is built once and dropped (its block objects cost memory for
@@ -24,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from integrations.vllm.compat import AsyncScheduler, Scheduler, aux_outputs_read_the_block_pool
+from integrations.vllm.connector import bind_connector
 from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
@@ -37,8 +41,6 @@ if TYPE_CHECKING:
 def check_supported_config(vllm_config: VllmConfig) -> None:
     """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
     problems = []
-    if vllm_config.kv_transfer_config is not None:
-        problems.append("KV connectors (kv_transfer_config)")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding (speculative_config)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
@@ -62,7 +64,7 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             + ", ".join(problems)
             + "; supported: models with full, sliding-window, chunked-local attention, "
             "Mamba and (encoder-decoder) cross-attention layers, prefix caching, chunked "
-            "prefill, preemption"
+            "prefill, preemption, KV connectors"
         )
 
 
@@ -79,6 +81,9 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         hash_block_size=getattr(scheduler, "hash_block_size", None),
     )
     scheduler.kv_cache_manager = manager
+    kv_connector = getattr(scheduler, "connector", None)
+    if kv_connector is not None:  # vLLM bound it to its own manager: bind it to ours
+        bind_connector(manager, kv_connector)
     # Flags vLLM derived from its own manager's coordinator.
     scheduler.mamba_partial_cache_hit = False
     scheduler.mamba_shared_prefix_checkpoint = False
