@@ -86,11 +86,12 @@ import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from jenga import _core
+from jenga.allocator_views import AllocatorViews
+from jenga.allocator_views import Usage as Usage
 from jenga.capacity import pages_fit, pages_for, units_to_free
 
 # `X as X`: re-exported, engines import the allocator's configuration types from here too
@@ -121,7 +122,6 @@ from jenga.requests import (
     ImageSpan,
     LiveRequest,
     PrefixMatch,
-    check_live_tables,
     checked_images,
     release_length,
 )
@@ -129,29 +129,11 @@ from jenga.requests import (
 _EMPTY_PLAN = MappingPlan()
 # calls that change the request tables: one thread at a time (`jenga.guard`)
 _CHANGING_CALLS = ("add_request", "allocate", "release_skipped", "append_tokens", "cache",
-                   "free", "evict_cached", "set_total_units", "fork")  # fmt: skip
+                   "free", "evict_cached", "set_total_units", "fork", "uncache_blocks")  # fmt: skip
 _FREED_IDS_KEPT = 1 << 16
 
 
-@dataclass(frozen=True)
-class Usage:
-    """Unit and block accounting at one moment.
-
-    ``used_units + free_units == total_units``. ``mapped_pages[g]`` large pages of group g
-    hold ``used_blocks[g]`` blocks owned by requests, ``cached_blocks[g]`` evictable
-    blocks, and the rest free.
-    """
-
-    total_units: int
-    used_units: int
-    free_units: int
-    mapped_pages: tuple[int, ...]
-    used_blocks: tuple[int, ...]
-    cached_blocks: tuple[int, ...]
-    free_blocks: tuple[int, ...]
-
-
-class JengaAllocator:
+class JengaAllocator(AllocatorViews):
     """Two-level LCM allocator + prefix cache for one model's groups.
 
     Request ids are any hashable the engine likes. Block ids are per group:
@@ -216,10 +198,6 @@ class JengaAllocator:
         self._entry = Entry()  # one thread at a time (`jenga.guard`)
         if guard_threads:
             guard_methods(self, _CHANGING_CALLS)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.config.groups)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -734,21 +712,9 @@ class JengaAllocator:
         """The request's block ids in ``group`` by block index; `NULL_BLOCK` where released."""
         return self._request(request_id).tables[self._group(group)].tolist()
 
-    def _group(self, group: int | str) -> int:
-        if isinstance(group, str):
-            if group not in self._group_index:
-                raise KeyError(f"no group {group!r}; groups: {list(self._group_index)}")
-            return self._group_index[group]
-        if not 0 <= group < self.num_groups:
-            raise IndexError(f"group {group} out of range [0, {self.num_groups})")
-        return group
-
     def num_tokens(self, request_id: Hashable) -> int:
         """Tokens with allocated slots."""
         return self._request(request_id).num_tokens
-
-    def core_memory_bytes(self) -> int:
-        return int(self._core.memory_bytes())  # C++ container capacities, not Python's
 
     def held_step(self, request_id: Hashable) -> Callable[[int], bool]:
         """The live request's `grow` with no core call, bound (`LiveRequest.grow_held`)."""
@@ -758,59 +724,3 @@ class JengaAllocator:
         """Identities ``(n, 2)`` of a text group's committed blocks ``start..``."""
         req, t = self._request(request_id), self.policies[group].tokens_per_block
         return req.identities(t, start, max(start, req.num_committed[group]))
-
-    def lookup(self, group: int, identities: np.ndarray) -> np.ndarray:
-        return self._core.lookup(group, identities)  # block id per identity, -1: absent
-
-    def evicted_blocks(self) -> int:
-        return int(self._core.counters()["blocks.evicted"])  # whole pages' blocks too
-
-    def is_cached_block(self, group: int, block: int) -> bool:
-        return bool(self._core.block_info(group, block)[2])  # hashed: in the prefix index
-
-    def eviction_order(self, group: int | str) -> list[int]:
-        """Cached blocks of ``group`` in the order step 5 would evict them."""
-        return list(self._core.eviction_order(self._group(group)))
-
-    def page_eviction_order(self) -> list[tuple[int, int]]:
-        """Evictable large pages ``(group, page)`` in the order step 3 would evict them."""
-        return [(int(g), int(p)) for g, p in self._core.page_eviction_order()]
-
-    def usage(self) -> Usage:
-        counts = [self._core.group_counts(g) for g in range(self.num_groups)]
-        free, total = int(self._core.free_units), int(self._core.total_units)
-        return Usage(
-            total_units=total,
-            used_units=total - free,
-            free_units=free,
-            mapped_pages=tuple(int(c[0]) for c in counts),
-            used_blocks=tuple(int(c[3]) for c in counts),
-            cached_blocks=tuple(int(c[1]) for c in counts),
-            free_blocks=tuple(int(c[2]) for c in counts),
-        )
-
-    def stats(self) -> dict[str, int]:
-        """Counters in dotted keys, e.g. ``"alloc.step.3"``, ``"blocks.evicted"``,
-        ``"plan.remapped_units"``, ``"prefix.hit_tokens"``, ``"units.free.current"``,
-        ``"blocks.cached.<group>"``."""
-        out = {k: int(v) for k, v in self._core.counters().items()}
-        out.update(self._stats)
-        out["requests.live"] = len(self._requests)
-        use = self.usage()
-        for g, name in enumerate(self._group_index):
-            out[f"pages.mapped.{name}"] = use.mapped_pages[g]
-            out[f"blocks.used.{name}"] = use.used_blocks[g]
-            out[f"blocks.cached.{name}"] = use.cached_blocks[g]
-        return out
-
-    def check_invariants(self, expensive: bool = False) -> None:
-        """Raise AssertionError when bookkeeping disagrees (C++ core + Python tables).
-
-        Cheap: unit accounting and set sizes. Expensive: every page and block, plus every
-        live request's table (`jenga.requests.check_live_tables`)."""
-        try:
-            self._core.check_invariants(expensive)
-        except RuntimeError as exc:
-            raise AssertionError(str(exc)) from exc
-        if expensive:
-            check_live_tables(self._requests, self.policies, self._core)
