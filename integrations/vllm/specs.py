@@ -121,8 +121,7 @@ def check_spec_kind(spec: KVCacheSpec, group_index: int) -> None:
     name = type(spec).__name__
     if name in REFUSED_SPECS:
         raise UnsupportedLayerKind(
-            f"KV-cache group {group_index} ({name}): {name} is not supported: "
-            f"{REFUSED_SPECS[name]}"
+            f"KV-cache group {group_index} ({name}): {name} is not supported: {REFUSED_SPECS[name]}"
         )
     if name not in SUPPORTED_SPECS:
         raise UnsupportedLayerKind(

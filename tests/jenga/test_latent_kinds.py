@@ -91,9 +91,7 @@ def _served(kinds: tuple[Kind, Kind]) -> tuple[list[int], list[list[int]], dict[
 def test_an_mla_model_is_served_as_its_kv_twin():
     """Block for block: MLA + sliding-window MLA take the same blocks and hits as full +
     sliding window (the page size is the page table's business, not the allocator's)."""
-    assert _served((Kind.MLA, Kind.SLIDING_WINDOW_MLA)) == _served(
-        (Kind.FULL, Kind.SLIDING_WINDOW)
-    )
+    assert _served((Kind.MLA, Kind.SLIDING_WINDOW_MLA)) == _served((Kind.FULL, Kind.SLIDING_WINDOW))
     hit, tables, _ = _served((Kind.MLA, Kind.SLIDING_WINDOW_MLA))
     assert hit == [24]
     assert -1 not in tables[0] and len(tables[0]) == 7
