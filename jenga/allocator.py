@@ -685,6 +685,7 @@ class JengaAllocator:
         valid = np.ones(n // step, dtype=bool)
         whole = len(valid) > 0 and len(valid) * step == n  # one token is always computed
         junction = 0
+        proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
             if policy.reads_images:
@@ -697,7 +698,9 @@ class JengaAllocator:
                 found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
             lookups.append(found)
             mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
-            if whole:
+            if proof is not None:  # speculative decoding: hits followed by cached steps
+                mask = proof.proven(mask, policy.holds_state, whole)
+            elif whole:
                 mask[-1] = False
             alone = np.flatnonzero(mask)
             if len(alone):
