@@ -66,8 +66,9 @@ Approach
     (`integrations.vllm.coordinator`) the engine reads.
 
 Limitations
-    No KV connectors (P/D, offloading), no speculative-decoding lookahead beyond plain
-    slot allocation, no watermark. `get_computed_blocks` returns the hit's blocks as
+    No KV connectors (P/D, offloading), no watermark. Speculative decoding follows
+    `integrations.vllm.speculative` (lookahead slots, the EAGLE hit proof, MTP's
+    re-prefilled tail). `get_computed_blocks` returns the hit's blocks as
     vLLM does (the tables of one prefix lookup); `allocate_slots` adopts that lookup (or
     looks up again when a call that may evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
@@ -103,6 +104,7 @@ from integrations.vllm.identity import (
     stable_int,
 )
 from integrations.vllm.layout import JengaLayout
+from integrations.vllm.speculative import SpeculativeSetup
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig
@@ -143,8 +145,10 @@ class JengaKVCacheManager:
         enable_kv_cache_events: bool = False,
         kv_cache_config: KVCacheConfig | None = None,
         hash_block_size: int | None = None,
+        speculative: SpeculativeSetup | None = None,
     ) -> None:
         self.layout = layout
+        self.speculative = speculative or SpeculativeSetup()
         self.max_model_len = layout.model.max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
@@ -420,8 +424,9 @@ class JengaKVCacheManager:
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
+        proof = self.speculative.hit_proof(len(self.layout.groups))
         # vLLM's scheduler calls the manager from its one thread: no per-call guard
-        allocator = replace(config, identity=identity, total_units=units)
+        allocator = replace(config, identity=identity, total_units=units, hit_proof=proof)
         return JengaAllocator(allocator, guard_threads=False)
 
     def _gated_units(self) -> int:
@@ -513,6 +518,7 @@ class JengaKVCacheManager:
 
     def _cache(self, request: Request, state: _RequestState, num_computed_tokens: int) -> None:
         rid = request.request_id
+        num_computed_tokens = self.speculative.cacheable(num_computed_tokens)
         if num_computed_tokens < state.next_cache:
             return  # no block of any group completes before then: tokens are handed later
         # only computed tokens: a sampled token not yet computed may still be replaced

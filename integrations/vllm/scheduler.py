@@ -28,6 +28,7 @@ from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
+from integrations.vllm.speculative import speculative_setup_of
 from integrations.vllm.version import check_vllm_version
 
 if TYPE_CHECKING:
@@ -39,8 +40,6 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
     problems = []
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV connectors (kv_transfer_config)")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding (speculative_config)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
     if aux_outputs_read_the_block_pool(vllm_config):
@@ -61,8 +60,8 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             "the jenga KV-cache manager does not support "
             + ", ".join(problems)
             + "; supported: models with full, sliding-window, chunked-local attention, "
-            "Mamba and (encoder-decoder) cross-attention layers, prefix caching, chunked "
-            "prefill, preemption"
+            "MLA, Mamba and (encoder-decoder) cross-attention layers, prefix caching, "
+            "chunked prefill, preemption, speculative decoding"
         )
 
 
@@ -77,6 +76,7 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         enable_kv_cache_events=scheduler.enable_kv_cache_events,
         kv_cache_config=scheduler.kv_cache_config,
         hash_block_size=getattr(scheduler, "hash_block_size", None),
+        speculative=speculative_setup_of(scheduler),
     )
     scheduler.kv_cache_manager = manager
     # Flags vLLM derived from its own manager's coordinator.

@@ -146,6 +146,11 @@ def layer_spec_from_vllm(
     where = f"KV-cache group {group_index} ({name})"
     check_spec_kind(spec, group_index)
     if name == "MambaSpec":
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise UnsupportedLayerKind(
+                f"{where}: num_speculative_blocks={spec.num_speculative_blocks} (a Mamba "
+                "state per draft token under speculative decoding) is not supported"
+            )
         return LayerSpec(
             Kind.MAMBA,
             state_bytes=_mamba_state_bytes(spec, where, slot_bytes, num_layers),
@@ -159,15 +164,18 @@ def _attention_kind(
     spec: KVCacheSpec, name: str, where: str, max_model_len: int
 ) -> tuple[Kind, int | None, int | None]:
     """(kind, window, chunk) of an attention spec; refuses what no kind serves."""
+    # blocks below the window that multi-module MTP may re-prefill stay held too
+    retained = int(getattr(spec, "extra_retained_tokens", 0))
     if name == "SlidingWindowSpec":
-        return Kind.SLIDING_WINDOW, min(int(spec.sliding_window), max_model_len), None
+        return Kind.SLIDING_WINDOW, min(int(spec.sliding_window) + retained, max_model_len), None
     if name == "SlidingWindowMLASpec":
         if spec.bounded_replay:
             raise UnsupportedLayerKind(
                 f"{where}: bounded_replay=True (a prefix hit re-prefills the last "
                 f"{spec.sliding_window} tokens instead of caching the window) is not supported"
             )
-        return Kind.SLIDING_WINDOW_MLA, min(int(spec.sliding_window), max_model_len), None
+        window = min(int(spec.sliding_window) + retained, max_model_len)
+        return Kind.SLIDING_WINDOW_MLA, window, None
     if name == "ChunkedLocalAttentionSpec":
         return Kind.CHUNKED_LOCAL, None, int(spec.attention_chunk_size)
     if name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
