@@ -159,7 +159,8 @@ def config_classes() -> dict[str, type]:
     """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
     from vllm import config
 
-    names = ("CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "VllmConfig")
+    names = ("CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "SpeculativeConfig")
+    names += ("VllmConfig",)
     return {name: getattr(config, name) for name in names}
 
 
@@ -233,6 +234,13 @@ def model_runner_output(**kwargs: Any) -> ModelRunnerOutput:
     from vllm.v1.outputs import ModelRunnerOutput
 
     return ModelRunnerOutput(**kwargs)
+
+
+def draft_token_ids(req_ids: list[str], drafts: list[list[int]]) -> Any:
+    """vLLM's ``DraftTokenIds`` (what a worker's drafter proposes for the next step)."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
 
 
 def scheduler_owns_output_update() -> bool:

@@ -65,6 +65,8 @@ class SchedulerSetup:
     async_scheduling: bool | None = False
     #: the ``jenga_vmm`` key of ``additional_config``; None: no key (jenga off)
     jenga_options: Mapping[str, Any] | None = field(default_factory=dict)
+    #: vLLM's ``SpeculativeConfig`` arguments (e.g. n-gram lookup); None: no speculation
+    speculative: Mapping[str, Any] | None = None
 
 
 def write_tiny_model(folder: Path) -> Path:
@@ -110,6 +112,9 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
         device_config=classes["DeviceConfig"](device="cpu"),
         additional_config=(
             {} if setup.jenga_options is None else {"jenga_vmm": dict(setup.jenga_options)}
+        ),
+        speculative_config=(
+            None if setup.speculative is None else classes["SpeculativeConfig"](**setup.speculative)
         ),
     )
     # As on a GPU platform: hybrid groups, a resolved layout, Mamba "align" caching.
