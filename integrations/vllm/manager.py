@@ -172,6 +172,7 @@ class JengaKVCacheManager:
         self._events: list[KVCacheEvent] = []
         self.kv_cache_config = kv_cache_config
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
+        self.identity.lookahead_tokens = self.speculative.num_hash_lookahead_tokens
         self.enable_kv_cache_events = enable_kv_cache_events
         # the last lookup (request id, match), adopted by that request's admission
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
@@ -550,6 +551,9 @@ class JengaKVCacheManager:
                 f"request {rid!r}: KV events were turned on after it was admitted, so its "
                 "earlier blocks were never recorded"
             )
+        hashes = getattr(request, "block_hashes", None)
+        if hashes is not None:  # lookahead hashes: only blocks with a digest are named
+            computed = min(computed, len(hashes) * self.hash_block_size)
         for g, group in enumerate(self.layout.groups):
             table = self.allocator.block_table(rid, g)
             stop = min(len(table), computed // group.block_size)
