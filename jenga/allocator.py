@@ -266,8 +266,9 @@ class JengaAllocator:
         instead of looking the prefix up again. ``digests``: the caller's chained block
         digests when the allocator's identity has a ``digest_block_size`` (a list the
         caller may extend later; only ``len(prompt)`` is read then, no token id is kept).
-        Raises `DuplicateRequest`, `InvalidSize` (empty prompt, > max_model_len, bad
-        image), `InvalidInput` (digests given to an allocator that hashes tokens).
+        Raises `DuplicateRequest`, `InvalidSize` (empty prompt looked up in the cache, >
+        max_model_len, bad image), `InvalidInput` (digests given to an allocator that
+        hashes tokens).
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already live")
@@ -276,7 +277,7 @@ class JengaAllocator:
             assert match is not None
             hit, hit_blocks = (match.hit, match.tables) if use_cache else (0, [])
         else:
-            req = self._new_live(request_id, prompt, images, salt, digests)
+            req = self._new_live(request_id, prompt, images, salt, digests, not use_cache)
             hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
         req.internal_id = self._next_internal
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
@@ -305,8 +306,10 @@ class JengaAllocator:
         images: Sequence[ImageSpan],
         salt: int,
         digests: Sequence[bytes] | None = None,
+        allow_empty: bool = False,
     ) -> LiveRequest:
-        """A checked, unregistered `LiveRequest` for this prompt (no blocks yet)."""
+        """A checked, unregistered `LiveRequest` for this prompt (no blocks yet; an empty
+        prompt only with ``allow_empty``)."""
         size = self.config.identity.digest_block_size
         if size is None and digests is not None:
             raise InvalidInput(
@@ -317,7 +320,7 @@ class JengaAllocator:
             what = f"request {request_id!r}: prompt"
             prompt = checked_token_ids(prompt, what, self._length_cap())
         salt = as_count(salt, f"request {request_id!r}: salt")
-        if len(prompt) == 0:
+        if len(prompt) == 0 and not allow_empty:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
         spans = checked_images(images, len(prompt))
