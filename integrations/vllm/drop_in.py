@@ -12,16 +12,16 @@ Approach
     passes the speculative-decoding ones (``use_eagle``, ``num_prefill_lookahead``, 0.33's
     ``num_hash_lookahead_tokens``) on as a `SpeculativeSetup`, refuses decode/prefill
     context parallelism with `UnsupportedFeature` naming them, validates the config's
-    ``prefix_cache_retention_interval`` as vLLM does (`ValueError`) and refuses a positive
-    one as the scheduler does, and builds `JengaKVCacheManager` on `build_layout` of the
-    config with default `JengaVllmOptions` (or the ones given).
+    ``prefix_cache_retention_interval`` as vLLM does (`ValueError`), and builds
+    `JengaKVCacheManager` on `build_layout` of the config with default `JengaVllmOptions`
+    (or the ones given).
 
 Limitations
-    A retention interval of ``None`` (dense) or 0 (vLLM's default) gives the same manager:
-    jenga caches sliding-window and Mamba entries densely and evicts by prefix-subset LRU,
-    so it keeps hits vLLM's sparse retention (0) drops. Arguments that only tune vLLM's
-    own manager (``max_in_flight_tokens``, ``num_prefill_lookahead``, ``metrics_collector``,
-    ``watermark``, ...) are accepted and not used.
+    Every retention interval (``None``: dense, 0: vLLM's default, a positive one) gives
+    the same manager: jenga caches sliding-window and Mamba entries densely and evicts by
+    prefix-subset LRU, so it keeps every hit vLLM's sparse retention keeps, and more.
+    Arguments that only tune vLLM's own manager (``max_in_flight_tokens``,
+    ``metrics_collector``, ``watermark``, ...) are accepted and not used.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ RETAINING_SPECS = ("SlidingWindowSpec", "MambaSpec")
 
 
 def check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_size: int) -> None:
-    """vLLM's checks of ``prefix_cache_retention_interval`` (`ValueError`), then ours.
+    """vLLM's checks of ``prefix_cache_retention_interval`` (`ValueError`).
 
     As vLLM's coordinator: ``None`` (dense) and 0 always pass; a value on a model with no
     sliding-window or Mamba group, a negative value or one not a multiple of the
-    scheduler block size is a `ValueError`. A valid positive interval is refused with
-    `UnsupportedFeature`, as `integrations.vllm.scheduler.check_supported_config` does.
+    scheduler block size is a `ValueError`. A valid positive interval is served as 0
+    and ``None`` are (see the module's limitations).
     """
     interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
     if interval is None or interval == 0:
@@ -79,11 +79,6 @@ def check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_siz
             f"prefix_cache_retention_interval={interval} must be non-negative and a "
             f"multiple of scheduler_block_size ({scheduler_block_size})"
         )
-    raise UnsupportedFeature(
-        f"the jenga KV-cache manager does not support prefix_cache_retention_interval="
-        f"{interval} (it keeps the sliding-window and Mamba entries its prefix-subset "
-        "evictor chooses; only None and the default 0 are served)"
-    )
 
 
 def jenga_kv_cache_manager(

@@ -47,14 +47,6 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
             "auxiliary-output connector reads vLLM's own block pool)"
         )
-    cache_config = getattr(vllm_config, "cache_config", None)
-    retention = getattr(cache_config, "prefix_cache_retention_interval", 0)
-    if retention != 0:
-        problems.append(
-            f"prefix_cache_retention_interval={retention} (jenga keeps the sliding-window "
-            "and Mamba entries its prefix-subset evictor chooses; only the default 0 is "
-            "served)"
-        )
     if problems:
         raise UnsupportedFeature(
             "the jenga KV-cache manager does not support "
