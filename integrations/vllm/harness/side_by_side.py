@@ -361,8 +361,9 @@ def _parser() -> argparse.ArgumentParser:
         "--cases",
         nargs="+",
         default=list(cases.CASES),
-        choices=cases.ALL_CASES,
-        help=f"default: the small stand-ins; real-scale geometries: {', '.join(cases.REAL_CASES)}",
+        choices=cases.ALL_CASES + cases.LATENT_CASES,
+        help=f"default: the small stand-ins; real-scale geometries: {', '.join(cases.REAL_CASES)}"
+        f"; MLA and sink kinds: {', '.join(cases.LATENT_CASES)}",
     )
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
