@@ -159,8 +159,7 @@ def config_classes() -> dict[str, type]:
     """vLLM's config dataclasses by name: CacheConfig, DeviceConfig, ModelConfig, ..."""
     from vllm import config
 
-    names = ["CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "VllmConfig"]
-    names.append("SpeculativeConfig")
+    names = ("CacheConfig", "DeviceConfig", "ModelConfig", "SchedulerConfig", "VllmConfig")
     return {name: getattr(config, name) for name in names}
 
 

@@ -22,27 +22,33 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 NGRAM["prompt_lookup_min"] = 1
 
 
-def _core(model_dir: Path, case: str, kv_tensors: str, **setup: Any) -> Any:
+def _core(model_dir: Path, case: str, kv_tensors: str, *, jenga: bool = True, **setup: Any) -> Any:
     options = {"kv_tensors": kv_tensors}
     config = replay.make_vllm_config(
         model_dir, replay.SchedulerSetup(max_model_len=1024, jenga_options=options, **setup)
     )
-    config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+    if jenga:
+        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
     executor = engine.host_executor_class(case, 48 << 20)
     return compat.engine_core_class()(config, executor, log_stats=True)
 
 
 def _serve(core: Any, n: int, after_step: Any = None) -> set[str]:
-    """Three requests sharing a 96-token prefix, stepped until all finish."""
+    """Three requests sharing a 96-token prefix, stepped until all finish; the prefix-hit
+    tokens vLLM's scheduler reported (its ``PrefixCacheStats.hits``) go to ``core.hits``."""
     for i in range(n):
         request = engine_request(f"r{i}", [7] * 100 + [i + 1] * 50)
         core.add_request(*core.preprocess_add_request(request))
     finished: set[str] = set()
+    core.hits = 0
     for _ in range(80):
         outputs, executed = core.step()
         core.post_step(executed)  # the engine loop's drafts hand-off (speculation on)
         for batch in outputs.values():
             finished.update(o.request_id for o in batch.outputs if o.finished)
+            stats = batch.scheduler_stats
+            if stats is not None and stats.prefix_cache_stats is not None:
+                core.hits += stats.prefix_cache_stats.hits
         if after_step is not None:
             after_step(core)
         if len(finished) == n:
@@ -77,6 +83,41 @@ def test_ngram_speculation_verifies_drafts_in_held_slots(model_dir: Path, kv_ten
     assert manager.stats()["prefix.hit_tokens"] >= 2 * 96
     manager.check_invariants(expensive=True)
     core.model_executor.shutdown()
+
+
+@pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
+def test_eagle_drops_the_hits_last_block_and_holds_draft_slots_as_vllm_does(
+    model_dir: Path, tmp_path: Path, kv_tensors: str
+) -> None:
+    """EAGLE (a draft model read through vLLM's config): vLLM's scheduler asks for the
+    block drop and 2 lookahead slots; the hits equal those of vLLM's own manager in the
+    same engine (the 96 shared tokens lose their last block: 80 each)."""
+    draft = replay.write_tiny_model(tmp_path / "draft")
+    eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2}
+    hits = []
+    for jenga in (True, False):
+        core = _core(model_dir, "llama", kv_tensors, jenga=jenga, speculative=eagle)
+        scheduler = core.scheduler
+        assert scheduler.use_eagle_block_drop and scheduler.num_lookahead_tokens == 2
+        manager = scheduler.kv_cache_manager
+        ahead: list[int] = []
+
+        def held_ahead(core: Any, manager: Any = manager, ahead: list[int] = ahead) -> None:
+            for request in core.scheduler.running:
+                held = manager.allocator.num_tokens(request.request_id)
+                ahead.append(held - request.num_computed_tokens)
+
+        if jenga:
+            assert type(manager).__name__ == "JengaKVCacheManager"
+            assert manager.allocator.config.hit_proof is not None
+        assert _serve(core, 3, held_ahead if jenga else None) == {"r0", "r1", "r2"}
+        hits.append(core.hits)
+        if jenga:
+            assert max(ahead) >= 2  # the draft's lookahead slots were held
+            assert manager.stats()["prefix.hit_tokens"] == 2 * 80
+            manager.check_invariants(expensive=True)
+        core.model_executor.shutdown()
+    assert hits == [2 * 80, 2 * 80]
 
 
 @pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
