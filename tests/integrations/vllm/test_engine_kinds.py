@@ -86,19 +86,25 @@ def test_ngram_speculation_verifies_drafts_in_held_slots(model_dir: Path, kv_ten
 
 
 @pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
-def test_eagle_drops_the_hits_last_block_and_holds_draft_slots_as_vllm_does(
+def test_eagle_hits_and_draft_slots_are_vllms(
     model_dir: Path, tmp_path: Path, kv_tensors: str
 ) -> None:
-    """EAGLE (a draft model read through vLLM's config): vLLM's scheduler asks for the
-    block drop and 2 lookahead slots; the hits equal those of vLLM's own manager in the
-    same engine (the 96 shared tokens lose their last block: 80 each)."""
+    """EAGLE (a draft model read through vLLM's config) with 2 lookahead slots. 0.32's
+    scheduler asks for the block drop (the 96 shared tokens lose their last block: 80
+    each); 0.33's hashes each block with the token after it instead (lookahead hashes
+    prove the boundary: no drop, 96 each). The hits equal those of vLLM's own manager in
+    the same engine."""
+    drops = not compat.AT_LEAST_0_33
+    expected = 2 * (80 if drops else 96)
     draft = replay.write_tiny_model(tmp_path / "draft")
     eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2}
     hits = []
     for jenga in (True, False):
         core = _core(model_dir, "llama", kv_tensors, jenga=jenga, speculative=eagle)
         scheduler = core.scheduler
-        assert scheduler.use_eagle_block_drop and scheduler.num_lookahead_tokens == 2
+        assert scheduler.num_lookahead_tokens == 2 and scheduler.use_eagle
+        assert scheduler.use_eagle_block_drop is drops
+        assert (getattr(scheduler, "num_hash_lookahead_tokens", 0) > 0) is not drops
         manager = scheduler.kv_cache_manager
         ahead: list[int] = []
 
@@ -109,15 +115,15 @@ def test_eagle_drops_the_hits_last_block_and_holds_draft_slots_as_vllm_does(
 
         if jenga:
             assert type(manager).__name__ == "JengaKVCacheManager"
-            assert manager.allocator.config.hit_proof is not None
+            assert (manager.allocator.config.hit_proof is not None) is drops
         assert _serve(core, 3, held_ahead if jenga else None) == {"r0", "r1", "r2"}
         hits.append(core.hits)
         if jenga:
             assert max(ahead) >= 2  # the draft's lookahead slots were held
-            assert manager.stats()["prefix.hit_tokens"] == 2 * 80
+            assert manager.stats()["prefix.hit_tokens"] == expected
             manager.check_invariants(expensive=True)
         core.model_executor.shutdown()
-    assert hits == [2 * 80, 2 * 80]
+    assert hits == [expected, expected]
 
 
 @pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
