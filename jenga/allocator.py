@@ -246,8 +246,9 @@ class JengaAllocator(AllocatorViews):
         instead of looking the prefix up again. ``digests``: the caller's chained block
         digests when the allocator's identity has a ``digest_block_size`` (a list the
         caller may extend later; only ``len(prompt)`` is read then, no token id is kept).
-        Raises `DuplicateRequest`, `InvalidSize` (empty prompt, > max_model_len, bad
-        image), `InvalidInput` (digests given to an allocator that hashes tokens).
+        Raises `DuplicateRequest`, `InvalidSize` (empty prompt looked up in the cache, >
+        max_model_len, bad image), `InvalidInput` (digests given to an allocator that
+        hashes tokens).
         """
         if request_id in self._requests:
             raise DuplicateRequest(f"request {request_id!r} is already live")
@@ -256,7 +257,7 @@ class JengaAllocator(AllocatorViews):
             assert match is not None
             hit, hit_blocks = (match.hit, match.tables) if use_cache else (0, [])
         else:
-            req = self._new_live(request_id, prompt, images, salt, digests)
+            req = self._new_live(request_id, prompt, images, salt, digests, not use_cache)
             hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
         req.internal_id = self._next_internal
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
@@ -285,8 +286,10 @@ class JengaAllocator(AllocatorViews):
         images: Sequence[ImageSpan],
         salt: int,
         digests: Sequence[bytes] | None = None,
+        allow_empty: bool = False,
     ) -> LiveRequest:
-        """A checked, unregistered `LiveRequest` for this prompt (no blocks yet)."""
+        """A checked, unregistered `LiveRequest` for this prompt (no blocks yet; an empty
+        prompt only with ``allow_empty``)."""
         size = self.config.identity.digest_block_size
         if size is None and digests is not None:
             raise InvalidInput(
@@ -297,7 +300,7 @@ class JengaAllocator(AllocatorViews):
             what = f"request {request_id!r}: prompt"
             prompt = checked_token_ids(prompt, what, self._length_cap())
         salt = as_count(salt, f"request {request_id!r}: salt")
-        if len(prompt) == 0:
+        if len(prompt) == 0 and not allow_empty:
             raise InvalidSize(f"request {request_id!r}: prompt has 0 tokens")
         self._check_length(request_id, "prompt", len(prompt))
         spans = checked_images(images, len(prompt))
@@ -679,6 +682,7 @@ class JengaAllocator(AllocatorViews):
         valid = np.ones(n // step, dtype=bool)
         whole = len(valid) > 0 and len(valid) * step == n  # one token is always computed
         junction = 0
+        proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
             if policy.reads_images:
@@ -691,7 +695,9 @@ class JengaAllocator(AllocatorViews):
                 found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
             lookups.append(found)
             mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
-            if whole:
+            if proof is not None:  # speculative decoding: hits followed by cached steps
+                mask = proof.proven(mask, policy.holds_state, whole)
+            elif whole:
                 mask[-1] = False
             alone = np.flatnonzero(mask)
             if len(alone):

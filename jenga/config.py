@@ -26,11 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum, StrEnum
 
+import numpy as np
+
 from jenga import _core
 from jenga.pages import PageTable
 from jenga.policies import POLICY_BY_KIND
 from jenga.prefix import BlockIdentity
-from jenga.specs import Kind, ModelSpec
+from jenga.specs import Kind, ModelSpec, SpecError
 
 
 class AllocationOrder(StrEnum):
@@ -104,6 +106,43 @@ class GroupConfig:
 
 
 @dataclass(frozen=True)
+class HitProof:
+    """A prefix hit must be *proven* by ``steps`` more prefix steps cached after it.
+
+    Speculative decoding with a draft that reads the target's hidden states (EAGLE,
+    MTP) writes the draft KV of a prefix's last token together with the token after it,
+    so a hit is served only where the cache also holds what follows it (vLLM drops the
+    last block of a hit). Token kinds must hold the hit plus the proof; state kinds
+    (Mamba) only the hit. ``to_prompt_end``: the proof may reach the prompt's last token
+    (vLLM's hybrid coordinator), else it stays below it as the hit does (vLLM's
+    single-group coordinator: a hit of the whole prompt but one block is proven by
+    nothing).
+    """
+
+    steps: int = 1
+    to_prompt_end: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise SpecError(f"hit proof steps must be > 0, got {self.steps}")
+
+    def proven(self, mask: np.ndarray, holds_state: bool, whole: bool) -> np.ndarray:
+        """One group's proven hits: ``mask[i]`` says whether the prefix of ``(i+1)*step``
+        tokens is valid in the group; ``whole``: the last entry is the whole prompt (never
+        a hit: one token is always computed). A state kind's valid hits need no proof."""
+        if whole and not self.to_prompt_end:
+            mask[-1] = False  # the proof too stays below the prompt's last token
+        if not holds_state:
+            counts = np.concatenate(([0], np.cumsum(mask, dtype=np.int64)))
+            k = self.steps + 1  # the hit and its proof: k valid lengths in a row
+            mask = np.zeros_like(mask)
+            mask[: max(0, len(mask) - k + 1)] = counts[k:] - counts[:-k] == k
+        if whole and len(mask):
+            mask[-1] = False
+        return mask
+
+
+@dataclass(frozen=True)
 class AllocatorConfig:
     """The pool (``total_units``), the groups, the rules and the length limit."""
 
@@ -121,6 +160,8 @@ class AllocatorConfig:
     # repeats the output verbatim, and keeping each one fills the pool with states that
     # LRU ranks above an older shared prefix's (which then goes first)
     mamba_prompt_states_only: bool = False
+    # speculative decoding: a hit must be followed by cached steps (`HitProof`)
+    hit_proof: HitProof | None = None
 
     @classmethod
     def from_page_table(

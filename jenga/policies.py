@@ -3,7 +3,9 @@
 Rationale
     Layer kinds differ in which tokens they read (paper §5.2): full attention reads every
     token, a sliding window the last ``w``, chunked local attention its current chunk,
-    Mamba only its running state, cross attention every image token. The allocator is the
+    Mamba only its running state, cross attention every image token; MLA reads every
+    token's latent (sliding-window MLA those of its window), sink full attention every
+    token after the engine's sink tokens. The allocator is the
     same for all of them; what differs is captured by four questions, one class per kind,
     picked from `POLICY_BY_KIND` (the paper's customizable interface):
 
@@ -272,6 +274,36 @@ class SlidingWindowPolicy(Policy):
 
 
 @dataclass(frozen=True)
+class MLAPolicy(FullAttentionPolicy):
+    """Multi-head latent attention: one latent per token (its page is half a K/V page of
+    the same width), read by every later token, so full attention's rules hold: every
+    block stays and the valid prefixes are the leading run of cached blocks."""
+
+    kind: ClassVar[Kind] = Kind.MLA
+
+
+@dataclass(frozen=True)
+class SinkFullAttentionPolicy(FullAttentionPolicy):
+    """Full attention behind static sink tokens (vLLM's ``SinkFullAttentionSpec``).
+
+    The sink K/V are the model's, written once by the engine in blocks no request owns;
+    a request's own tokens follow full attention's rules (as vLLM's
+    ``SinkFullAttentionManager``, a ``FullAttentionManager``, treats them).
+    """
+
+    kind: ClassVar[Kind] = Kind.SINK_FULL
+
+
+@dataclass(frozen=True)
+class SlidingWindowMLAPolicy(SlidingWindowPolicy):
+    """MLA latents read over a window of ``w`` tokens: the sliding window's rules (blocks
+    leave the window; a prefix needs only the blocks its last token reads), one latent
+    per token in each block."""
+
+    kind: ClassVar[Kind] = Kind.SLIDING_WINDOW_MLA
+
+
+@dataclass(frozen=True)
 class ChunkedLocalPolicy(Policy):
     """Chunked local attention (Llama 4): a token reads its own chunk of ``chunk`` tokens."""
 
@@ -461,6 +493,9 @@ POLICY_BY_KIND: dict[Kind, type[Policy]] = {
     Kind.MAMBA: MambaPolicy,
     Kind.CROSS_ATTENTION: CrossAttentionPolicy,
     Kind.VISION_EMBEDDING: VisionEmbeddingPolicy,
+    Kind.MLA: MLAPolicy,
+    Kind.SLIDING_WINDOW_MLA: SlidingWindowMLAPolicy,
+    Kind.SINK_FULL: SinkFullAttentionPolicy,
 }
 
 

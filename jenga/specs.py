@@ -46,6 +46,15 @@ class Kind(StrEnum):
     MAMBA = "mamba"
     CROSS_ATTENTION = "cross_attention"
     VISION_EMBEDDING = "vision_embedding"
+    MLA = "mla"  # multi-head latent attention (DeepSeek-V2/V3): one latent vector per token
+    SLIDING_WINDOW_MLA = "sliding_window_mla"  # MLA latents read over a sliding window
+    SINK_FULL = "sink_full"  # full attention behind `sink_len` engine-held sink tokens
+
+
+# kinds that slide a window over the tokens (`LayerSpec.window` required)
+WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA})
+# kinds that store one vector per token, not a K and a V (one tensor per layer)
+ONE_VECTOR_KINDS = frozenset({Kind.VISION_EMBEDDING, Kind.MLA, Kind.SLIDING_WINDOW_MLA})
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,11 @@ class LayerSpec:
     Attention kinds store K and V: ``2 * num_kv_heads * head_dim * dtype_bytes`` per token.
     `MAMBA` stores `state_bytes` per request (conv + SSM state), independent of length.
     `VISION_EMBEDDING` stores ``num_kv_heads * head_dim * dtype_bytes`` per token (one
-    embedding vector; heads x dim is its width).
+    embedding vector; heads x dim is its width), and so do the MLA kinds (one compressed
+    latent per token, read as both K and V; ``head_dim`` is the latent width with its rope
+    part, e.g. DeepSeek-V3's 512 + 64). `SINK_FULL` layers keep full attention's per-token
+    cache; their `sink_len` sink tokens are the engine's, written once outside any
+    request's blocks.
     """
 
     kind: Kind
@@ -72,6 +85,7 @@ class LayerSpec:
     token_fraction: tuple[int, int] = (1, 1)
     # CROSS_ATTENTION / VISION_EMBEDDING: tokens one image contributes (mllama: 4 tiles x 1601).
     tokens_per_image: int | None = None
+    sink_len: int | None = None  # SINK_FULL: sink tokens, a multiple of block_size
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -92,15 +106,24 @@ class LayerSpec:
                 f"{self.kind} layer needs num_kv_heads > 0 and head_dim > 0, "
                 f"got {self.num_kv_heads} heads x {self.head_dim}"
             )
-        if self.kind is Kind.SLIDING_WINDOW and (self.window is None or self.window <= 0):
-            raise SpecError(f"sliding_window layer needs window > 0, got {self.window}")
+        if self.kind in WINDOW_KINDS and (self.window is None or self.window <= 0):
+            raise SpecError(f"{self.kind} layer needs window > 0, got {self.window}")
         if self.kind is Kind.CHUNKED_LOCAL and (self.chunk is None or self.chunk <= 0):
             raise SpecError(f"chunked_local layer needs chunk > 0, got {self.chunk}")
 
     def _check_kind_fields(self) -> None:
         """Fields that belong to one kind must not be set on another (a typo guard)."""
-        if self.window is not None and self.kind is not Kind.SLIDING_WINDOW:
+        if self.window is not None and self.kind not in WINDOW_KINDS:
             raise SpecError(f"window={self.window} given for a {self.kind} layer")
+        if self.kind is Kind.SINK_FULL:
+            sink = self.sink_len
+            if sink is None or sink <= 0 or sink % self.block_size:
+                raise SpecError(
+                    f"sink_full layer needs sink_len > 0 and a multiple of block_size "
+                    f"{self.block_size}, got {sink}"
+                )
+        elif self.sink_len is not None:
+            raise SpecError(f"sink_len={self.sink_len} given for a {self.kind} layer")
         if self.chunk is not None and self.kind is not Kind.CHUNKED_LOCAL:
             raise SpecError(f"chunk={self.chunk} given for a {self.kind} layer")
         if self.state_bytes is not None and self.kind is not Kind.MAMBA:
@@ -126,12 +149,12 @@ class LayerSpec:
         if self.kind is Kind.MAMBA:
             return 0
         width = self.num_kv_heads * self.head_dim * self.dtype_bytes
-        return width if self.kind is Kind.VISION_EMBEDDING else 2 * width
+        return width if self.kind in ONE_VECTOR_KINDS else 2 * width
 
     @property
     def num_kv_tensors(self) -> int:
-        """2 for attention kinds (K and V, which a layout may put in separate ranges), else 1."""
-        return 1 if self.kind in (Kind.MAMBA, Kind.VISION_EMBEDDING) else 2
+        """2 for K/V attention kinds (which a layout may put in separate ranges), else 1."""
+        return 1 if self.kind is Kind.MAMBA or self.kind in ONE_VECTOR_KINDS else 2
 
     @property
     def page_bytes(self) -> int:

@@ -56,6 +56,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     create_kv_cache_views,
 )
@@ -104,11 +107,14 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheSpec",
     "KVCacheTensor",
+    "MLAAttentionSpec",
     "MambaSpec",
     "PrefixCacheStats",
     "Request",
     "Scheduler",
     "SchedulerOutput",
+    "SinkFullAttentionSpec",
+    "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "VllmConfig",
     "create_kv_cache_views",
@@ -249,6 +255,13 @@ def offloading_worker_metadata(completed_jobs: dict[int, int]) -> Any:
     )
 
     return OffloadingWorkerMetadata(completed_jobs=dict(completed_jobs))
+
+
+def draft_token_ids(req_ids: list[str], drafts: list[list[int]]) -> Any:
+    """vLLM's ``DraftTokenIds`` (what a worker's drafter proposes for the next step)."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    return DraftTokenIds(req_ids=req_ids, draft_token_ids=drafts)
 
 
 def scheduler_owns_output_update() -> bool:

@@ -9,20 +9,19 @@ Rationale
 
 Approach
     `jenga_kv_cache_manager` accepts vLLM's keyword arguments of every supported version,
-    refuses EAGLE block dropping, EAGLE lookahead block hashes (0.33's
-    ``num_hash_lookahead_tokens``: a block's hash then covers tokens after it, so vLLM
-    publishes it later than our manager commits the block) and decode/prefill context
-    parallelism with `UnsupportedFeature` naming them, validates the config's
-    ``prefix_cache_retention_interval`` as vLLM does (`ValueError`) and refuses a positive
-    one as the scheduler does, and builds `JengaKVCacheManager` on `build_layout` of the
-    config with default `JengaVllmOptions` (or the ones given).
+    passes the speculative-decoding ones (``use_eagle``, ``num_prefill_lookahead``, 0.33's
+    ``num_hash_lookahead_tokens``) on as a `SpeculativeSetup`, refuses decode/prefill
+    context parallelism with `UnsupportedFeature` naming them, validates the config's
+    ``prefix_cache_retention_interval`` as vLLM does (`ValueError`), and builds
+    `JengaKVCacheManager` on `build_layout` of the config with default `JengaVllmOptions`
+    (or the ones given).
 
 Limitations
-    A retention interval of ``None`` (dense) or 0 (vLLM's default) gives the same manager:
-    jenga caches sliding-window and Mamba entries densely and evicts by prefix-subset LRU,
-    so it keeps hits vLLM's sparse retention (0) drops. Arguments that only tune vLLM's
-    own manager (``max_in_flight_tokens``, ``num_prefill_lookahead``, ``metrics_collector``,
-    ``watermark``, ...) are accepted and not used.
+    Every retention interval (``None``: dense, 0: vLLM's default, a positive one) gives
+    the same manager: jenga caches sliding-window and Mamba entries densely and evicts by
+    prefix-subset LRU, so it keeps every hit vLLM's sparse retention keeps, and more.
+    Arguments that only tune vLLM's own manager (``max_in_flight_tokens``,
+    ``metrics_collector``, ``watermark``, ...) are accepted and not used.
 """
 
 from __future__ import annotations
@@ -34,23 +33,15 @@ from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
+from integrations.vllm.speculative import SpeculativeSetup
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig
 
 
-def check_manager_args(
-    use_eagle: bool, dcp_world_size: int, pcp_world_size: int, num_hash_lookahead_tokens: int = 0
-) -> None:
+def check_manager_args(dcp_world_size: int, pcp_world_size: int) -> None:
     """Raise `UnsupportedFeature` for manager arguments that ask for what we do not serve."""
     problems = []
-    if use_eagle:
-        problems.append("EAGLE speculative decoding (use_eagle=True)")
-    if num_hash_lookahead_tokens:
-        problems.append(
-            "EAGLE speculative decoding's lookahead block hashes "
-            f"(num_hash_lookahead_tokens={num_hash_lookahead_tokens})"
-        )
     if dcp_world_size > 1:
         problems.append(f"decode context parallelism (dcp_world_size={dcp_world_size})")
     if pcp_world_size > 1:
@@ -66,12 +57,12 @@ RETAINING_SPECS = ("SlidingWindowSpec", "MambaSpec")
 
 
 def check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_size: int) -> None:
-    """vLLM's checks of ``prefix_cache_retention_interval`` (`ValueError`), then ours.
+    """vLLM's checks of ``prefix_cache_retention_interval`` (`ValueError`).
 
     As vLLM's coordinator: ``None`` (dense) and 0 always pass; a value on a model with no
     sliding-window or Mamba group, a negative value or one not a multiple of the
-    scheduler block size is a `ValueError`. A valid positive interval is refused with
-    `UnsupportedFeature`, as `integrations.vllm.scheduler.check_supported_config` does.
+    scheduler block size is a `ValueError`. A valid positive interval is served as 0
+    and ``None`` are (see the module's limitations).
     """
     interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
     if interval is None or interval == 0:
@@ -88,11 +79,6 @@ def check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_siz
             f"prefix_cache_retention_interval={interval} must be non-negative and a "
             f"multiple of scheduler_block_size ({scheduler_block_size})"
         )
-    raise UnsupportedFeature(
-        f"the jenga KV-cache manager does not support prefix_cache_retention_interval="
-        f"{interval} (it keeps the sliding-window and Mamba entries its prefix-subset "
-        "evictor chooses; only None and the default 0 are served)"
-    )
 
 
 def jenga_kv_cache_manager(
@@ -102,6 +88,7 @@ def jenga_kv_cache_manager(
     enable_caching: bool = True,
     use_eagle: bool = False,
     num_hash_lookahead_tokens: int = 0,
+    num_prefill_lookahead: int = 0,
     log_stats: bool = False,
     enable_kv_cache_events: bool = False,
     dcp_world_size: int = 1,
@@ -116,11 +103,13 @@ def jenga_kv_cache_manager(
     ``scheduler_block_size`` defaults to the lcm of the groups' block sizes (vLLM's value
     without context parallelism); it only checks the retention interval here.
     """
-    check_manager_args(use_eagle, dcp_world_size, pcp_world_size, num_hash_lookahead_tokens)
+    check_manager_args(dcp_world_size, pcp_world_size)
     if scheduler_block_size is None:
         sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
         scheduler_block_size = math.lcm(*sizes) if sizes else 1
     check_retention_interval(kv_cache_config, scheduler_block_size)
+    speculative = SpeculativeSetup(use_eagle, num_prefill_lookahead, num_hash_lookahead_tokens)
+    speculative.check(scheduler_block_size, enable_caching)
     layout = build_layout(kv_cache_config, max_model_len, jenga_options)
     return JengaKVCacheManager(
         layout,
@@ -129,4 +118,5 @@ def jenga_kv_cache_manager(
         enable_kv_cache_events=enable_kv_cache_events,
         kv_cache_config=kv_cache_config,
         hash_block_size=hash_block_size,
+        speculative=speculative,
     )

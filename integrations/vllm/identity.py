@@ -93,6 +93,8 @@ class DigestRegistry:
         self.digest: list[dict[int, bytes]] = [{} for _ in layout.groups]
         # per group: how many vLLM hash blocks one group block spans (0: not verified)
         self.span = [self._span(g.kind, g.block_size) for g in layout.groups]
+        # 0.33's lookahead hashes: tokens after a block its digest covers (events name them)
+        self.lookahead_tokens = 0
 
     def _span(self, kind: Kind, block_size: int) -> int:
         if kind is Kind.CROSS_ATTENTION or block_size % self.hash_block_size:
@@ -142,13 +144,22 @@ class DigestRegistry:
         size = self.layout.groups[group].block_size
         parent = self.digest_of(request, group, start - 1) if start else None
         lora = getattr(request, "lora_request", None)
-        extra = []
+        ahead = self.lookahead_tokens
+        extra, lookahead = [], []
         mm_index = 0
         for i in indices:
+            end = (i + 1) * size
             keys, mm_index = generate_block_hash_extra_keys(
-                request, i * size, (i + 1) * size, mm_index
+                request, i * size, end + ahead, mm_index
             )
+            while ahead and mm_index > 0:  # keep inputs that reach into the next block
+                position = request.mm_features[mm_index - 1].mm_position
+                if position.offset + position.length <= end:
+                    break
+                mm_index -= 1
             extra.append(keys)
+            lookahead.append(list(request.all_token_ids[end : end + ahead]))
+        more = {"lookahead_token_ids": lookahead} if ahead else {}
         return BlockStored(
             block_hashes=hashes,
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
@@ -160,6 +171,7 @@ class DigestRegistry:
             extra_keys=to_event_extra_keys(extra),
             group_idx=group,
             session_id=getattr(request, "session_id", None),
+            **more,
         )
 
     def forget(self, group: int, blocks: Iterable[int]) -> None:

@@ -67,10 +67,11 @@ Approach
 
 Limitations
     KV connectors are served beside the manager (`integrations.vllm.connector`:
-    external tokens, deferred frees, zeroing after failed loads). No speculative-decoding
-    lookahead beyond plain slot allocation, no watermark. `get_computed_blocks` returns
-    the hit's blocks as vLLM does (the tables of one prefix lookup); `allocate_slots`
-    adopts that lookup (or looks up again when a call that may evict ran in between). The
+    external tokens, deferred frees, zeroing after failed loads). Speculative decoding
+    follows `integrations.vllm.speculative` (lookahead slots, the EAGLE hit proof, MTP's
+    re-prefilled tail). No watermark. `get_computed_blocks` returns the hit's blocks as
+    vLLM does (the tables of one prefix lookup); `allocate_slots` adopts that lookup (or
+    looks up again when a call that may evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
     whole pages of evictable blocks), not vLLM's block count.
 """
@@ -105,6 +106,7 @@ from integrations.vllm.identity import (
     stable_int,
 )
 from integrations.vllm.layout import JengaLayout
+from integrations.vllm.speculative import SpeculativeSetup
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig
@@ -148,8 +150,10 @@ class JengaKVCacheManager:
         enable_kv_cache_events: bool = False,
         kv_cache_config: KVCacheConfig | None = None,
         hash_block_size: int | None = None,
+        speculative: SpeculativeSetup | None = None,
     ) -> None:
         self.layout = layout
+        self.speculative = speculative or SpeculativeSetup()
         self.max_model_len = layout.model.max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
@@ -173,6 +177,7 @@ class JengaKVCacheManager:
         self._events: list[KVCacheEvent] = []
         self.kv_cache_config = kv_cache_config
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
+        self.identity.lookahead_tokens = self.speculative.num_hash_lookahead_tokens
         self.enable_kv_cache_events = enable_kv_cache_events
         # the last lookup (request id, match), adopted by that request's admission
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
@@ -449,8 +454,9 @@ class JengaKVCacheManager:
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
+        proof = self.speculative.hit_proof(len(self.layout.groups))
         # vLLM's scheduler calls the manager from its one thread: no per-call guard
-        allocator = replace(config, identity=identity, total_units=units)
+        allocator = replace(config, identity=identity, total_units=units, hit_proof=proof)
         return JengaAllocator(allocator, guard_threads=False)
 
     def _gated_units(self) -> int:
@@ -543,6 +549,7 @@ class JengaKVCacheManager:
 
     def _cache(self, request: Request, state: _RequestState, num_computed_tokens: int) -> None:
         rid = request.request_id
+        num_computed_tokens = self.speculative.cacheable(num_computed_tokens)
         if num_computed_tokens < state.next_cache:
             return  # no block of any group completes before then: tokens are handed later
         # only computed tokens: a sampled token not yet computed may still be replaced
@@ -576,6 +583,9 @@ class JengaKVCacheManager:
                 f"request {rid!r}: KV events were turned on after it was admitted, so its "
                 "earlier blocks were never recorded"
             )
+        hashes = getattr(request, "block_hashes", None)
+        if hashes is not None:  # lookahead hashes: only blocks with a digest are named
+            computed = min(computed, len(hashes) * self.hash_block_size)
         for g, group in enumerate(self.layout.groups):
             table = self.allocator.block_table(rid, g)
             stop = min(len(table), computed // group.block_size)

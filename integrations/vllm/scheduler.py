@@ -32,6 +32,7 @@ from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
+from integrations.vllm.speculative import speculative_setup_of
 from integrations.vllm.version import check_vllm_version
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
 def check_supported_config(vllm_config: VllmConfig) -> None:
     """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
     problems = []
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding (speculative_config)")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
     if aux_outputs_read_the_block_pool(vllm_config):
@@ -50,21 +49,13 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
             "auxiliary-output connector reads vLLM's own block pool)"
         )
-    cache_config = getattr(vllm_config, "cache_config", None)
-    retention = getattr(cache_config, "prefix_cache_retention_interval", 0)
-    if retention != 0:
-        problems.append(
-            f"prefix_cache_retention_interval={retention} (jenga keeps the sliding-window "
-            "and Mamba entries its prefix-subset evictor chooses; only the default 0 is "
-            "served)"
-        )
     if problems:
         raise UnsupportedFeature(
             "the jenga KV-cache manager does not support "
             + ", ".join(problems)
             + "; supported: models with full, sliding-window, chunked-local attention, "
-            "Mamba and (encoder-decoder) cross-attention layers, prefix caching, chunked "
-            "prefill, preemption, KV connectors"
+            "MLA, Mamba and (encoder-decoder) cross-attention layers, prefix caching, "
+            "chunked prefill, preemption, speculative decoding, KV connectors"
         )
 
 
@@ -79,6 +70,7 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         enable_kv_cache_events=scheduler.enable_kv_cache_events,
         kv_cache_config=scheduler.kv_cache_config,
         hash_block_size=getattr(scheduler, "hash_block_size", None),
+        speculative=speculative_setup_of(scheduler),
     )
     scheduler.kv_cache_manager = manager
     kv_connector = getattr(scheduler, "connector", None)

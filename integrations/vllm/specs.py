@@ -14,10 +14,14 @@ Approach
     budget is vLLM's single backing allocation (`kv_cache_memory_bytes`). Mamba groups
     follow vLLM's cache mode (`mamba_step_end_only`).
 
+    MLA specs (one latent per token) become `Kind.MLA` / `Kind.SLIDING_WINDOW_MLA`,
+    static-sink specs `Kind.SINK_FULL`; each kind's rules are its jenga policy class.
+
 Limitations
-    Encoder-only, MLA, sink, R-SWA, uniform-type and HiSparse specs are refused. A
-    sliding window wider than ``max_model_len`` is clamped to it (it then behaves as
-    full).
+    Circular-buffer, HiSparse, encoder-only, R-SWA and uniform-type specs, compressed
+    pages (``tokens_per_state != 1``: DeepSeek-V4's compressed MLA) and bounded-replay
+    sliding-window MLA are refused, each with its reason (`REFUSED_SPECS`). A sliding
+    window wider than ``max_model_len`` is clamped to it (it then behaves as full).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jenga.specs import Kind, LayerSpec
+from jenga.specs import ONE_VECTOR_KINDS, Kind, LayerSpec
 
 from integrations.vllm.errors import JengaVllmError, UnsupportedLayerKind
 
@@ -38,7 +42,27 @@ SUPPORTED_SPECS = (
     "ChunkedLocalAttentionSpec",
     "MambaSpec",
     "CrossAttentionSpec",
+    "MLAAttentionSpec",
+    "SlidingWindowMLASpec",
+    "SinkFullAttentionSpec",
+    "HiddenStateCacheSpec",
 )
+# specs with one latent vector per token (vLLM's MLA caches: ``head_size_v == 0``)
+MLA_SPECS = {"MLAAttentionSpec": Kind.MLA, "HiddenStateCacheSpec": Kind.MLA}
+# why a spec vLLM defines is refused (the message names it; others get the supported list)
+REFUSED_SPECS = {
+    "CircularBufferSpec": "a per-request ring of the tokens still being compressed (DeepSeek-V4 "
+    "compressors); it needs compressed (tokens_per_state > 1) MLA groups beside it",
+    "HiSparseHotSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and DMA "
+    "fences, a second memory tier this manager does not drive",
+    "HiSparseResidentSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and "
+    "DMA fences, a second memory tier this manager does not drive",
+    "EncoderOnlyAttentionSpec": "encoder-only attention keeps no KV cache between steps; vLLM's "
+    "worker builds it outside the KV-cache config, so a group of it is a misconfiguration",
+    "RSWASpec": "reference sliding-window attention frees the gap between the prompt and the "
+    "decode window, a rule no jenga kind has",
+    "UniformTypeKVCacheSpecs": "one group of differently sized layers needs one page per layer",
+}
 
 
 def declared_page_bytes(spec: KVCacheSpec) -> int | None:
@@ -95,6 +119,10 @@ def _mamba_state_bytes(
 def check_spec_kind(spec: KVCacheSpec, group_index: int) -> None:
     """Raise `UnsupportedLayerKind` for a vLLM spec class this manager does not serve."""
     name = type(spec).__name__
+    if name in REFUSED_SPECS:
+        raise UnsupportedLayerKind(
+            f"KV-cache group {group_index} ({name}): {name} is not supported: {REFUSED_SPECS[name]}"
+        )
     if name not in SUPPORTED_SPECS:
         raise UnsupportedLayerKind(
             f"KV-cache group {group_index} ({name}): jenga-vmm's vLLM manager supports "
@@ -118,37 +146,80 @@ def layer_spec_from_vllm(
     where = f"KV-cache group {group_index} ({name})"
     check_spec_kind(spec, group_index)
     if name == "MambaSpec":
+        if getattr(spec, "num_speculative_blocks", 0):
+            raise UnsupportedLayerKind(
+                f"{where}: num_speculative_blocks={spec.num_speculative_blocks} (a Mamba "
+                "state per draft token under speculative decoding) is not supported"
+            )
         return LayerSpec(
             Kind.MAMBA,
             state_bytes=_mamba_state_bytes(spec, where, slot_bytes, num_layers),
             checkpoint_interval=int(spec.block_size),
             block_size=int(spec.block_size),
         )
-    if getattr(spec, "tokens_per_state", 1) != 1 or spec.state_content_size_bytes % 2:
-        raise UnsupportedLayerKind(
-            f"{where}: packed or compressed attention pages are not supported"
-        )
-    kind, window, chunk = Kind.FULL, None, None
+    return _attention_spec(spec, name, where, max_model_len)
+
+
+def _attention_kind(
+    spec: KVCacheSpec, name: str, where: str, max_model_len: int
+) -> tuple[Kind, int | None, int | None]:
+    """(kind, window, chunk) of an attention spec; refuses what no kind serves."""
+    # blocks below the window that multi-module MTP may re-prefill stay held too
+    retained = int(getattr(spec, "extra_retained_tokens", 0))
     if name == "SlidingWindowSpec":
-        kind, window = Kind.SLIDING_WINDOW, min(int(spec.sliding_window), max_model_len)
-    elif name == "ChunkedLocalAttentionSpec":
-        kind, chunk = Kind.CHUNKED_LOCAL, int(spec.attention_chunk_size)
-    elif name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
-        kind = Kind.CROSS_ATTENTION
-    elif spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        return Kind.SLIDING_WINDOW, min(int(spec.sliding_window) + retained, max_model_len), None
+    if name == "SlidingWindowMLASpec":
+        if spec.bounded_replay:
+            raise UnsupportedLayerKind(
+                f"{where}: bounded_replay=True (a prefix hit re-prefills the last "
+                f"{spec.sliding_window} tokens instead of caching the window) is not supported"
+            )
+        window = min(int(spec.sliding_window) + retained, max_model_len)
+        return Kind.SLIDING_WINDOW_MLA, window, None
+    if name == "ChunkedLocalAttentionSpec":
+        return Kind.CHUNKED_LOCAL, None, int(spec.attention_chunk_size)
+    if name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
+        return Kind.CROSS_ATTENTION, None, None
+    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
         raise UnsupportedLayerKind(
             f"{where}: a FullAttentionSpec carrying sliding_window/attention_chunk_size "
             "(hybrid manager disabled) is not supported; enable vLLM's hybrid KV-cache "
             "manager so such layers get SlidingWindowSpec/ChunkedLocalAttentionSpec"
         )
+    if name == "SinkFullAttentionSpec":
+        sink, block = spec.sink_len, int(spec.block_size)
+        if sink is None or sink <= 0 or sink % block:
+            raise UnsupportedLayerKind(
+                f"{where}: sink_len {sink} must be > 0 and a multiple of block_size {block}"
+            )
+        return Kind.SINK_FULL, None, None
+    return MLA_SPECS.get(name, Kind.FULL), None, None
+
+
+def _attention_spec(spec: KVCacheSpec, name: str, where: str, max_model_len: int) -> LayerSpec:
+    """The `LayerSpec` of an attention spec: K/V kinds split a cell into K and V halves of
+    ``head_dim`` bytes; MLA kinds store the cell as one latent of ``head_dim`` bytes."""
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise UnsupportedLayerKind(
+            f"{where}: packed or compressed attention pages (tokens_per_state="
+            f"{spec.tokens_per_state}) are not supported"
+        )
+    kind, window, chunk = _attention_kind(spec, name, where, max_model_len)
+    cell = int(spec.state_content_size_bytes)
+    one_vector = kind in ONE_VECTOR_KINDS
+    if not one_vector and cell % 2:
+        raise UnsupportedLayerKind(
+            f"{where}: a K/V cell of {cell} bytes does not split into K and V halves"
+        )
     return LayerSpec(
         kind,
         num_kv_heads=int(spec.num_heads),
-        head_dim=int(spec.state_content_size_bytes) // 2,
+        head_dim=cell if one_vector else cell // 2,
         dtype_bytes=1,
         block_size=int(spec.block_size),
         window=window,
         chunk=chunk,
+        sink_len=int(spec.sink_len) if kind is Kind.SINK_FULL else None,
     )
 
 

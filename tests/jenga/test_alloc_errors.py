@@ -66,6 +66,10 @@ def test_lengths_beyond_max_model_len():
         alloc.allocate("a", 1)
     with pytest.raises(InvalidSize, match="prompt has 0 tokens"):
         alloc.add_request("b", [])
+    # an empty prompt that looks nothing up (an engine may schedule slots before tokens)
+    assert alloc.add_request("c", [], use_cache=False) == 0
+    assert alloc.allocate("c", 5) is not None and alloc.num_tokens("c") == 5
+    alloc.free("c")
 
 
 def test_cache_beyond_allocated():

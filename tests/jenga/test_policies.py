@@ -194,6 +194,9 @@ def test_policy_for_reads_the_spec():
         Kind.MAMBA: (False, True, False, False),
         Kind.CROSS_ATTENTION: (False, False, True, False),
         Kind.VISION_EMBEDDING: (False, False, True, True),
+        Kind.MLA: (False, False, False, False),
+        Kind.SLIDING_WINDOW_MLA: (True, False, False, False),
+        Kind.SINK_FULL: (False, False, False, False),
     }
 
 

@@ -25,6 +25,9 @@ from __future__ import annotations
 from typing import Any
 
 CASES = ("llama", "gemma2", "ministral", "jamba")
+LATENT_CASES = ("deepseek", "deepseek-swa", "sink")
+"""MLA (DeepSeek-V3 style: one 576-wide latent per token), MLA with sliding-window MLA
+layers between its full ones, and static-sink full attention (openPangu style)."""
 REAL_CASES = ("gemma2-9b", "ministral-8b", "jamba-1.5-mini", "gpt-oss-20b", "qwen3-next-80b")
 ALL_CASES = CASES + REAL_CASES
 STATE_CASES = ("jamba", "jamba-1.5-mini", "qwen3-next-80b")
@@ -46,6 +49,8 @@ def layer_specs(
 
     if case in REAL_CASES:
         return _real_specs(case, block_size, vllm_gpu)
+    if case in LATENT_CASES:
+        return _latent_specs(case, block_size, window)
 
     from integrations.vllm.compat import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -76,6 +81,30 @@ def layer_specs(
             for i in range(16)
         }
     raise KeyError(f"unknown case {case!r}; cases: {CASES}")
+
+
+def _latent_specs(case: str, block_size: int, window: int) -> dict[str, Any]:
+    """`LATENT_CASES`: MLA layers (DeepSeek-V3's latent: 512 + 64 rope), sliding-window
+    MLA every other layer, or full attention behind two blocks of static sink tokens."""
+    import torch
+
+    from integrations.vllm import compat
+
+    latent = {"block_size": block_size, "num_kv_heads": 1, "head_size": 576}
+    mla = compat.MLAAttentionSpec(**latent, dtype=torch.bfloat16)
+    if case == "deepseek":
+        return {f"model.layers.{i}.self_attn.attn": mla for i in range(6)}
+    if case == "deepseek-swa":
+        swa = compat.SlidingWindowMLASpec(**latent, dtype=torch.bfloat16, sliding_window=window)
+        return {f"model.layers.{i}.self_attn.attn": swa if i % 2 else mla for i in range(6)}
+    sink = compat.SinkFullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=8,
+        head_size=128,
+        dtype=torch.float16,
+        sink_len=2 * block_size,
+    )
+    return {f"model.layers.{i}.self_attn.attn": sink for i in range(4)}
 
 
 # -- real-scale geometries ---------------------------------------------------------------

@@ -9,7 +9,9 @@ Rationale
 Approach
     `HostExecutor` is a `vllm.v1.executor.abstract.Executor` whose one in-process
     `HostWorker` answers the calls vLLM's engine makes (KV specs, available memory,
-    layouts, ``initialize_from_config``, ``execute_model``, ``sample_tokens``). With
+    layouts, ``initialize_from_config``, ``execute_model``, ``sample_tokens``, and with
+    speculative decoding configured ``take_draft_token_ids``: every decoding request gets
+    ``num_speculative_tokens`` drafts, all accepted in the next step). With
     ``kv_tensors="vmm"`` the worker builds the VMM KV tensors on the host backend
     (`integrations.vllm.plugin.vmm_allocate_kv_cache`) and applies each step's plans,
     as the GPU runner's wrapper does. Each step samples one deterministic token for
@@ -42,6 +44,8 @@ class HostWorker:
         self.lengths: dict[str, int] = {}
         self.steps = 0
         self.pending: Any = None
+        self.decoding: list[str] = []  # requests the last step sampled a token for
+        self.accepted_drafts = 0
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         return dict(self.specs)
@@ -83,16 +87,29 @@ class HostWorker:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         ids = list(out.num_scheduled_tokens)
         sampled = []
+        drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for rid in ids:
             done = computed[rid] + out.num_scheduled_tokens[rid] >= self.lengths[rid]
-            sampled.append([1000 + (len(rid) * 7 + self.steps) % 20000] if done else [])
-            if done:
-                self.lengths[rid] += 1
+            token = [1000 + (len(rid) * 7 + self.steps) % 20000] if done else []
+            accepted = list(drafts.get(rid, ())) if done else []
+            sampled.append(accepted + token)
+            self.accepted_drafts += len(accepted)
+            self.lengths[rid] += len(sampled[-1])
+        self.decoding = [rid for rid, got in zip(ids, sampled, strict=True) if got]
         return compat.model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled,
         )
+
+    def take_draft_token_ids(self) -> Any:
+        """Drafts for the requests the last step sampled for (None: no speculation)."""
+        spec = self.vllm_config.speculative_config
+        if spec is None or not self.decoding:
+            return None
+        k = int(spec.num_speculative_tokens)
+        drafts = [[2000 + (self.steps + j) % 1000 for j in range(k)] for _ in self.decoding]
+        return compat.draft_token_ids(list(self.decoding), drafts)
 
 
 def compat_chunk_bytes(vllm_config: Any) -> int:

@@ -65,6 +65,8 @@ class SchedulerSetup:
     async_scheduling: bool | None = False
     #: the ``jenga_vmm`` key of ``additional_config``; None: no key (jenga off)
     jenga_options: Mapping[str, Any] | None = field(default_factory=dict)
+    #: vLLM's ``SpeculativeConfig`` arguments (e.g. n-gram lookup); None: no speculation
+    speculative: Mapping[str, Any] | None = None
 
 
 def write_tiny_model(folder: Path) -> Path:
@@ -111,12 +113,26 @@ def make_vllm_config(model_dir: Path, setup: SchedulerSetup) -> Any:
         additional_config=(
             {} if setup.jenga_options is None else {"jenga_vmm": dict(setup.jenga_options)}
         ),
+        speculative_config=_speculative_config(setup, model_config),
     )
     # As on a GPU platform: hybrid groups, a resolved layout, Mamba "align" caching.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     config.cache_config.kv_cache_layout = "LBNHC"
     config.cache_config.mamba_cache_mode = setup.mamba_cache_mode
     return config
+
+
+def _speculative_config(setup: SchedulerSetup, model_config: Any) -> Any:
+    """vLLM's ``SpeculativeConfig`` of ``setup.speculative`` for this target (or None)."""
+    if setup.speculative is None:
+        return None
+    from vllm.config import ParallelConfig, SpeculativeConfig
+
+    return SpeculativeConfig(
+        **setup.speculative,
+        target_model_config=model_config,
+        target_parallel_config=ParallelConfig(),
+    )
 
 
 def kv_cache_config_for(vllm_config: Any, layer_specs: Mapping[str, Any], memory_bytes: int) -> Any:

@@ -26,6 +26,8 @@ then a topic prefix shared by one request in ``--topics``, then a private questi
 ``--output`` tokens each. Requests arrive in two waves (half, then the rest after the
 first half finishes) so the second wave finds the first wave's prefixes cached.
 
+``--eagle N`` turns EAGLE speculative decoding on (N draft tokens, one draft layer).
+
 Usage::
 
     python -m integrations.vllm.harness.side_by_side --memory-mb 256 --json out.json
@@ -173,6 +175,9 @@ def run_case(
         setup = replace(setup, block_size=cases.vllm_gpu_block_size(case))
     config = replay.make_vllm_config(model_dir, setup)
     specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
+    if setup.speculative is not None:  # an EAGLE head: one draft layer like the target's full
+        full = [s for s in specs.values() if type(s).__name__ == "FullAttentionSpec"]
+        specs = {**specs, "draft_model.layers.0.self_attn.attn": full[0]} if full else specs
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
     peak = PeakCommitted(scheduler, manager, trace, pinning=checked)
@@ -412,8 +417,9 @@ def _parser() -> argparse.ArgumentParser:
         "--cases",
         nargs="+",
         default=list(cases.CASES),
-        choices=cases.ALL_CASES,
-        help=f"default: the small stand-ins; real-scale geometries: {', '.join(cases.REAL_CASES)}",
+        choices=cases.ALL_CASES + cases.LATENT_CASES,
+        help=f"default: the small stand-ins; real-scale geometries: {', '.join(cases.REAL_CASES)}"
+        f"; MLA and sink kinds: {', '.join(cases.LATENT_CASES)}",
     )
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
@@ -444,6 +450,14 @@ def _parser() -> argparse.ArgumentParser:
         help="allocation order of ours (default: the manager's, pinned on per_group VMM pages)",
     )
     parser.add_argument("--managers", nargs="+", default=list(MANAGERS), choices=MANAGERS)
+    parser.add_argument(
+        "--eagle",
+        type=int,
+        default=0,
+        help="EAGLE speculative decoding with this many draft tokens (a draft layer is "
+        "added beside the target's; vLLM's scheduler then holds lookahead slots and drops "
+        "the last block of a hit)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
         "--trace",
@@ -539,6 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     traces: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = replay.write_tiny_model(Path(tmp) / "model")
+        if args.eagle:
+            draft = replay.write_tiny_model(Path(tmp) / "draft")
+            eagle = {"method": "eagle", "model": str(draft), "num_speculative_tokens": args.eagle}
+            setup = replace(setup, speculative=eagle)
         rows = compare(
             model_dir,
             args.cases,

@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 import torch
 from integrations.vllm.drop_in import jenga_kv_cache_manager
-from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
+from integrations.vllm.errors import JengaVllmError
 from integrations.vllm.options import JengaVllmOptions
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
@@ -177,13 +177,28 @@ def test_a_bad_retention_interval_is_a_value_error_as_in_vllm(
         jenga_kv_cache_manager(config, 8192, hash_block_size=min(sizes))
 
 
-def test_a_positive_retention_interval_is_refused_by_name_and_none_or_zero_served() -> None:
-    refused = _config(_full(), _window(2 * BLOCK), prefix_cache_retention_interval=64)
-    with pytest.raises(UnsupportedFeature, match="prefix_cache_retention_interval=64"):
-        jenga_kv_cache_manager(refused, 8192)
-    for interval in (None, 0):
-        config = _config(_full(), _window(2 * BLOCK), prefix_cache_retention_interval=interval)
-        assert jenga_kv_cache_manager(config, 8192).num_kv_cache_groups == 2
+@pytest.mark.parametrize("interval", [None, 0, 64])
+def test_every_retention_interval_is_served_with_every_hit_vllm_keeps(
+    interval: int | None,
+) -> None:
+    """vLLM keeps sliding-window entries sparsely (every ``interval`` tokens, plus the
+    latest replay tail); jenga caches them densely and evicts by prefix-subset LRU, so
+    each hit vLLM's manager serves, ours serves too (here: every shorter replay)."""
+    config = _config(_full(), _window(2 * BLOCK), prefix_cache_retention_interval=interval)
+    prompt = [i for i in range(12) for _ in range(BLOCK)]
+    theirs, ours = _managers(config)
+    assert ours.num_kv_cache_groups == 2
+    hits: dict[int, list[int]] = {}
+    for manager in (theirs, ours):
+        first = _request("0", prompt)
+        assert manager.allocate_slots(first, len(prompt)) is not None
+        first.num_computed_tokens = len(prompt)
+        manager.cache_blocks(first, len(prompt))
+        manager.free(first)
+        for n in range(BLOCK + 1, len(prompt) + 1, BLOCK):
+            hits.setdefault(n, []).append(manager.get_computed_blocks(_request("r", prompt[:n]))[1])
+    assert all(mine >= vllm for vllm, mine in hits.values())
+    assert [mine for _, mine in hits.values()] == [n - 1 for n in hits]  # dense: all of it
 
 
 # -- KV events -------------------------------------------------------------------------

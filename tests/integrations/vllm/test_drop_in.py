@@ -44,16 +44,28 @@ def test_vllm_keyword_arguments_build_a_working_jenga_manager(model_dir: Path) -
     assert manager.get_computed_blocks(second)[1] == 64  # the freed prompt stays cached
 
 
+def test_speculative_arguments_reach_the_manager(model_dir: Path) -> None:
+    """EAGLE's block drop is the allocator's hit proof (one group: below the prompt's last
+    token); multi-module MTP's re-prefilled tail is checked against the block as vLLM's
+    coordinator checks it."""
+    manager = jenga_kv_cache_manager(
+        _kv_config(model_dir), 512, use_eagle=True, num_prefill_lookahead=2
+    )
+    assert manager.speculative.use_eagle and manager.speculative.num_reprefillable_tokens == 1
+    proof = manager.allocator.config.hit_proof
+    assert proof is not None and (proof.steps, proof.to_prompt_end) == (1, False)
+    assert jenga_kv_cache_manager(_kv_config(model_dir), 512).allocator.config.hit_proof is None
+    with pytest.raises(
+        ValueError, match=r"scheduler_block_size \(=16\) >= num_speculative_tokens \(=17\)"
+    ):
+        jenga_kv_cache_manager(_kv_config(model_dir), 512, use_eagle=True, num_prefill_lookahead=17)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"use_eagle": True}, r"EAGLE speculative decoding \(use_eagle=True\)"),
         ({"dcp_world_size": 2}, r"decode context parallelism \(dcp_world_size=2\)"),
         ({"pcp_world_size": 4}, r"prefill context parallelism \(pcp_world_size=4\)"),
-        (  # vLLM 0.33's argument; a hash then covers tokens after its block
-            {"num_hash_lookahead_tokens": 1},
-            r"lookahead block hashes \(num_hash_lookahead_tokens=1\)",
-        ),
     ],
 )
 def test_refused_features_are_named_at_construction(

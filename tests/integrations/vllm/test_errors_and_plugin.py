@@ -36,21 +36,23 @@ def test_version_check_names_the_supported_version() -> None:
 
 def test_an_unsupported_spec_is_refused_with_the_supported_list(model_dir: Path) -> None:
     import torch
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SinkFullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = SinkFullAttentionSpec(
-        block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4
-    )
+    class ExoticAttentionSpec(FullAttentionSpec):
+        """A spec class vLLM might add later: refused by name, never taken for its base."""
+
+    spec = ExoticAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     config = KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["x"], spec)]
     )
     with pytest.raises(UnsupportedLayerKind) as info:
         build_layout(config, 1024)
     message = str(info.value)
-    assert "SinkFullAttentionSpec is not supported" in message
+    assert "ExoticAttentionSpec is not supported" in message
     assert (
         "FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec, "
-        "CrossAttentionSpec" in message
+        "CrossAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec, SinkFullAttentionSpec"
+        in message
     )
 
 
@@ -61,7 +63,9 @@ def test_unsupported_features_are_named() -> None:
         model_config=SimpleNamespace(is_encoder_decoder=False),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
     )
-    with pytest.raises(UnsupportedFeature, match=r"does not support speculative decoding"):
+    check_supported_config(config)  # speculative decoding and KV connectors are served
+    config.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(UnsupportedFeature, match=r"does not support decode context parallelism;"):
         check_supported_config(config)
 
 

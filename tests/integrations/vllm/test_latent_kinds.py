@@ -1,0 +1,168 @@
+"""vLLM's MLA, sliding-window MLA and static-sink specs on the jenga manager: each is its
+own jenga kind on every tensor geometry, served beside vLLM's own manager; the specs no
+kind serves are refused at start-up by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+import torch
+from integrations.vllm.errors import UnsupportedLayerKind
+from integrations.vllm.harness import cases, replay
+from integrations.vllm.layout import build_layout
+from integrations.vllm.manager import JengaKVCacheManager
+from integrations.vllm.options import JengaVllmOptions, TensorGeometry
+from jenga.specs import Kind
+
+from integrations.vllm import compat
+
+MAX_LEN = 1024
+BLOCK = 16
+PROMPT = 160
+GEOMETRY_OPTIONS = {
+    TensorGeometry.SHARED_SLOTS: {},
+    TensorGeometry.PER_LAYER: {"kv_tensors": "vmm", "geometry": "per_layer"},
+    TensorGeometry.PER_GROUP: {"kv_tensors": "vmm"},
+}
+KINDS = {
+    "deepseek": {Kind.MLA},
+    "deepseek-swa": {Kind.MLA, Kind.SLIDING_WINDOW_MLA},
+    "sink": {Kind.SINK_FULL},
+}
+
+
+def _config(model_dir: Path, case: str, memory_mb: int, options: dict[str, Any]) -> Any:
+    setup = replay.SchedulerSetup(
+        max_model_len=MAX_LEN, max_num_batched_tokens=512, jenga_options=options
+    )
+    config = replay.make_vllm_config(model_dir, setup)
+    kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
+    return config, kv_config
+
+
+@pytest.mark.parametrize("geometry", list(TensorGeometry))
+@pytest.mark.parametrize("case", cases.LATENT_CASES)
+def test_each_spec_is_its_kind_with_vllms_unpadded_page(
+    model_dir: Path, case: str, geometry: TensorGeometry
+) -> None:
+    options = GEOMETRY_OPTIONS[geometry]
+    _, kv_config = _config(model_dir, case, 64, options)
+    layout = build_layout(kv_config, MAX_LEN, JengaVllmOptions(**options))  # type: ignore[arg-type]
+    assert layout.options.tensor_geometry is geometry
+    assert {g.kind for g in layout.groups} == KINDS[case]
+    for g, vgroup in zip(layout.groups, kv_config.kv_cache_groups, strict=True):
+        spec = vgroup.kv_cache_spec
+        assert g.page_bytes == spec.real_page_size_bytes
+        if g.kind in (Kind.MLA, Kind.SLIDING_WINDOW_MLA):  # one 576-wide bf16 latent
+            assert g.page_bytes == BLOCK * 576 * 2
+
+
+def _two_waves(model_dir: Path, case: str, *, jenga: bool, options: dict[str, Any]) -> list[Any]:
+    config, kv_config = _config(model_dir, case, 48, options)
+    scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
+    first = [[100 + i] * 8 + list(range(1000 + 7 * i, 1000 + 7 * i + PROMPT - 8)) for i in range(6)]
+    after = None
+    if jenga:
+        assert isinstance(scheduler.kv_cache_manager, JengaKVCacheManager)
+
+        def after(s: Any, _out: Any) -> None:
+            s.kv_cache_manager.check_invariants(expensive=True)
+
+    reports = []
+    for prefix, prompts in (("a", first), ("b", [p + [7] * 40 for p in first])):
+        requests = replay.make_requests(prompts, [24] * 6, BLOCK, prefix=prefix)
+        reports.append(replay.replay(scheduler, requests, after_step=after))
+    return reports
+
+
+@pytest.mark.parametrize("geometry", [TensorGeometry.SHARED_SLOTS, TensorGeometry.PER_GROUP])
+@pytest.mark.parametrize("case", ["deepseek", "deepseek-swa"])
+def test_two_waves_hit_whole_prompts_as_vllms_manager_does(
+    model_dir: Path, case: str, geometry: TensorGeometry
+) -> None:
+    options = GEOMETRY_OPTIONS[geometry]
+    ours = _two_waves(model_dir, case, jenga=True, options=options)
+    theirs = _two_waves(model_dir, case, jenga=False, options=options)
+    for mine, vllm in zip(ours, theirs, strict=True):
+        assert mine.output_tokens == vllm.output_tokens
+        assert all(n == 24 for n in mine.output_tokens.values())
+    assert ours[0].prefix_hit_tokens == theirs[0].prefix_hit_tokens == 0
+    # vLLM's manager keeps sliding-window blocks sparsely (retention interval 0) and may
+    # serve less of a shared prefix; jenga caches the window densely
+    assert ours[1].prefix_hit_tokens == 6 * PROMPT >= theirs[1].prefix_hit_tokens
+    if case != "deepseek-swa":
+        assert theirs[1].prefix_hit_tokens == 6 * PROMPT
+
+
+@pytest.mark.parametrize("geometry", list(TensorGeometry))
+def test_sink_full_attention_serves_prefix_hits_on_the_manager(
+    model_dir: Path, geometry: TensorGeometry
+) -> None:
+    """vLLM 0.32/0.33's own Scheduler cannot be built on a sink spec (its
+    ``SinkFullAttentionManager`` does not take the ``needs_kv_cache_zeroing`` its pool
+    passes), so the manager is driven directly, as vLLM's scheduler drives it."""
+    options = GEOMETRY_OPTIONS[geometry]
+    config, kv_config = _config(model_dir, "sink", 48, options)
+    with pytest.raises(TypeError, match="needs_kv_cache_zeroing"):
+        replay.make_scheduler(config, kv_config, jenga=False)
+    layout = build_layout(kv_config, MAX_LEN, JengaVllmOptions(**options))  # type: ignore[arg-type]
+    manager = JengaKVCacheManager(layout)
+    prompt = list(range(PROMPT))
+    first, second, other = replay.make_requests(
+        [prompt, [*prompt, 7, 7, 7], [5] * PROMPT], [1, 1, 1], BLOCK
+    )
+    assert manager.allocate_slots(first, PROMPT) is not None
+    manager.cache_blocks(first, PROMPT)
+    manager.free(first)
+    assert manager.get_computed_blocks(second)[1] == PROMPT
+    assert manager.get_computed_blocks(other)[1] == 0
+    manager.check_invariants(expensive=True)
+
+
+def _group(spec: Any) -> Any:
+    return compat.KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[compat.KVCacheGroupSpec(["model.layers.0.attn"], spec)],
+    )
+
+
+def test_specs_no_kind_serves_are_refused_at_start_up_by_name() -> None:
+    from vllm.v1 import kv_cache_interface as kvi
+
+    attn = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
+    refused = {
+        kvi.CircularBufferSpec(**attn): r"\(CircularBufferSpec\): CircularBufferSpec is not "
+        r"supported: a per-request ring",
+        kvi.HiSparseHotSpec(block_size=BLOCK, page_size=4096, blocks_per_request=4): (
+            r"\(HiSparseHotSpec\): HiSparseHotSpec is not supported: HiSparse keeps KV in a host"
+        ),
+        kvi.SinkFullAttentionSpec(**attn, sink_len=4): (
+            r"\(SinkFullAttentionSpec\): sink_len 4 must be > 0 and a multiple of block_size 16"
+        ),
+        kvi.SlidingWindowMLASpec(
+            block_size=BLOCK,
+            num_kv_heads=1,
+            head_size=576,
+            dtype=torch.bfloat16,
+            sliding_window=128,
+            bounded_replay=True,
+        ): r"\(SlidingWindowMLASpec\): bounded_replay=True .* last 128 tokens",
+        kvi.MLAAttentionSpec(
+            block_size=BLOCK,
+            num_kv_heads=1,
+            head_size=576,
+            dtype=torch.bfloat16,
+            tokens_per_state=4,
+        ): r"\(MLAAttentionSpec\): packed or compressed attention pages \(tokens_per_state=4\)",
+    }
+    for spec, message in refused.items():
+        with pytest.raises(UnsupportedLayerKind, match=r"KV-cache group 0 " + message):
+            build_layout(_group(spec), MAX_LEN)
