@@ -164,7 +164,9 @@ def config_classes() -> dict[str, type]:
         "DeviceConfig",
         "KVTransferConfig",
         "ModelConfig",
+        "ParallelConfig",
         "SchedulerConfig",
+        "SpeculativeConfig",
         "VllmConfig",
     )
     return {name: getattr(config, name) for name in names}
@@ -316,6 +318,22 @@ def engine_core_request(**kwargs: Any) -> EngineCoreRequest:
     from vllm.v1.engine import EngineCoreRequest
 
     return EngineCoreRequest(**kwargs)
+
+
+def greedy_engine_request(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
+    """A greedy request of ``max_tokens`` for vLLM's `EngineCore` that ignores EOS (no
+    multimodal inputs, LoRA, salt or data-parallel rank)."""
+    return engine_core_request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=sampling_params(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
 
 
 def lora_request(name: str, adapter_id: int) -> LoRARequest:

@@ -94,7 +94,7 @@ def run_prefix_workload(
     cached: list[tuple[int, int]] = []
     for i, prompt in enumerate(prompts):
         rid = f"p{i}"
-        request = _engine_request(rid, list(prompt))
+        request = compat.greedy_engine_request(rid, list(prompt), 2)
         core.add_request(*core.preprocess_add_request(request))
         hit = None
         for _ in range(max_steps):
@@ -116,17 +116,3 @@ def run_prefix_workload(
             raise AssertionError(f"request {rid}: vLLM reported no prefill stats")
         cached.append(hit)
     return cached
-
-
-def _engine_request(rid: str, prompt: list[int]) -> Any:
-    return compat.engine_core_request(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=compat.sampling_params(max_tokens=2, ignore_eos=True),
-        pooling_params=None,
-        arrival_time=0.0,
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )

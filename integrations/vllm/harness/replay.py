@@ -126,12 +126,11 @@ def _speculative_config(setup: SchedulerSetup, model_config: Any) -> Any:
     """vLLM's ``SpeculativeConfig`` of ``setup.speculative`` for this target (or None)."""
     if setup.speculative is None:
         return None
-    from vllm.config import ParallelConfig, SpeculativeConfig
-
-    return SpeculativeConfig(
+    classes = compat.config_classes()
+    return classes["SpeculativeConfig"](
         **setup.speculative,
         target_model_config=model_config,
-        target_parallel_config=ParallelConfig(),
+        target_parallel_config=classes["ParallelConfig"](),
     )
 
 

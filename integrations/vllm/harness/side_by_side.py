@@ -174,26 +174,17 @@ def run_case(
     if vllm_gpu:
         setup = replace(setup, block_size=cases.vllm_gpu_block_size(case))
     config = replay.make_vllm_config(model_dir, setup)
-    specs = cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu)
-    if setup.speculative is not None:  # an EAGLE head: one draft layer like the target's full
-        full = [s for s in specs.values() if type(s).__name__ == "FullAttentionSpec"]
-        specs = {**specs, "draft_model.layers.0.self_attn.attn": full[0]} if full else specs
+    specs = _with_draft_layer(
+        cases.layer_specs(case, block_size=setup.block_size, window=window, vllm_gpu=vllm_gpu),
+        setup,
+    )
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
     peak = PeakCommitted(scheduler, manager, trace, pinning=checked)
-    prompts = workload.prompts()
-    half = len(prompts) // 2
-    outputs = workload.outputs()
-    waves = [
-        replay.make_requests(prompts[:half], outputs[:half], setup.block_size, prefix="a"),
-        replay.make_requests(prompts[half:], outputs[half:], setup.block_size, prefix="b"),
-    ]
+    waves, expected = _waves(workload, setup.block_size)
     reports = [
         replay.replay(scheduler, wave, after_step=peak, check_blocks=checked) for wave in waves
     ]
-    expected = {
-        f"{'a' if i < half else 'b'}{i if i < half else i - half}": n for i, n in enumerate(outputs)
-    }
     for report in reports:
         wrong = {k: v for k, v in report.output_tokens.items() if v != expected[k]}
         if wrong:
@@ -206,6 +197,30 @@ def run_case(
         single_pinned=pins.single_pinned_fraction,
         packable=pins.packable_fraction,
     )
+
+
+def _waves(workload: Workload, block_size: int) -> tuple[list[Any], dict[str, int]]:
+    """The workload's two waves of requests ("a0".., then "b0"..) and each request's
+    output length by id."""
+    prompts, outputs = workload.prompts(), workload.outputs()
+    half = len(prompts) // 2
+    waves = [
+        replay.make_requests(prompts[:half], outputs[:half], block_size, prefix="a"),
+        replay.make_requests(prompts[half:], outputs[half:], block_size, prefix="b"),
+    ]
+    expected = {
+        f"{'a' if i < half else 'b'}{i if i < half else i - half}": n for i, n in enumerate(outputs)
+    }
+    return waves, expected
+
+
+def _with_draft_layer(specs: dict[str, Any], setup: replay.SchedulerSetup) -> dict[str, Any]:
+    """With speculative decoding on, an EAGLE head beside the target: one draft layer like
+    the target's full-attention layers."""
+    if setup.speculative is None:
+        return specs
+    full = [s for s in specs.values() if type(s).__name__ == "FullAttentionSpec"]
+    return {**specs, "draft_model.layers.0.self_attn.attn": full[0]} if full else specs
 
 
 class PeakCommitted:
@@ -411,6 +426,19 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sweep",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUES",
+        help="a grid instead of one run: requests=8,16 memory-mb=128,256 (or memory-gib=20,40) "
+        "seeds=0-2; writes --json, a ratio table (--table) and heat maps (--plots)",
+    )
+    parser.add_argument("--table", type=Path, default=None, help="sweep: markdown table here")
+    parser.add_argument("--plots", type=Path, default=None, help="sweep: heat-map PNG folder")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -433,16 +461,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=int, default=0, help="0: the fixed workload; else drawn topics, lengths"
     )
-    parser.add_argument(
-        "--sweep",
-        nargs="+",
-        default=None,
-        metavar="KEY=VALUES",
-        help="a grid instead of one run: requests=8,16 memory-mb=128,256 (or memory-gib=20,40) "
-        "seeds=0-2; writes --json, a ratio table (--table) and heat maps (--plots)",
-    )
-    parser.add_argument("--table", type=Path, default=None, help="sweep: markdown table here")
-    parser.add_argument("--plots", type=Path, default=None, help="sweep: heat-map PNG folder")
+    _add_sweep_arguments(parser)
     parser.add_argument(
         "--order",
         choices=("compact", "paper", "pinned"),

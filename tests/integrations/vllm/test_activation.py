@@ -43,17 +43,7 @@ def test_scheduler_for_the_mode(
 
 def engine_request(rid: str, prompt: list[int]) -> Any:
     """A 5-token greedy request for vLLM's `EngineCore` (no multimodal, LoRA, salt)."""
-    return compat.engine_core_request(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=compat.sampling_params(max_tokens=5, ignore_eos=True),
-        pooling_params=None,
-        arrival_time=0.0,
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
+    return compat.greedy_engine_request(rid, prompt, 5)
 
 
 def _vllm_default_config(model_dir: Path, options: dict[str, Any] | None) -> Any:
