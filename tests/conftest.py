@@ -127,6 +127,16 @@ def _succeeded(drv: Any) -> dict[str, int]:
     return {k: n - drv.num_failed.get(k, 0) for k, n in drv.num_calls.items()}
 
 
+# driver calls that make (+1) or free (-1) what a closed backend must have given back
+_BALANCED_CALLS = {
+    "cuMemCreate": ("handles", 1),
+    "cuMemImportFromShareableHandle": ("handles", 1),
+    "cuMemRelease": ("handles", -1),
+    "cuMemAddressReserve": ("reservations", 1),
+    "cuMemAddressFree": ("reservations", -1),
+}
+
+
 def _driver_balance(drivers: list[Any], start: dict[int, dict[str, int]]) -> dict[str, int]:
     """What the drivers were asked to create less what they freed since `start` (per
     driver id; a driver made during the test starts at zero): chunk handles made or
@@ -134,14 +144,8 @@ def _driver_balance(drivers: list[Any], start: dict[int, dict[str, int]]) -> dic
     balance = {"handles": 0, "reservations": 0}
     for drv in {id(d): d for d in drivers}.values():
         before, ok = start.get(id(drv), {}), _succeeded(drv)
-
-        def delta(name: str, before: dict[str, int] = before, ok: Any = ok) -> int:
-            return int(ok.get(name, 0) - before.get(name, 0))
-
-        balance["handles"] += (
-            delta("cuMemCreate") + delta("cuMemImportFromShareableHandle") - delta("cuMemRelease")
-        )
-        balance["reservations"] += delta("cuMemAddressReserve") - delta("cuMemAddressFree")
+        for name, (kind, sign) in _BALANCED_CALLS.items():
+            balance[kind] += sign * (ok.get(name, 0) - before.get(name, 0))
     return balance
 
 
