@@ -26,8 +26,10 @@ Approach
        requests are freed.
 
     With a host tier (``EngineConfig.tier_bytes``), `integrations.engine.tier` runs CaR's
-    scheduler window, prefetch rule and score events around steps 3 and 4: admission
-    takes the first window request whose reload is not still copying. ``engine.ttft``
+    scheduler window, prefetch rule and score events around steps 3 and 4: a request
+    whose prefix the host holds is admitted while its reload copies, and the forward waits
+    for each layer's copy just before that layer (``tier_overlap``; off: admission waits
+    for the whole reload). ``engine.ttft``
     holds each request's seconds from arrival to its first token.
 
     ::
@@ -64,7 +66,7 @@ from integrations.engine.images import IMAGE_ADAPTERS, RequestImages
 from integrations.engine.model_forward import ModelForward
 from integrations.engine.tier import EngineTier
 from integrations.kvcache import KVCache, KVCacheConfig
-from integrations.kvcache.tier import HostTierConfig
+from integrations.kvcache.tier import HostTierConfig, ReloadFailed
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class EngineConfig:
     tier_high_water: float = 0.9
     tier_window: int = 4
     tier_prefetch: bool = True
+    # admit a request while its reload copies; its forward waits per layer (else: the
+    # whole reload is waited for before the request is admitted)
+    tier_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_running", "budget_bytes", "chunk_bytes",
@@ -232,7 +237,9 @@ class MiniEngine:
         self._interval = getattr(self.forward, "checkpoint_interval", None)
         self.tier: EngineTier | None = None
         if self.kv.tier is not None and cfg.use_prefix_cache:
-            self.tier = EngineTier(self, self.kv.tier, cfg.tier_window, cfg.tier_prefetch)
+            self.tier = EngineTier(
+                self, self.kv.tier, cfg.tier_window, cfg.tier_prefetch, cfg.tier_overlap
+            )
         self.ttft: dict[Hashable, float] = {}  # seconds from arrival to the first token
         self._arrived: dict[Hashable, float] = {}
         self.pending: list[EngineRequest] = []
@@ -382,7 +389,10 @@ class MiniEngine:
             self._arrived.setdefault(r.request_id, now)
 
     def _preempt_newest(self) -> EngineRequest:
-        victim = self.running.pop()
+        return self._requeue(self.running.pop())
+
+    def _requeue(self, victim: EngineRequest) -> EngineRequest:
+        """Free a request taken out of ``running``; it is recomputed from the queue front."""
         if victim.beam is not None:  # its logits are recomputed with its KV
             victim.beam.logits.pop(victim.request_id, None)
         self._ahead.pop(victim.request_id, None)
@@ -506,18 +516,15 @@ class MiniEngine:
         self.step_index += 1
         self.stats["steps"] += 1
         if not segments:
+            if self.tier is not None:
+                self._settle_reloads([])
             return 0
         self.stats["running.max"] = max(self.stats["running.max"], len(self.running))
         by_id = {r.request_id: r for r in self.running}
-        tokens = [t for s in segments for t in by_id[s.request_id].sequence[s.start : s.stop]]
         slots = self.forward.prepare(segments)
         if self.config.overlap:
             self._allocate_ahead(segments, by_id)
-        images = {r.request_id: r.images for r in self.running if r.images is not None}
-        if images:
-            logits = self.forward(segments, tokens, slots, images)
-        else:
-            logits = self.forward(segments, tokens, slots)
+        segments, tokens, logits = self._forward(segments, by_id, slots)
         self.stats["tokens.computed"] += len(tokens)
         for seg, row in zip(segments, logits, strict=True):
             self._after_forward(by_id[seg.request_id], seg, row)
@@ -529,6 +536,57 @@ class MiniEngine:
         if self.tier is not None:
             self.tier.on_step(time.perf_counter() - started)
         return len(segments)
+
+    def _forward(self, segments: list[Segment], by_id: dict, slots: Any) -> tuple:
+        """The step's forward: (segments, tokens, logits). A reload copy that failed while
+        the forward waited for its layer requeues every request holding its blocks, and
+        the forward runs again without them (their K/V writes are rewritten alike)."""
+        while segments:
+            tokens = [t for s in segments for t in by_id[s.request_id].sequence[s.start : s.stop]]
+            images = {r.request_id: r.images for r in self.running if r.images is not None}
+            try:
+                logits = self.forward(segments, tokens, slots, *([images] if images else []))
+            except ReloadFailed as failed:
+                assert self.tier is not None
+                segments, slots = self._without_holders(
+                    segments, slots, self.tier.fail(failed.reload)
+                )
+                continue
+            if self.tier is None:
+                return segments, tokens, logits
+            kept = self._settle_reloads(segments)
+            rows = [row for seg, row in zip(segments, logits, strict=True) if seg in kept]
+            tokens = [t for s in kept for t in by_id[s.request_id].sequence[s.start : s.stop]]
+            return kept, tokens, rows
+        return [], [], []
+
+    def _settle_reloads(self, segments: list[Segment]) -> list[Segment]:
+        """Finish the open reloads after the forward; the segments of requests holding a
+        failed one's blocks are dropped (the requests requeued)."""
+        assert self.tier is not None
+        for dropped in self.tier.settle():
+            segments, _ = self._without_holders(segments, {}, dropped)
+        return segments
+
+    def _without_holders(
+        self, segments: list[Segment], slots: Any, dropped: list[list[int]]
+    ) -> tuple[list[Segment], Any]:
+        """Requeue the running requests that hold a block of ``dropped`` (per group);
+        returns the other segments and their prepared slots."""
+        bad = [set(blocks) for blocks in dropped]
+        holders = {
+            r.request_id
+            for r in self.running
+            if any(bad[g] & set(self.kv.block_table(r.request_id, g)) for g in range(len(bad)))
+        }
+        for req in [r for r in self.running if r.request_id in holders]:
+            self.running.remove(req)
+            self._requeue(req)
+        kept = [(i, s) for i, s in enumerate(segments) if s.request_id not in holders]
+        if isinstance(self.forward, PackedForward):  # its slots are keyed by segment index
+            new = {old: i for i, (old, _) in enumerate(kept)}
+            slots = {(new[k[0]], *k[1:]): v for k, v in slots.items() if k[0] in new}
+        return [s for _, s in kept], slots
 
     def _allocate_ahead(self, segments: list[Segment], by_id: dict) -> None:
         """Allocate next step's decode token of every request that samples now and goes on;

@@ -172,7 +172,10 @@ class PackedForward:
         hidden = inner.embed_tokens(ids)[None]  # [1, T, hidden]
         cos, sin = inner.rotary_emb(hidden, positions[None])
         slots = self.prepare(segments) if slots is None else slots
+        tier = self.kv.tier
         for index, layer in enumerate(self.layers):
+            if tier is not None:
+                tier.wait_layer(index)  # open reloads' copies of this layer (host tier)
             residual = hidden
             normed = layer.input_layernorm(hidden)
             hidden = residual + self._attention(index, layer, normed, cos, sin, segments, slots)

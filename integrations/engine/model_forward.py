@@ -192,6 +192,8 @@ class ModelForward:
             if isinstance(layer, StatePart) and seg.start > 0:
                 layer.resume(self._state_layouts[i])
             layers.append(layer)
+        if self.kv.tier is not None:
+            return _ReloadGatedCache(self.kv.tier.wait_layer, layers=layers)
         return Cache(layers=layers)
 
     def _cross_layer(self, store: RequestStore, layer: int, seg: Segment) -> VmmCrossLayer:
@@ -248,3 +250,20 @@ class ModelForward:
             given = cache_kwargs(cache, self.model.forward)
             logits = self.model(**step, **given, use_cache=True).logits
         return logits[0, -1]
+
+
+class _ReloadGatedCache(Cache):
+    """A `Cache` whose layer ``i`` waits for the host tier's open reload copies of layer
+    ``i`` (`HostTier.wait_layer`) before it writes or reads K/V: a reload's later layers
+    copy while the earlier ones compute."""
+
+    def __init__(self, wait_layer: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._wait_layer = wait_layer
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+        *args: Any, **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self._wait_layer(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)

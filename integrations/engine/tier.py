@@ -19,16 +19,24 @@ Approach
       measured time per step) ends within the transfer time (reload bytes / measured
       bandwidth), or when nothing runs.
 
-    Admission picks the first window request whose reload is not still copying (the
-    others wait in the queue, not recomputed); a picked request's finished reload is
-    committed to the prefix cache just before its `add_request`, which hits the reloaded
-    blocks on the GPU. Admission scores +1 (sent), completion -2.
+    Admission (``overlap``, the default) takes the window's first request; its reload
+    (started now if the window had not started it) is opened just before its
+    `add_request` (`HostTier.open_reload`: the staging blocks are committed to the prefix
+    cache while their copies run), so the request is admitted on them and its step starts
+    at once: the forward waits for layer i's copies just before it reads layer i
+    (`HostTier.wait_layer`), so layer i's copy overlaps the compute of layers < i. After
+    the step, `settle` finishes the open reloads (hits counted, host entries touched and
+    unpinned, staging requests freed). A copy that failed is raised where the forward
+    waits for it (`ReloadFailed`) or found by `settle`: the engine drops the reloaded
+    blocks from the prefix cache and requeues every request that holds one (recomputed,
+    never served half-loaded data). Without ``overlap``, admission takes the first window
+    request whose reload is not still copying and waits for the whole reload before its
+    `add_request`. Admission scores +1 (sent), completion -2.
 
 Limitations
     Remaining service time uses each request's ``max_new_tokens`` (CaR predicts the
-    output length with a model). The request waits for its whole reload; the copy is one
-    job per layer, so a forward could wait per layer (`Reload.wait_layer`), which the
-    engine's per-request model forward does not do.
+    output length with a model). Every forward of a step waits at layer i for the open
+    reloads' layer-i copies, also the forwards of requests that do not read them.
 """
 
 from __future__ import annotations
@@ -47,14 +55,19 @@ _BANDWIDTH_GUESS = 4e9  # bytes/s before the first reload is measured
 class EngineTier:
     """Window, prefetch and score events for one `MiniEngine` whose KV cache has a tier."""
 
-    def __init__(self, engine: Any, tier: HostTier, window: int, prefetch: bool) -> None:
+    def __init__(
+        self, engine: Any, tier: HostTier, window: int, prefetch: bool, overlap: bool = True
+    ) -> None:
         self.engine, self.tier, self.window, self.prefetch = engine, tier, window, prefetch
+        self.overlap = overlap
         self.keys: dict[Hashable, list[Key]] = {}  # a window request's prompt blocks
         self.reloads: dict[Hashable, Reload] = {}
+        self.opened: dict[Hashable, tuple[Reload, int]] = {}  # admitted on an open reload
         self.step_seconds = 0.0  # moving average of one step
         self.bandwidth = _BANDWIDTH_GUESS
         self.stats = {"tier.hits": 0, "tier.hit_tokens": 0, "tier.prefetch.started": 0,
-                      "tier.prefetch.deferred": 0, "tier.reload.wait_us": 0}  # fmt: skip
+                      "tier.prefetch.deferred": 0, "tier.reload.wait_us": 0,
+                      "tier.overlap.copy_us": 0, "tier.overlap.stall_us": 0}  # fmt: skip
 
     def _in_window(self) -> list[Any]:
         return list(self.engine.waiting)[: self.window]
@@ -94,6 +107,8 @@ class EngineTier:
         """The first window request not waiting for a copy (the head when all are, and
         nothing runs: then its reload is waited for)."""
         window = self._in_window()
+        if self.overlap:
+            return window[0] if window else None
         for req in window:
             job = self.reloads.get(req.request_id)
             if job is None or job.done():
@@ -102,7 +117,14 @@ class EngineTier:
 
     def before_admit(self, req: Any) -> None:
         job = self.reloads.get(req.request_id)
+        if job is None and self.overlap:  # what the host holds is reloaded, not recomputed
+            job = self.tier.start_reload(req.sequence)
+            if job is not None:
+                self.reloads[req.request_id] = job
         if job is None:
+            return
+        if self.overlap:
+            self.tier.open_reload(job)
             return
         start = time.perf_counter()
         ok = self.tier.finish_reload(job)
@@ -121,10 +143,39 @@ class EngineTier:
             self.tier.release(job)
         if not admitted:
             return
-        if job is not None and hit > job.gpu_hit:
+        if job is not None and job in self.tier.open_reloads():
+            self.opened[req.request_id] = (job, hit)  # hits counted once its copies landed
+        elif job is not None and hit > job.gpu_hit:
             self.stats["tier.hits"] += 1
             self.stats["tier.hit_tokens"] += min(hit, job.tokens) - job.gpu_hit
         self.tier.table.on_sent(self.keys.get(req.request_id, ()))
+
+    def settle(self) -> list[list[list[int]]]:
+        """After a step's forward: finish the open reloads (`HostTier.settle`); returns the
+        dropped blocks (per group) of each one that failed."""
+        failed = self.tier.settle()
+        for rid, (job, hit) in list(self.opened.items()):
+            if job in failed:
+                del self.opened[rid]
+            elif job not in self.tier.open_reloads():
+                del self.opened[rid]
+                self._count_open(job, hit)
+        return [job.dropped for job in failed]
+
+    def _count_open(self, job: Reload, hit: int) -> None:
+        if hit > job.gpu_hit:
+            self.stats["tier.hits"] += 1
+            self.stats["tier.hit_tokens"] += min(hit, job.tokens) - job.gpu_hit
+        self.stats["tier.overlap.copy_us"] += int(1e6 * sum(job.copy_s))
+        self.stats["tier.overlap.stall_us"] += int(1e6 * job.stall_s)
+
+    def fail(self, job: Reload) -> list[list[int]]:
+        """``job``'s copy failed during the forward: its blocks leave the prefix cache."""
+        self.tier.fail_open(job)
+        for rid, (opened, _) in list(self.opened.items()):
+            if opened is job:
+                del self.opened[rid]
+        return job.dropped
 
     def on_finished(self, req: Any) -> None:
         self.tier.table.on_complete(self.keys.pop(req.request_id, ()))
@@ -140,8 +191,9 @@ class EngineTier:
         for job in self.reloads.values():
             if self.tier.finish_reload(job):
                 self.tier.release(job)
-        had = bool(self.reloads)
+        had = bool(self.reloads) or bool(self.tier.open_reloads())
         self.reloads.clear()
+        self.settle()  # open ones: nothing runs, so no request holds their blocks
         return had
 
     def close(self) -> None:

@@ -330,6 +330,14 @@ class KVCache:
         return sum(groups[op.group].units_per_large_page for op in plan.ops)
 
     @_one_thread
+    def uncache_blocks(self, group: int | str, blocks: Sequence[int]) -> None:
+        """Drop ``blocks`` of ``group`` from the prefix cache (their data is bad; see
+        `JengaAllocator.uncache_blocks`): cached ones turn free, held ones lose their
+        identity."""
+        self._check_usable()
+        self._apply(self.allocator.uncache_blocks(group, blocks))
+
+    @_one_thread
     def append_tokens(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         self._check_usable()
         self.allocator.append_tokens(request_id, as_indices(token_ids, "token_ids"))

@@ -30,6 +30,15 @@ Approach
       finished, commits them to the prefix cache, where the real request hits them. A
       failed copy frees the staging request (its blocks uncommitted): the request then
       recomputes from its GPU hit, never reads a half-loaded block.
+    - Overlapped reload (`open_reload` / `wait_layer` / `settle`): the staging blocks are
+      committed before their copies land, so the request is admitted on them and its step
+      runs while they copy; every forward calls `wait_layer(i)` before it reads layer i
+      (host: the copy thread's job of that range is waited for; CUDA: the compute stream
+      waits for that job's event on the copy stream), so layer i's copy overlaps the
+      compute of the layers before it. `settle` (after the step) waits for the rest and
+      frees the staging request. A copy that failed raises `ReloadFailed` there, and
+      `fail_open` takes the reload's blocks out of the prefix cache (held ones lose their
+      identity): a request holding one must be recomputed.
 
 Limitations
     Text groups (full attention, sliding window, chunked local) that share one block size;
@@ -58,7 +67,8 @@ _TEXT_KINDS = (Kind.FULL, Kind.SLIDING_WINDOW, Kind.CHUNKED_LOCAL)
 _COUNTERS = ("tier.offload.evicted", "tier.offload.background", "tier.offload.bytes",
              "tier.offload.dropped", "tier.offload.taken_over", "tier.reload.requests",
              "tier.reload.blocks", "tier.reload.tokens", "tier.reload.bytes",
-             "tier.reload.failed", "tier.reload.waits")  # fmt: skip
+             "tier.reload.failed", "tier.reload.waits", "tier.reload.opened",
+             "tier.reload.layer_waits", "tier.reload.stall_us")  # fmt: skip
 
 
 def host_memory_bytes() -> int:
@@ -111,6 +121,25 @@ class _Copy:
     def cancel(self) -> bool:
         return self.future is not None and self.future.cancel()
 
+    def wait_compute(self, device: Any) -> None:
+        """Make the compute side wait: this thread (host), or the device's current stream,
+        which waits for the copy's event on the GPU without blocking this thread (CUDA)."""
+        if self.future is not None:
+            self.future.result()
+        else:
+            torch.cuda.current_stream(device).wait_event(self.event)
+
+
+class ReloadFailed(RuntimeError):
+    """A copy of a reload whose blocks were opened to the prefix cache failed (raised where a
+    forward waits for the layer): `HostTier.fail_open` drops its blocks."""
+
+    def __init__(self, reload: Reload, cause: BaseException) -> None:
+        super().__init__(
+            f"reload of {reload.tokens - reload.gpu_hit} tokens from the host failed: {cause!r}"
+        )
+        self.reload = reload
+
 
 @dataclass
 class Reload:
@@ -120,18 +149,28 @@ class Reload:
     tokens: int
     gpu_hit: int
     keys: list[Key]
-    copies: list[tuple[int, _Copy]]  # (layer, copy), in layer order
+    copies: list[tuple[int, _Copy]]  # (first layer of the range, copy), in layer order
     nbytes: int
+    layers: list[frozenset[int]] = field(default_factory=list)  # per copy: layers it holds
+    copy_s: list[float] = field(default_factory=list)  # host: each copy job's seconds
     started: float = field(default_factory=time.perf_counter)
+    stall_s: float = 0.0  # seconds a forward waited for this reload's layers (opened)
+    landed_before_open: int = 0  # copies already done when the blocks were opened
+    dropped: list[list[int]] = field(default_factory=list)  # failed open: blocks per group
 
     def done(self) -> bool:
         return all(c.done() for _, c in self.copies)
 
+    def _of_layer(self, layer: int) -> list[_Copy]:
+        if not self.layers:
+            return [c for at, c in self.copies if at == layer]
+        return [c for held, (_, c) in zip(self.layers, self.copies, strict=True) if layer in held]
+
     def wait_layer(self, layer: int) -> None:
-        """Wait for the copies of ``layer`` only (layer i's copy overlaps i-1's compute)."""
-        for at, copy in self.copies:
-            if at == layer:
-                copy.wait()
+        """Wait for the copies that hold ``layer`` only (layer i's copy overlaps the
+        compute of the layers before it)."""
+        for copy in self._of_layer(layer):
+            copy.wait()
 
 
 class HostTier:
@@ -154,6 +193,11 @@ class HostTier:
             [(geo.layer_ids[i * geo.layers_per_block // geo.tensors_per_layer], rng)
              for i, rng in enumerate(kv.ranges[geo.index])]
             for geo in kv.geometries
+        ]  # fmt: skip
+        self._unit_layers = [  # per group, per range: the layers whose K/V it holds
+            [frozenset(layer for layer in geo.layer_ids for t in range(geo.tensors_per_layer)
+                       if geo.range_index(layer, t) == i) for i in range(len(units))]
+            for geo, units in zip(kv.geometries, self._units, strict=True)
         ]  # fmt: skip
         self.slot_bytes = max(
             len(u) * geo.small_page_bytes for u, geo in zip(self._units, kv.geometries, strict=True)
@@ -178,6 +222,7 @@ class HostTier:
         self._gpu: list[dict[int, bytes]] = [{} for _ in groups]  # block -> identity
         self._recorded: dict[Hashable, list[int]] = {}  # committed blocks seen per group
         self._inflight: dict[Key, _Copy] = {}
+        self._open: list[Reload] = []  # reloads committed before their copies landed
         self._seen_evictions = kv.allocator.evicted_blocks()
         self._next_staging = 0
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -377,7 +422,6 @@ class HostTier:
             kv.free(staging)
             self.table.unpin(picked)
             return None
-        copies: list[tuple[int, _Copy]] = []
         jobs = []
         nbytes = 0
         for g, units in enumerate(self._units):
@@ -390,10 +434,18 @@ class HostTier:
             for i, (layer, _) in enumerate(units):
                 jobs.append((layer, g, i, pairs))
                 nbytes += len(pairs) * kv.geometries[g].small_page_bytes
+        job = Reload(staging, tokens, gpu_hit, picked, [], nbytes)
         for layer, g, i, pairs in sorted(jobs, key=lambda job: job[0]):
-            copies.append((layer, self._submit(functools.partial(self._load_unit, g, i, pairs))))
+            copy = self._submit(functools.partial(self._timed_load, job.copy_s, g, i, pairs))
+            job.copies.append((layer, copy))
+            job.layers.append(self._unit_layers[g][i])
         self.counters["tier.reload.requests"] += 1
-        return Reload(staging, tokens, gpu_hit, picked, copies, nbytes)
+        return job
+
+    def _timed_load(self, seconds: list[float], g: int, i: int, pairs: Sequence) -> None:
+        start = time.perf_counter()
+        self._load_unit(g, i, pairs)
+        seconds.append(time.perf_counter() - start)
 
     def finish_reload(self, reload: Reload) -> bool:
         """Wait for ``reload``'s copies; commit its blocks to the prefix cache (True), or,
@@ -411,17 +463,109 @@ class HostTier:
             self.counters["tier.reload.failed"] += 1
             return False
         self.kv.cache(reload.staging, reload.tokens)
+        self._landed(reload)
+        return True
+
+    def _landed(self, reload: Reload) -> None:
         for key in reload.keys:
             self.table.touch(key)
         self.table.unpin(reload.keys)
         self.counters["tier.reload.blocks"] += len(reload.keys)
         self.counters["tier.reload.tokens"] += reload.tokens - reload.gpu_hit
         self.counters["tier.reload.bytes"] += reload.nbytes
-        return True
+
+    # ---- reload overlapped with the request's own step ------------------------------------
+    def open_reload(self, reload: Reload) -> None:
+        """Commit ``reload``'s blocks to the prefix cache now, before its copies land, so its
+        request is admitted on them and its step starts at once: every forward calls
+        `wait_layer` before it reads a layer, so layer i's copy overlaps the compute of
+        the layers before it. `settle` (after the step) finishes it."""
+        reload.landed_before_open = sum(c.done() for _, c in reload.copies)
+        self.kv.cache(reload.staging, reload.tokens)
+        self._open.append(reload)
+        self.counters["tier.reload.opened"] += 1
+
+    def wait_layer(self, layer: int) -> None:
+        """Before a forward reads ``layer``: wait for that layer's copies of every open
+        reload (CUDA: the compute stream waits for their events); `ReloadFailed` when one
+        failed (nothing of it may be read: `fail_open`)."""
+        for job in self._open:
+            copies = job._of_layer(layer)
+            if all(c.done() for c in copies):
+                if self._stream is None:
+                    self._raise_failed(job, copies)
+                continue
+            start = time.perf_counter()
+            self.counters["tier.reload.layer_waits"] += 1
+            try:
+                for copy in copies:
+                    copy.wait_compute(self.device)
+            except Exception as e:
+                raise ReloadFailed(job, e) from e
+            finally:
+                job.stall_s += time.perf_counter() - start
+                self.counters["tier.reload.stall_us"] += int(1e6 * (time.perf_counter() - start))
+
+    @staticmethod
+    def _raise_failed(job: Reload, copies: list[_Copy]) -> None:
+        for copy in copies:
+            assert copy.future is not None
+            error = copy.future.exception()
+            if error is not None:
+                raise ReloadFailed(job, error)
+
+    def open_reloads(self) -> list[Reload]:
+        return list(self._open)
+
+    def settle(self) -> list[Reload]:
+        """After a step: wait for every open reload's copies; those that landed are final
+        (their host entries touched and unpinned). Returns the failed ones, dropped with
+        `fail_open`."""
+        failed = []
+        for job in list(self._open):
+            try:
+                for _, copy in job.copies:
+                    copy.wait()
+            except Exception:
+                failed.append(job)
+                self.fail_open(job)
+                continue
+            self._open.remove(job)
+            self._landed(job)
+            self.kv.free(job.staging)
+        return failed
+
+    def fail_open(self, reload: Reload) -> list[list[int]]:
+        """Drop an open reload whose copy failed: wait for its other copies, take its
+        reloaded blocks out of the prefix cache (`uncache_blocks`: cached ones turn free,
+        held ones lose their identity) and unpin its host entries. Returns the dropped
+        blocks per group: a request holding one must recompute."""
+        for _, copy in reload.copies:  # the rest must finish before the blocks go
+            with contextlib.suppress(Exception):
+                copy.wait()
+        if reload in self._open:
+            self._open.remove(reload)
+        t = self.tokens_per_block
+        span = slice(reload.gpu_hit // t, reload.tokens // t)
+        dropped = [
+            [b for b in self.kv.block_table(reload.staging, g)[span] if b >= 0]
+            for g in range(len(self._gpu))
+        ]
+        for g, blocks in enumerate(dropped):
+            for block in blocks:
+                self._gpu[g].pop(block, None)
+            self.kv.uncache_blocks(g, blocks)
+        self.table.unpin(reload.keys)
+        self.kv.free(reload.staging)
+        self.counters["tier.reload.failed"] += 1
+        reload.dropped = dropped
+        return dropped
 
     def release(self, reload: Reload) -> None:
-        """Free a finished reload's staging request (its blocks stay cached)."""
-        self.kv.free(reload.staging)
+        """Free a finished reload's staging request (its blocks stay cached); an open
+        reload's is freed by `settle` or `fail_open`."""
+        if reload not in self._open:
+            self.kv.free(reload.staging)
 
     # ---- queries -----------------------------------------------------------------------
     def tier_of(self, key: Key) -> Tier | None:
@@ -444,6 +588,8 @@ class HostTier:
             assert entry is not None and entry.state is EntryState.OFFLOADING, key
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.settle()
         for key, copy in list(self._inflight.items()):
             with contextlib.suppress(Exception):
                 copy.wait()

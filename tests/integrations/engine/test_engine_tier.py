@@ -3,6 +3,8 @@ tokens of an unbounded pool, and the second turns hit blocks reloaded from the h
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -152,4 +154,100 @@ def test_tier_with_preemption_and_overlap_keeps_tokens(setup, overlap):
     assert out == unbounded
     assert stats["preemptions"] > 0
     assert stats["tier.hits"] > 0 and stats["tier.reload.failed"] == 0
+    engine.close()
+
+
+def overlap_engine(model, **config) -> MiniEngine:
+    """The small pool with a tier, reloads started at admission (no prefetch) and no
+    background offload (the copy thread only runs reloads)."""
+    return MiniEngine(model, EngineConfig(
+        block_size=4, chunk_bytes=CHUNK, token_budget=32, max_running=2,
+        budget_bytes=SMALL_POOL, tier_bytes=1 << 20, tier_prefetch=False,
+        tier_high_water=1.0, **config,
+    ))  # fmt: skip
+
+
+def test_a_request_s_step_starts_before_its_reload_s_last_layer_landed(setup, monkeypatch):
+    """The last layer's copy is held until a forward waits for layer 0 of an open reload:
+    an engine that waited for the whole reload before the step would never release it
+    (the copy then fails after 20 s and the request recomputes)."""
+    model, requests, unbounded, big = setup
+    engine = overlap_engine(model)
+    tier = engine.kv.tier
+    assert tier is not None
+    last = len(tier._units[0]) - 1
+    reached = threading.Event()
+    order: list[tuple[str, int]] = []
+    real_load, real_wait = tier._load_unit, tier.wait_layer
+
+    def load(g: int, i: int, pairs: list) -> None:
+        if i == last and not reached.wait(timeout=20):
+            raise TimeoutError("no forward reached layer 0 before the last layer's copy")
+        real_load(g, i, pairs)
+        order.append(("landed", i))
+
+    def wait(layer: int) -> None:
+        if tier.open_reloads():
+            order.append(("forward", layer))
+            if layer == 0:
+                reached.set()
+        real_wait(layer)
+
+    monkeypatch.setattr(tier, "_load_unit", load)
+    monkeypatch.setattr(tier, "wait_layer", wait)
+    for rid, prompt, n, arrival in requests:
+        engine.add_request(rid, prompt, n, arrival_step=arrival)
+    assert engine.run() == unbounded
+    stats = {**engine.kv.stats(), **engine.stats, **engine.tier.stats}
+    assert stats["tier.reload.failed"] == 0 and stats["tier.reload.opened"] == 3
+    assert stats["tier.hits"] == 3 and stats["tokens.computed"] == big["tokens.computed"]
+    assert order.index(("forward", 0)) < order.index(("landed", last))
+    assert ("forward", last) in order  # the forward waited for the held copy at its layer
+    engine.kv.check_invariants(expensive=True)
+    engine.close()
+
+
+def test_without_overlap_the_whole_reload_lands_before_the_step(setup, monkeypatch):
+    model, requests, unbounded, big = setup
+    engine = overlap_engine(model, tier_overlap=False)
+    tier = engine.kv.tier
+    assert tier is not None
+    for rid, prompt, n, arrival in requests:
+        engine.add_request(rid, prompt, n, arrival_step=arrival)
+    assert engine.run() == unbounded
+    stats = {**engine.kv.stats(), **engine.stats, **engine.tier.stats}
+    assert stats["tier.reload.opened"] == 0 and stats["tier.hits"] == 3
+    assert stats["tokens.computed"] == big["tokens.computed"]
+    engine.close()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash"])
+def test_a_copy_failing_under_the_step_requeues_its_request(setup, monkeypatch, attention):
+    """Layer 1's copy of the first reload fails while the request's forward waits for it:
+    its blocks leave the prefix cache (nothing half-loaded is read), the request is
+    requeued; tokens are unchanged."""
+    model, requests, unbounded, big = setup
+    engine = overlap_engine(model, attention=attention)
+    tier = engine.kv.tier
+    assert tier is not None
+    real = tier._load_unit
+    failed: list[int] = []
+
+    def load(g: int, i: int, pairs: list) -> None:
+        if i == 1 and not failed:
+            failed.append(i)
+            raise OSError("injected copy failure")
+        real(g, i, pairs)
+
+    monkeypatch.setattr(tier, "_load_unit", load)
+    for rid, prompt, n, arrival in requests:
+        engine.add_request(rid, prompt, n, arrival_step=arrival)
+    assert engine.run() == unbounded
+    stats = {**engine.kv.stats(), **engine.stats, **engine.tier.stats}
+    assert failed and stats["tier.reload.failed"] == 1
+    assert stats["preemptions"] == 1  # the request on the failed reload, requeued
+    # its host copy is intact: requeued, it is reloaded again (all three second turns hit)
+    assert stats["tier.hits"] == 3 and stats["tier.reload.opened"] == 4
+    assert stats["tokens.computed"] == big["tokens.computed"]
+    engine.kv.check_invariants(expensive=True)
     engine.close()

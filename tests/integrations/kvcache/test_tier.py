@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 from integrations.kvcache.access import read_kv, token_slots, write_kv
-from integrations.kvcache.tier import HostTierConfig, host_memory_bytes
+from integrations.kvcache.tier import HostTierConfig, ReloadFailed, host_memory_bytes
 from jenga.errors import InvalidSize
 from jenga.specs import KVGroup, ModelSpec
 from jenga.tier import Tier
@@ -338,3 +338,77 @@ def test_random_traffic_never_serves_stale_kv(make_cache: MakeCache, policy: str
     stats = kv.stats()
     assert reloaded > 0 and stats["tier.host.evicted"] > 0
     assert stats["tier.reload.failed"] == 0
+
+
+def pushed_off(make_cache: MakeCache) -> tuple[KVCache, list[int]]:
+    """A tiered cache whose first request's 8 blocks were pushed off the GPU to the host."""
+    kv = tiered(make_cache)
+    a = prompt(1, 33)
+    run(kv, "a", a)
+    run(kv, "b", prompt(2, 60))
+    return kv, a
+
+
+def test_an_open_reload_serves_layer_0_while_layer_1_still_copies(
+    make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
+):
+    kv, a = pushed_off(make_cache)
+    assert kv.tier is not None
+    hold = threading.Event()
+    real = kv.tier._load_unit
+
+    def load(g: int, i: int, pairs: list) -> None:
+        if i == 1:
+            assert hold.wait(timeout=20)
+        real(g, i, pairs)
+
+    monkeypatch.setattr(kv.tier, "_load_unit", load)
+    job = kv.tier.start_reload(a)
+    assert job is not None
+    kv.tier.open_reload(job)
+    assert kv.add_request("again", a) == 32  # admitted on blocks whose copies still run
+    kv.tier.wait_layer(0)
+    keys, values = read_kv(kv, 0, token_slots(kv, "again", 0, 0, 32))
+    assert torch.equal(keys, expected(a, 0)[:32]) and torch.equal(values, keys + 0.5)
+    assert not job.done()  # layer 1's copy has not landed: layer 0 was served before it
+    hold.set()
+    kv.tier.wait_layer(1)
+    check_served(kv, "again", a, 32)
+    assert kv.tier.settle() == [] and kv.tier.open_reloads() == []
+    stats = kv.stats()
+    assert stats["tier.reload.opened"] == 1 and stats["tier.reload.tokens"] == 32
+    assert all(kv.tier.table.get(k).pins == 0 for k in keys_of(kv, a))  # type: ignore[union-attr]
+    kv.free("again")
+    kv.check_invariants(expensive=True)
+
+
+def test_a_failed_open_reload_is_raised_at_its_layer_and_its_blocks_leave_the_cache(
+    make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
+):
+    kv, a = pushed_off(make_cache)
+    assert kv.tier is not None
+    real = kv.tier._load_unit
+
+    def load(g: int, i: int, pairs: list) -> None:
+        if i == 1:
+            raise OSError("injected copy failure")
+        real(g, i, pairs)
+
+    monkeypatch.setattr(kv.tier, "_load_unit", load)
+    job = kv.tier.start_reload(a)
+    assert job is not None
+    kv.tier.open_reload(job)
+    assert kv.add_request("again", a) == 32
+    kv.tier.wait_layer(0)  # layer 0 landed
+    with pytest.raises(ReloadFailed, match="reload of 32 tokens from the host failed"):
+        kv.tier.wait_layer(1)
+    dropped = kv.tier.fail_open(job)
+    assert sorted(dropped[0]) == sorted(kv.block_table("again", 0)[:8])
+    assert kv.tier.open_reloads() == [] and kv.stats()["tier.reload.failed"] == 1
+    kv.free("again")  # its blocks lost their identity: freed, not cached
+    assert kv.add_request("probe", a) == 0  # nothing half-loaded is hit
+    kv.free("probe")
+    monkeypatch.setattr(kv.tier, "_load_unit", real)
+    assert reload(kv, a) == 32  # the host copy is intact
+    check_served(kv, "again", a, 32)
+    kv.check_invariants(expensive=True)
