@@ -11,9 +11,12 @@ Parts:
     alone (bandwidth = bytes / time), run a compute job alone (matrix products sized to
     take about as long), and both at once (reload started, compute run, reload finished).
     Overlap achieved = (reload + compute - both) / min(reload, compute): 1 is a reload
-    hidden entirely, 0 none. Also the time until layer 0's copy is done (the first layer's
-    compute could start then), and a plain copy of as many bytes between two tensors
-    allocated up front (no block table, no freshly mapped pages) for reference.
+    hidden entirely, 0 none. ``layered``: the engine's pipeline, the reload opened
+    (`HostTier.open_reload`) and the compute split into one part per layer, part i run
+    after `HostTier.wait_layer(i)`; its overlap is computed the same way from its time.
+    Also the time until layer 0's copy is done (the first layer's compute could start
+    then), and a plain copy of as many bytes between two tensors allocated up front (no
+    block table, no freshly mapped pages) for reference.
 
 ``engine``
     A tiny random-weight Llama (transformers) in the mini engine, a multi-turn chat
@@ -21,9 +24,13 @@ Parts:
     history, previous answers included), a GPU pool of ``--pool-chunks`` chunks too small
     for every history, run with the tier off and on (LRU and score policies), the three
     settings alternating ``--repeats`` times (medians reported: the machine's load moves
-    wall times more than anything measured here): TTFT mean / p50 / p99, tokens computed,
-    host hits, same tokens. Torch runs ``--threads`` intra-op threads (default 1, so the
-    tier's copy thread has a core of its own on small machines).
+    wall times more than anything measured here), plus LRU with ``tier_overlap=False``
+    (admission waits for the whole reload): TTFT mean / p50 / p99, tokens computed, host
+    hits, same tokens, and the overlap the engine achieved on its reloads: 1 - (time its
+    forwards waited for copies) / (time the copies took), from the engine's
+    ``tier.overlap.stall_us`` and ``tier.overlap.copy_us``. Torch runs ``--threads``
+    intra-op threads (default 1, so the tier's copy thread has a core of its own on small
+    machines).
 
 Table on stdout; ``--json PATH`` writes the figures.
 """
@@ -104,7 +111,7 @@ def reload_part(args: argparse.Namespace) -> dict:
     kv.cache("a", len(prompt))
     kv.free("a")
     rows: dict[str, list[float]] = {"reload_s": [], "first_layer_s": [], "compute_s": [],
-                                    "both_s": [], "bytes": []}  # fmt: skip
+                                    "both_s": [], "bytes": [], "layered_s": []}  # fmt: skip
     job, n = None, 0
     for _ in range(args.iters):
         kv.evict_cached(kv.allocator.total_units)  # everything goes to the host
@@ -130,6 +137,8 @@ def reload_part(args: argparse.Namespace) -> dict:
         assert tier.finish_reload(r)
         rows["both_s"].append(time.perf_counter() - start)
         tier.release(r)
+        kv.evict_cached(kv.allocator.total_units)
+        rows["layered_s"].append(_layered(tier, prompt, job, n, args.layers))
     # reference: one contiguous copy of as many bytes between two tensors made up front
     src = torch.ones(rows["bytes"][0], dtype=torch.uint8, pin_memory=tier.device.type == "cuda")
     dst = torch.empty(rows["bytes"][0], dtype=torch.uint8, device=tier.device)
@@ -141,15 +150,31 @@ def reload_part(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize(tier.device)
         rows["plain_copy_s"].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    overlap = (med["reload_s"] + med["compute_s"] - med["both_s"]) / min(
-        med["reload_s"], med["compute_s"]
-    )
-    out = {**med, "gb_per_s": med["bytes"] / med["reload_s"] / 1e9, "overlap": overlap,
+
+    def overlap(joint: float) -> float:
+        return (med["reload_s"] + med["compute_s"] - joint) / min(med["reload_s"], med["compute_s"])
+
+    out = {**med, "gb_per_s": med["bytes"] / med["reload_s"] / 1e9,
+           "overlap": overlap(med["both_s"]), "layered_overlap": overlap(med["layered_s"]),
            "plain_gb_per_s": med["bytes"] / med["plain_copy_s"] / 1e9,
            "device": str(tier.device), "layers": args.layers}  # fmt: skip
     kv.close()
     kv.pool.close()
     return out
+
+
+def _layered(tier: Any, prompt: list[int], job: Any, n: int, layers: int) -> float:
+    """Seconds of an opened reload under a compute split in ``layers`` parts, part i after
+    `wait_layer(i)` (the engine's per-layer pipeline)."""
+    start = time.perf_counter()
+    r = tier.start_reload(prompt)
+    assert r is not None
+    tier.open_reload(r)
+    for layer in range(layers):
+        tier.wait_layer(layer)
+        job(max(1, n // layers))
+    assert tier.settle() == []
+    return time.perf_counter() - start
 
 
 # ---- engine TTFT -------------------------------------------------------------------------
@@ -160,7 +185,9 @@ def chat_requests(args: argparse.Namespace) -> list[list[int]]:
     return histories
 
 
-def engine_run(args: argparse.Namespace, model: Any, tier: str | None) -> dict:
+def engine_run(
+    args: argparse.Namespace, model: Any, tier: str | None, overlap: bool = True
+) -> dict:
     """Turn by turn: every conversation's turn t is queued together; each next turn's
     prompt is the history so far plus the answer plus 16 new user tokens."""
     from integrations.engine import EngineConfig, MiniEngine
@@ -169,7 +196,7 @@ def engine_run(args: argparse.Namespace, model: Any, tier: str | None) -> dict:
     cfg = EngineConfig(
         token_budget=256, max_running=2, budget_bytes=args.pool_chunks * chunk,
         chunk_bytes=chunk, block_size=16, tier_bytes=None if tier is None else args.tier_mib << 20,
-        tier_policy=tier or "lru",
+        tier_policy=tier or "lru", tier_overlap=overlap,
     )  # fmt: skip
     engine = MiniEngine(model, cfg)
     gen = torch.Generator().manual_seed(11)
@@ -191,8 +218,12 @@ def engine_run(args: argparse.Namespace, model: Any, tier: str | None) -> dict:
     later = [engine.ttft[f"c{c}t{t}"] for c in range(args.convs) for t in range(1, args.turns)]
     stats = {**engine.kv.stats(), **engine.stats, **(engine.tier.stats if engine.tier else {})}
     engine.close()
+    copy_us, stall_us = stats.get("tier.overlap.copy_us", 0), stats.get("tier.overlap.stall_us", 0)
     return {
-        "tier": tier or "off", "ttft_mean_ms": 1e3 * statistics.mean(ttft),
+        "tier": (tier or "off") + ("" if overlap or tier is None else " no-overlap"),
+        "reloads_opened": stats.get("tier.reload.opened", 0),
+        "engine_overlap": 1 - stall_us / copy_us if copy_us else float("nan"),
+        "ttft_mean_ms": 1e3 * statistics.mean(ttft),
         "ttft_p50_ms": 1e3 * statistics.median(ttft),
         "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
         "later_turns_ttft_mean_ms": 1e3 * statistics.mean(later),
@@ -214,11 +245,11 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     model = transformers.LlamaForCausalLM(config).eval()
     if args.backend == "cuda":
         model = model.to("cuda")
-    settings = (None, "lru", "score")
+    settings = ((None, True), ("lru", True), ("score", True), ("lru", False))
     trials: dict[str, list[dict]] = {}
     for _ in range(args.repeats):  # settings alternate, so load changes hit all alike
-        for t in settings:
-            r = engine_run(args, model, t)
+        for t, overlap in settings:
+            r = engine_run(args, model, t, overlap)
             trials.setdefault(r["tier"], []).append(r)
     first = trials["off"][0]["outputs"]
     runs = []
@@ -239,24 +270,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("reload", "all"):
         r = out["reload"] = reload_part(args)
         print("| device | layers | bytes | reload ms | first layer ms | GB/s | plain copy GB/s "
-              "| compute ms | both ms | overlap |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| compute ms | both ms | overlap | layered ms | layered overlap |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print(f"| {r['device']} | {r['layers']} | {r['bytes']:.0f} | {1e3 * r['reload_s']:.2f} "
               f"| {1e3 * r['first_layer_s']:.2f} | {r['gb_per_s']:.2f} | "
               f"{r['plain_gb_per_s']:.2f} | "
               f"{1e3 * r['compute_s']:.2f} | {1e3 * r['both_s']:.2f} | "
-              f"{r['overlap']:.2f} |")  # fmt: skip
+              f"{r['overlap']:.2f} | {1e3 * r['layered_s']:.2f} | "
+              f"{r['layered_overlap']:.2f} |")  # fmt: skip
     if args.part in ("engine", "all"):
         runs = out["engine"] = engine_part(args)
         print("\n| tier | TTFT mean ms | p50 | p99 | later turns mean | tokens computed | GPU "
-              "hit tokens | host hit tokens | host replaced | wall s | same tokens |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+              "hit tokens | host hit tokens | host replaced | wall s | reloads opened | "
+              "engine overlap | same tokens |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in runs:
             print(f"| {r['tier']} | {r['ttft_mean_ms']:.1f} | {r['ttft_p50_ms']:.1f} | "
                   f"{r['ttft_p99_ms']:.1f} | {r['later_turns_ttft_mean_ms']:.1f} | "
                   f"{r['tokens_computed']} | {r['gpu_hit_tokens']} | {r['host_hit_tokens']} | "
                   f"{r['host_replaced']} | "
-                  f"{r['wall_s']:.2f} | {r['same_tokens']} |")  # fmt: skip
+                  f"{r['wall_s']:.2f} | {r['reloads_opened']} | {r['engine_overlap']:.2f} | "
+                  f"{r['same_tokens']} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
