@@ -17,12 +17,21 @@ Approach
     is (`Tier`) combines the host state with the GPU index: ``GPU``, ``HOST``, ``BOTH``,
     ``IN_FLIGHT``.
 
-    Replacement (`TierRules.policy`), among entries that are resident and not pinned:
+    Replacement (`TierRules.policy`), among entries that are resident and not pinned,
+    is `ReplacementOrder`'s (the simulator's host tier, `jenga.sim.tiers`, uses it too,
+    with entries of any size): entries sit in buckets by priority, each bucket in
+    least-recently-used order, and the victim is the first movable entry of the smallest
+    bucket::
 
-    - ``LRU``: the least recently offloaded or read entry;
+        buckets: {0: {k7, k2, k9}, 1: {k4}, 3: {k1, k5}}     victim: first movable of
+                    ^ oldest                                   the smallest bucket
+
+    - ``LRU``: every entry in bucket 0: the least recently offloaded or read entry;
     - ``SCORE`` (CaR): every identity has a score; +1 when a request whose prompt holds it
       enters the scheduler's window, +1 when that request is sent to the GPU, -2 when it
-      completes; the smallest score leaves (ties: least recently used).
+      completes; an entry's bucket is its score, so the smallest score leaves; ties: the
+      least recently used, where a score event moving an entry to another bucket counts as
+      a use (it is the newest of its new bucket).
 
     CaR's prefetch timing rule (`should_prefetch`): start fetching a waiting request's KV
     once the soonest-finishing running request will finish within the transfer time,
@@ -37,8 +46,7 @@ Limitations
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from jenga.errors import InvalidSize
@@ -104,6 +112,65 @@ def should_prefetch(remaining_service_s: Sequence[float], transfer_s: float) -> 
     return not remaining_service_s or min(remaining_service_s) <= transfer_s
 
 
+class ReplacementOrder:
+    """The order in which a tier's entries leave under a `TierPolicy` (module note):
+    buckets by priority (LRU: 0; SCORE: ``score_of(key)``), each least recently used
+    first. The caller says when a key is used (`touch`) and when its score changed
+    (`rescore`), and which keys can leave (`order`'s ``movable``)."""
+
+    def __init__(self, policy: TierPolicy, score_of: Callable[[Hashable], int]) -> None:
+        self.policy, self.score_of = TierPolicy(policy), score_of
+        self.buckets: dict[int, dict[Hashable, None]] = {}
+        self.bucket_of: dict[Hashable, int] = {}
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.bucket_of
+
+    def __len__(self) -> int:
+        return len(self.bucket_of)
+
+    def priority(self, key: Hashable) -> int:
+        return 0 if self.policy is TierPolicy.LRU else self.score_of(key)
+
+    def add(self, key: Hashable) -> None:
+        """A new entry: the most recently used of its priority's bucket."""
+        bucket = self.bucket_of[key] = self.priority(key)
+        self.buckets.setdefault(bucket, {})[key] = None
+
+    def remove(self, key: Hashable) -> None:
+        b = self.bucket_of.pop(key)
+        del self.buckets[b][key]
+        if not self.buckets[b]:
+            del self.buckets[b]
+
+    def touch(self, key: Hashable) -> None:
+        """A use: ``key`` becomes the most recently used of its bucket."""
+        bucket = self.buckets[self.bucket_of[key]]
+        del bucket[key]
+        bucket[key] = None
+
+    def rescore(self, key: Hashable) -> None:
+        """Move ``key`` to the bucket of its current priority (no-op when absent or equal)."""
+        if key in self.bucket_of and self.priority(key) != self.bucket_of[key]:
+            self.remove(key)
+            self.add(key)
+
+    def order(self, movable: Callable[[Hashable], bool] = lambda key: True) -> Iterator[Hashable]:
+        """Movable keys, first victim first: smallest bucket, then least recently used."""
+        for b in sorted(self.buckets):
+            for key in self.buckets[b]:
+                if movable(key):
+                    yield key
+
+    def check_invariants(self) -> None:
+        listed = {k: b for b, keys in self.buckets.items() for k in keys}
+        if listed != self.bucket_of or any(not keys for keys in self.buckets.values()):
+            raise AssertionError("replacement buckets do not list exactly its entries")
+        for key, bucket in self.bucket_of.items():
+            if bucket != self.priority(key):
+                raise AssertionError(f"entry {key!r}: bucket {bucket} is not its score's")
+
+
 class HostTable:
     """The host tier's cache table: ``(group, identity)`` -> slot, state, pins, score."""
 
@@ -113,9 +180,13 @@ class HostTable:
         self.num_slots = num_slots
         self.rules = rules
         self._free = list(range(num_slots - 1, -1, -1))
-        self._entries: OrderedDict[Key, Entry] = OrderedDict()  # least recent first
+        self._entries: dict[Key, Entry] = {}
         self.scores: dict[Key, int] = {}
+        self.order = ReplacementOrder(rules.policy, self._score)
         self.counters = {"tier.host.evicted": 0, "tier.host.refused": 0}
+
+    def _score(self, key: Hashable) -> int:
+        return self.scores.get(key, 0)  # type: ignore[call-overload]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,23 +220,15 @@ class HostTable:
             self.counters["tier.host.evicted"] += 1
         slot = self._free.pop()
         self._entries[key] = Entry(slot, EntryState.OFFLOADING)
+        self.order.add(key)
         return slot
 
     def _victim(self) -> Key | None:
-        movable = (
-            (k, e)
-            for k, e in self._entries.items()
-            if e.state is EntryState.RESIDENT and not e.pins
-        )
-        if self.rules.policy is TierPolicy.LRU:
-            return next((k for k, _ in movable), None)
-        best: Key | None = None
-        best_score = 0
-        for k, _ in movable:  # least recent first: the first smallest score wins ties
-            score = self.scores.get(k, 0)
-            if best is None or score < best_score:
-                best, best_score = k, score
-        return best
+        def movable(key: Hashable) -> bool:
+            entry = self._entries[key]  # type: ignore[index]
+            return entry.state is EntryState.RESIDENT and not entry.pins
+
+        return next(self.order.order(movable), None)  # type: ignore[return-value]
 
     def complete(self, key: Key) -> None:
         """The offload copy of ``key`` finished: its entry is readable."""
@@ -174,12 +237,13 @@ class HostTable:
     def drop(self, key: Key) -> None:
         """Forget ``key`` (an aborted offload, or the policy's victim); its slot is free."""
         entry = self._entries.pop(key)
+        self.order.remove(key)
         self._free.append(entry.slot)
         if self.scores.get(key) == 0:
             del self.scores[key]
 
     def touch(self, key: Key) -> None:
-        self._entries.move_to_end(key)
+        self.order.touch(key)
 
     def pin(self, keys: Iterable[Key]) -> None:
         for key in keys:
@@ -199,6 +263,7 @@ class HostTable:
                 self.scores.pop(key, None)
             else:
                 self.scores[key] = score
+            self.order.rescore(key)
 
     def on_window(self, keys: Iterable[Key]) -> None:
         """A request whose prompt holds ``keys`` entered the scheduler's window."""
@@ -217,3 +282,5 @@ class HostTable:
         assert len(set(slots)) == len(slots), "two host entries share a slot"
         assert not set(slots) & set(self._free), "a host slot is both used and free"
         assert len(slots) + len(self._free) == self.num_slots, "host slots leaked"
+        assert set(self.order.bucket_of) == set(self._entries), "replacement order is stale"
+        self.order.check_invariants()

@@ -22,18 +22,16 @@ Approach
     reloads on/off and write-through (vLLM's CPU offloading stores every computed block).
     Bad values are refused at construction with `TierError`, naming them.
 
-    `HostTier`: block key -> `HostEntry` (size, when its copy is complete, pinned while a
-    reload reads it). Entries sit in buckets by the policy's priority, each bucket an
-    insertion-ordered dict in least-recently-used order::
-
-        buckets: {0: {k7, k2, k9}, 1: {k4}, 3: {k1, k5}}     victim: first unpinned of
-                    ^ oldest                                   the smallest bucket
-
-    `POLICIES` maps a name to the priority function: ``lru`` puts every entry in bucket
-    0 (pure least-recently-used), ``score`` in bucket ``score(key)`` where the score is
-    CaR's: +1 when a request that reads the block enters the scheduler's window, +1 when
-    it is sent to the GPU, -2 when it completes (so a block's score is the number of
-    windowed plus running requests that read it); ties go to the least recently used.
+    `HostTier`: block key -> `HostEntry` (size in bytes, when its copy is complete,
+    pinned while a reload reads it). Which entry leaves is the replacement order of the
+    mini engine's host tier, `jenga.tier.ReplacementOrder` (one implementation of both
+    policies): buckets by priority, each least recently used first, the victim the first
+    unpinned entry of the smallest bucket. ``lru`` puts every entry in bucket 0, ``score``
+    in bucket ``score(key)`` where the score is CaR's: +1 when a request that reads the
+    block enters the scheduler's window, +1 when it is sent to the GPU, -2 when it
+    completes (so a block's score is the number of windowed plus running requests that
+    read it); ties go to the least recently used (a rescore counts as a use). What this
+    module adds is sizes: an insert evicts in that order until the new entry's bytes fit.
 
 Limitations
     One link per direction, no contention with other traffic (CaR's GPU-direct CXL path);
@@ -48,6 +46,7 @@ from dataclasses import dataclass, field
 
 from jenga.sim.hardware import GB, GiB
 from jenga.sim.protocol import SimError
+from jenga.tier import ReplacementOrder, TierPolicy
 
 
 class TierError(SimError):
@@ -125,44 +124,31 @@ class HostEntry:
 
     size: int
     ready_s: float
-    bucket: int = 0
     pins: int = 0  # reloads reading it now: not evictable
 
 
 ScoreOf = Callable[[Hashable], int]
 
 
-def _lru_bucket(score: int) -> int:
-    return 0
-
-
-def _score_bucket(score: int) -> int:
-    return score
-
-
-POLICIES: dict[str, Callable[[int], int]] = {"lru": _lru_bucket, "score": _score_bucket}
-
-
 @dataclass
 class HostTier:
     """The host tier's contents under one replacement policy (see the module note).
 
-    Invariants: ``used_bytes == sum of entry sizes <= capacity_bytes``; every entry is in
-    exactly the bucket ``POLICIES[policy](score_of(key))`` at its last rescore.
+    Invariants: ``used_bytes == sum of entry sizes <= capacity_bytes``; the replacement
+    order lists exactly the entries, each in the bucket of its score at its last rescore.
     """
 
     capacity_bytes: int
     policy: str
     score_of: ScoreOf
     entries: dict[Hashable, HostEntry] = field(default_factory=dict)
-    buckets: dict[int, dict[Hashable, None]] = field(default_factory=dict)
     used_bytes: int = 0
     num_evicted: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if self.policy not in POLICY_NAMES:
             raise TierError(f"host tier policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        self._bucket_of = POLICIES[self.policy]
+        self.order = ReplacementOrder(TierPolicy(self.policy), self.score_of)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
@@ -172,21 +158,11 @@ class HostTier:
 
     def touch(self, key: Hashable) -> None:
         """A use: the entry becomes the most recently used of its bucket."""
-        entry = self.entries[key]
-        bucket = self.buckets[entry.bucket]
-        del bucket[key]
-        bucket[key] = None
+        self.order.touch(key)
 
     def rescore(self, key: Hashable) -> None:
         """Move ``key`` to the bucket of its current score (no-op when absent)."""
-        entry = self.entries.get(key)
-        if entry is None:
-            return
-        new = self._bucket_of(self.score_of(key))
-        if new != entry.bucket:
-            self._unlink(key, entry)
-            entry.bucket = new
-            self.buckets.setdefault(new, {})[key] = None
+        self.order.rescore(key)
 
     def insert(self, key: Hashable, size: int, ready_s: float) -> list[Hashable] | None:
         """Store ``key``; evict by policy to make room. Returns the evicted keys, or None
@@ -202,29 +178,19 @@ class HostTier:
         for victim in victims:
             self.remove(victim)
         self.num_evicted += len(victims)
-        bucket = self._bucket_of(self.score_of(key))
-        self.entries[key] = HostEntry(size, ready_s, bucket)
-        self.buckets.setdefault(bucket, {})[key] = None
+        self.entries[key] = HostEntry(size, ready_s)
+        self.order.add(key)
         self.used_bytes += size
         return victims
 
     def remove(self, key: Hashable) -> None:
         entry = self.entries.pop(key)
-        self._unlink(key, entry)
+        self.order.remove(key)
         self.used_bytes -= entry.size
-
-    def _unlink(self, key: Hashable, entry: HostEntry) -> None:
-        bucket = self.buckets[entry.bucket]
-        del bucket[key]
-        if not bucket:
-            del self.buckets[entry.bucket]
 
     def eviction_order(self) -> Iterator[Hashable]:
         """Unpinned keys, first victim first: smallest bucket, then least recently used."""
-        for b in sorted(self.buckets):
-            for key in self.buckets[b]:
-                if not self.entries[key].pins:
-                    yield key
+        return self.order.order(lambda key: not self.entries[key].pins)
 
     def _victims(self, keep_at_most: int) -> list[Hashable] | None:
         """Keys to evict so that at most ``keep_at_most`` bytes stay; None if impossible."""
@@ -245,13 +211,8 @@ class HostTier:
                 f"host tier holds {total} bytes, accounts {self.used_bytes}, "
                 f"capacity {self.capacity_bytes}"
             )
-        listed = {k: b for b, keys in self.buckets.items() for k in keys}
-        if listed.keys() != self.entries.keys() or any(not keys for keys in self.buckets.values()):
+        if self.order.bucket_of.keys() != self.entries.keys():
             raise AssertionError("host tier buckets do not list exactly its entries")
-        for key, entry in self.entries.items():
-            if listed[key] != entry.bucket or entry.pins < 0:
-                raise AssertionError(f"host entry {key!r}: bucket or pins out of date: {entry}")
-            if entry.bucket != self._bucket_of(self.score_of(key)):
-                raise AssertionError(
-                    f"host entry {key!r}: bucket {entry.bucket} is not its score's"
-                )
+        if any(entry.pins < 0 for entry in self.entries.values()):
+            raise AssertionError("a host entry has negative pins")
+        self.order.check_invariants()

@@ -95,3 +95,17 @@ def test_policy_by_name_and_bad_slots():
     assert TierRules(policy="score").policy is TierPolicy.SCORE  # type: ignore[arg-type]
     with pytest.raises(InvalidSize, match="needs >= 1 slot, got 0"):
         HostTable(0, TierRules())
+
+
+def test_a_score_event_counts_as_a_use_among_equal_scores():
+    """Entries 0, 1, 2 score 0 with 0 the least recently used; 0's request runs and
+    completes (+1 +1 -2): back at score 0, it is the newest of that bucket, so 1 leaves."""
+    table = filled(TierPolicy.SCORE)
+    table.on_window([key(0)])
+    table.on_sent([key(0)])
+    table.on_complete([key(0)])
+    assert table.scores == {key(0): 0}
+    assert list(table.order.order()) == [key(1), key(2), key(0)]
+    table.reserve(key(3))
+    assert table.get(key(1)) is None and table.get(key(0)) is not None
+    table.check_invariants()
