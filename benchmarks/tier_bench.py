@@ -26,11 +26,14 @@ Parts:
     settings alternating ``--repeats`` times (medians reported: the machine's load moves
     wall times more than anything measured here), plus LRU with ``tier_overlap=False``
     (admission waits for the whole reload): TTFT mean / p50 / p99, tokens computed, host
-    hits, same tokens, and the overlap the engine achieved on its reloads: 1 - (time its
-    forwards waited for copies) / (time the copies took), from the engine's
-    ``tier.overlap.stall_us`` and ``tier.overlap.copy_us``. Torch runs ``--threads``
-    intra-op threads (default 1, so the tier's copy thread has a core of its own on small
-    machines).
+    hits, same tokens, and the overlap the engine achieved on its reloads: of the time a
+    reload's copies still ran after its request was admitted on it (the whole of which a
+    step without overlap waits), the share its step spent computing rather than waiting
+    for a layer: 1 - ``tier.overlap.stall_us`` / ``tier.overlap.in_flight_us``. LRU also
+    runs without CaR's prefetch, with and without overlap: every reload then starts when
+    its request is admitted, so its copies run under the request's own step. Torch runs
+    ``--threads`` intra-op threads (default 1, so the tier's copy thread has a core of its
+    own on small machines).
 
 Table on stdout; ``--json PATH`` writes the figures.
 """
@@ -140,8 +143,10 @@ def reload_part(args: argparse.Namespace) -> dict:
         kv.evict_cached(kv.allocator.total_units)
         rows["layered_s"].append(_layered(tier, prompt, job, n, args.layers))
     # reference: one contiguous copy of as many bytes between two tensors made up front
-    src = torch.ones(rows["bytes"][0], dtype=torch.uint8, pin_memory=tier.device.type == "cuda")
-    dst = torch.empty(rows["bytes"][0], dtype=torch.uint8, device=tier.device)
+    src = torch.ones(
+        int(rows["bytes"][0]), dtype=torch.uint8, pin_memory=tier.device.type == "cuda"
+    )
+    dst = torch.empty(int(rows["bytes"][0]), dtype=torch.uint8, device=tier.device)
     rows["plain_copy_s"] = []
     for _ in range(args.iters):
         start = time.perf_counter()
@@ -186,8 +191,9 @@ def chat_requests(args: argparse.Namespace) -> list[list[int]]:
 
 
 def engine_run(
-    args: argparse.Namespace, model: Any, tier: str | None, overlap: bool = True
-) -> dict:
+    args: argparse.Namespace, model: Any, tier: str | None, overlap: bool = True,
+    prefetch: bool = True,
+) -> dict:  # fmt: skip
     """Turn by turn: every conversation's turn t is queued together; each next turn's
     prompt is the history so far plus the answer plus 16 new user tokens."""
     from integrations.engine import EngineConfig, MiniEngine
@@ -196,7 +202,7 @@ def engine_run(
     cfg = EngineConfig(
         token_budget=256, max_running=2, budget_bytes=args.pool_chunks * chunk,
         chunk_bytes=chunk, block_size=16, tier_bytes=None if tier is None else args.tier_mib << 20,
-        tier_policy=tier or "lru", tier_overlap=overlap,
+        tier_policy=tier or "lru", tier_overlap=overlap, tier_prefetch=prefetch,
     )  # fmt: skip
     engine = MiniEngine(model, cfg)
     gen = torch.Generator().manual_seed(11)
@@ -218,11 +224,14 @@ def engine_run(
     later = [engine.ttft[f"c{c}t{t}"] for c in range(args.convs) for t in range(1, args.turns)]
     stats = {**engine.kv.stats(), **engine.stats, **(engine.tier.stats if engine.tier else {})}
     engine.close()
-    copy_us, stall_us = stats.get("tier.overlap.copy_us", 0), stats.get("tier.overlap.stall_us", 0)
+    flight_us = stats.get("tier.overlap.in_flight_us", 0)
+    stall_us = stats.get("tier.overlap.stall_us", 0)
     return {
-        "tier": (tier or "off") + ("" if overlap or tier is None else " no-overlap"),
+        "tier": " ".join([tier or "off"] + ([] if prefetch or tier is None else ["no-prefetch"])
+                         + ([] if overlap or tier is None else ["no-overlap"])),
         "reloads_opened": stats.get("tier.reload.opened", 0),
-        "engine_overlap": 1 - stall_us / copy_us if copy_us else float("nan"),
+        "engine_overlap": 1 - stall_us / flight_us if flight_us else float("nan"),
+        "in_flight_ms": flight_us / 1e3, "stall_ms": stall_us / 1e3,
         "ttft_mean_ms": 1e3 * statistics.mean(ttft),
         "ttft_p50_ms": 1e3 * statistics.median(ttft),
         "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
@@ -245,11 +254,12 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     model = transformers.LlamaForCausalLM(config).eval()
     if args.backend == "cuda":
         model = model.to("cuda")
-    settings = ((None, True), ("lru", True), ("score", True), ("lru", False))
+    settings = ((None, True, True), ("lru", True, True), ("score", True, True),
+                ("lru", False, True), ("lru", True, False), ("lru", False, False))  # fmt: skip
     trials: dict[str, list[dict]] = {}
     for _ in range(args.repeats):  # settings alternate, so load changes hit all alike
-        for t, overlap in settings:
-            r = engine_run(args, model, t, overlap)
+        for t, overlap, prefetch in settings:
+            r = engine_run(args, model, t, overlap, prefetch)
             trials.setdefault(r["tier"], []).append(r)
     first = trials["off"][0]["outputs"]
     runs = []
@@ -282,14 +292,15 @@ def main(argv: list[str] | None = None) -> None:
         runs = out["engine"] = engine_part(args)
         print("\n| tier | TTFT mean ms | p50 | p99 | later turns mean | tokens computed | GPU "
               "hit tokens | host hit tokens | host replaced | wall s | reloads opened | "
-              "engine overlap | same tokens |")  # fmt: skip
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+              "copies in flight ms | step stalled ms | engine overlap | same tokens |")  # fmt: skip
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in runs:
             print(f"| {r['tier']} | {r['ttft_mean_ms']:.1f} | {r['ttft_p50_ms']:.1f} | "
                   f"{r['ttft_p99_ms']:.1f} | {r['later_turns_ttft_mean_ms']:.1f} | "
                   f"{r['tokens_computed']} | {r['gpu_hit_tokens']} | {r['host_hit_tokens']} | "
                   f"{r['host_replaced']} | "
-                  f"{r['wall_s']:.2f} | {r['reloads_opened']} | {r['engine_overlap']:.2f} | "
+                  f"{r['wall_s']:.2f} | {r['reloads_opened']} | {r['in_flight_ms']:.1f} | "
+                  f"{r['stall_ms']:.1f} | {r['engine_overlap']:.2f} | "
                   f"{r['same_tokens']} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

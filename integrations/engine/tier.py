@@ -67,7 +67,7 @@ class EngineTier:
         self.bandwidth = _BANDWIDTH_GUESS
         self.stats = {"tier.hits": 0, "tier.hit_tokens": 0, "tier.prefetch.started": 0,
                       "tier.prefetch.deferred": 0, "tier.reload.wait_us": 0,
-                      "tier.overlap.copy_us": 0, "tier.overlap.stall_us": 0}  # fmt: skip
+                      "tier.overlap.in_flight_us": 0, "tier.overlap.stall_us": 0}  # fmt: skip
 
     def _in_window(self) -> list[Any]:
         return list(self.engine.waiting)[: self.window]
@@ -117,7 +117,7 @@ class EngineTier:
 
     def before_admit(self, req: Any) -> None:
         job = self.reloads.get(req.request_id)
-        if job is None and self.overlap:  # what the host holds is reloaded, not recomputed
+        if job is None:  # what the host holds is reloaded, not recomputed
             job = self.tier.start_reload(req.sequence)
             if job is not None:
                 self.reloads[req.request_id] = job
@@ -166,7 +166,7 @@ class EngineTier:
         if hit > job.gpu_hit:
             self.stats["tier.hits"] += 1
             self.stats["tier.hit_tokens"] += min(hit, job.tokens) - job.gpu_hit
-        self.stats["tier.overlap.copy_us"] += int(1e6 * sum(job.copy_s))
+        self.stats["tier.overlap.in_flight_us"] += int(1e6 * job.in_flight_after_open_s())
         self.stats["tier.overlap.stall_us"] += int(1e6 * job.stall_s)
 
     def fail(self, job: Reload) -> list[list[int]]:

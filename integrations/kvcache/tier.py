@@ -154,8 +154,16 @@ class Reload:
     layers: list[frozenset[int]] = field(default_factory=list)  # per copy: layers it holds
     copy_s: list[float] = field(default_factory=list)  # host: each copy job's seconds
     started: float = field(default_factory=time.perf_counter)
+    landed_at: float = 0.0  # host: when its last copy job ended (perf_counter)
+    opened_at: float = 0.0  # when `open_reload` committed its blocks (perf_counter)
     stall_s: float = 0.0  # seconds a forward waited for this reload's layers (opened)
     landed_before_open: int = 0  # copies already done when the blocks were opened
+
+    def in_flight_after_open_s(self) -> float:
+        """Host: how long its copies still ran after it was opened (the request's step
+        ran meanwhile; without overlap it would have waited all of it)."""
+        return max(0.0, self.landed_at - self.opened_at)
+
     dropped: list[list[int]] = field(default_factory=list)  # failed open: blocks per group
 
     def done(self) -> bool:
@@ -436,16 +444,17 @@ class HostTier:
                 nbytes += len(pairs) * kv.geometries[g].small_page_bytes
         job = Reload(staging, tokens, gpu_hit, picked, [], nbytes)
         for layer, g, i, pairs in sorted(jobs, key=lambda job: job[0]):
-            copy = self._submit(functools.partial(self._timed_load, job.copy_s, g, i, pairs))
+            copy = self._submit(functools.partial(self._timed_load, job, g, i, pairs))
             job.copies.append((layer, copy))
             job.layers.append(self._unit_layers[g][i])
         self.counters["tier.reload.requests"] += 1
         return job
 
-    def _timed_load(self, seconds: list[float], g: int, i: int, pairs: Sequence) -> None:
+    def _timed_load(self, job: Reload, g: int, i: int, pairs: Sequence) -> None:
         start = time.perf_counter()
         self._load_unit(g, i, pairs)
-        seconds.append(time.perf_counter() - start)
+        job.landed_at = time.perf_counter()
+        job.copy_s.append(job.landed_at - start)
 
     def finish_reload(self, reload: Reload) -> bool:
         """Wait for ``reload``'s copies; commit its blocks to the prefix cache (True), or,
@@ -480,6 +489,7 @@ class HostTier:
         request is admitted on them and its step starts at once: every forward calls
         `wait_layer` before it reads a layer, so layer i's copy overlaps the compute of
         the layers before it. `settle` (after the step) finishes it."""
+        reload.opened_at = time.perf_counter()
         reload.landed_before_open = sum(c.done() for _, c in reload.copies)
         self.kv.cache(reload.staging, reload.tokens)
         self._open.append(reload)

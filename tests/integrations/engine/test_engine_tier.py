@@ -61,11 +61,12 @@ def setup():
 
 @pytest.mark.parametrize("policy", ["lru", "score"])
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_tier_on_small_pool_matches_unbounded_pool_with_host_hits(setup, policy, prefetch):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_tier_on_small_pool_matches_unbounded_pool_with_host_hits(setup, policy, prefetch, overlap):
     model, requests, unbounded, big = setup
     out, stats, engine = run(
         model, requests, budget_bytes=SMALL_POOL, tier_bytes=1 << 20, tier_policy=policy,
-        tier_prefetch=prefetch,
+        tier_prefetch=prefetch, tier_overlap=overlap,
     )  # fmt: skip
     assert out == unbounded == reference(model, requests)
     assert stats["blocks.evicted"] > 0  # the pool is too small for the working set
