@@ -363,6 +363,10 @@ class VmmCache(Cache):
         image_tokens: cross-attention tokens per row (mllama: images x tiles x (patches+1)).
         checkpoint_interval: tokens per Mamba state block (the state moves to a new
             block every that many tokens).
+        tier_bytes / tier_policy / tier_high_water: the host tier's options, as
+            `EngineConfig`'s: bad values are refused (`InvalidSize`, naming them), and a
+            tier (``tier_bytes`` given) is refused with the reason: it keeps blocks for
+            a later request's prefix hit, and this cache has no prefix cache.
     """
 
     def __init__(
@@ -379,8 +383,12 @@ class VmmCache(Cache):
         layout: str = "per_layer",
         image_tokens: int = 0,
         checkpoint_interval: int = 512,
+        tier_bytes: int | None = None,
+        tier_policy: str = "lru",
+        tier_high_water: float = 0.9,
     ) -> None:
         _check_sizes(max_length=max_length, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes)
+        _refuse_tier(tier_bytes, tier_policy, tier_high_water)
         if budget_bytes is not None and budget_bytes % chunk_bytes:
             raise ValueError(
                 f"VmmCache budget_bytes {budget_bytes} is not a multiple of chunk_bytes "
@@ -535,3 +543,29 @@ def _check_sizes(**sizes: int | None) -> None:
     for name, value in sizes.items():
         if value is not None and (type(value) is not int or value <= 0):
             raise ValueError(f"VmmCache {name} must be an int > 0, got {value!r}")
+
+
+def _refuse_tier(size: int | None, policy: str, high_water: float) -> None:
+    """The host tier options: a bad value is refused naming it (`InvalidSize`); a valid
+    tier is refused too (ValueError): a tier keeps blocks for reuse, and a `VmmCache`
+    has no prefix cache, so none of its blocks could be reused (docs/kvcache.md)."""
+    from jenga.errors import InvalidSize
+    from jenga.tier import TierRules
+
+    from integrations.kvcache.tier import HostTierConfig
+
+    try:
+        if size is None:
+            TierRules(policy=policy, high_water=high_water)  # type: ignore[arg-type]
+        else:
+            HostTierConfig(size, policy, high_water)
+    except InvalidSize as e:
+        raise InvalidSize(f"VmmCache tier options: {e}") from None
+    if size is not None:
+        raise ValueError(
+            f"VmmCache(tier_bytes={size}) is refused: a host tier keeps blocks that leave GPU "
+            "memory for a later request with the same prefix, and VmmCache has no prefix "
+            "cache (each generate() call's rows start empty and their blocks are freed with "
+            "the cache), while every block of a live row is read at every decoding step; "
+            "use the mini engine (EngineConfig.tier_bytes) for a host tier"
+        )
