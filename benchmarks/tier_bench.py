@@ -29,7 +29,8 @@ Parts:
     hits, same tokens, and the overlap the engine achieved on its reloads: of the time a
     reload's copies still ran after its request was admitted on it (the whole of which a
     step without overlap waits), the share its step spent computing rather than waiting
-    for a layer: 1 - ``tier.overlap.stall_us`` / ``tier.overlap.in_flight_us``. LRU also
+    for a layer: 1 - ``tier.overlap.stall_us`` / ``tier.overlap.in_flight_us`` (summed over
+    the repeats; the two times are reported as means per run). LRU also
     runs without CaR's prefetch, with and without overlap: every reload then starts when
     its request is admitted, so its copies run under the request's own step. Torch runs
     ``--threads`` intra-op threads (default 1, so the tier's copy thread has a core of its
@@ -269,6 +270,9 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
         }
         row["tier"], row["repeats"] = name, len(rs)
         row["same_tokens"] = all(r["outputs"] == first for r in rs)
+        flight, stall = sum(r["in_flight_ms"] for r in rs), sum(r["stall_ms"] for r in rs)
+        row["engine_overlap"] = 1 - stall / flight if flight else float("nan")  # all runs'
+        row["in_flight_ms"], row["stall_ms"] = flight / len(rs), stall / len(rs)  # means
         runs.append(row)
     return runs
 
