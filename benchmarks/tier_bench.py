@@ -143,18 +143,7 @@ def reload_part(args: argparse.Namespace) -> dict:
         tier.release(r)
         kv.evict_cached(kv.allocator.total_units)
         rows["layered_s"].append(_layered(tier, prompt, job, n, args.layers))
-    # reference: one contiguous copy of as many bytes between two tensors made up front
-    src = torch.ones(
-        int(rows["bytes"][0]), dtype=torch.uint8, pin_memory=tier.device.type == "cuda"
-    )
-    dst = torch.empty(int(rows["bytes"][0]), dtype=torch.uint8, device=tier.device)
-    rows["plain_copy_s"] = []
-    for _ in range(args.iters):
-        start = time.perf_counter()
-        dst.copy_(src)
-        if tier.device.type == "cuda":
-            torch.cuda.synchronize(tier.device)
-        rows["plain_copy_s"].append(time.perf_counter() - start)
+    rows["plain_copy_s"] = _plain_copy_s(tier.device, int(rows["bytes"][0]), args.iters)
     med = {k: statistics.median(v) for k, v in rows.items()}
 
     def overlap(joint: float) -> float:
@@ -169,6 +158,20 @@ def reload_part(args: argparse.Namespace) -> dict:
     return out
 
 
+def _plain_copy_s(device: torch.device, nbytes: int, iters: int) -> list[float]:
+    """Reference: one contiguous copy of as many bytes between two tensors made up front."""
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _layered(tier: Any, prompt: list[int], job: Any, n: int, layers: int) -> float:
     """Seconds of an opened reload under a compute split in ``layers`` parts, part i after
     `wait_layer(i)` (the engine's per-layer pipeline)."""
@@ -176,9 +179,11 @@ def _layered(tier: Any, prompt: list[int], job: Any, n: int, layers: int) -> flo
     r = tier.start_reload(prompt)
     assert r is not None
     tier.open_reload(r)
-    for layer in range(layers):
+    for layer in range(layers):  # the n products in `layers` parts, n in all
         tier.wait_layer(layer)
-        job(max(1, n // layers))
+        part = n // layers + (layer < n % layers)
+        if part:
+            job(part)
     assert tier.settle() == []
     return time.perf_counter() - start
 
