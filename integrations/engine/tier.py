@@ -104,7 +104,8 @@ class EngineTier:
             self.stats["tier.prefetch.started"] += 1
 
     def pick(self) -> Any:
-        """The first window request not waiting for a copy (the head when all are, and
+        """With overlap, the window's first request (its reload copies under its step);
+        else the first window request not waiting for a copy (the head when all are, and
         nothing runs: then its reload is waited for)."""
         window = self._in_window()
         if self.overlap:

@@ -152,26 +152,21 @@ class Reload:
     copies: list[tuple[int, _Copy]]  # (first layer of the range, copy), in layer order
     nbytes: int
     layers: list[frozenset[int]] = field(default_factory=list)  # per copy: layers it holds
-    copy_s: list[float] = field(default_factory=list)  # host: each copy job's seconds
     started: float = field(default_factory=time.perf_counter)
     landed_at: float = 0.0  # host: when its last copy job ended (perf_counter)
     opened_at: float = 0.0  # when `open_reload` committed its blocks (perf_counter)
     stall_s: float = 0.0  # seconds a forward waited for this reload's layers (opened)
-    landed_before_open: int = 0  # copies already done when the blocks were opened
+    dropped: list[list[int]] = field(default_factory=list)  # failed open: blocks per group
 
     def in_flight_after_open_s(self) -> float:
         """Host: how long its copies still ran after it was opened (the request's step
         ran meanwhile; without overlap it would have waited all of it)."""
         return max(0.0, self.landed_at - self.opened_at)
 
-    dropped: list[list[int]] = field(default_factory=list)  # failed open: blocks per group
-
     def done(self) -> bool:
         return all(c.done() for _, c in self.copies)
 
     def _of_layer(self, layer: int) -> list[_Copy]:
-        if not self.layers:
-            return [c for at, c in self.copies if at == layer]
         return [c for held, (_, c) in zip(self.layers, self.copies, strict=True) if layer in held]
 
     def wait_layer(self, layer: int) -> None:
@@ -451,10 +446,8 @@ class HostTier:
         return job
 
     def _timed_load(self, job: Reload, g: int, i: int, pairs: Sequence) -> None:
-        start = time.perf_counter()
         self._load_unit(g, i, pairs)
         job.landed_at = time.perf_counter()
-        job.copy_s.append(job.landed_at - start)
 
     def finish_reload(self, reload: Reload) -> bool:
         """Wait for ``reload``'s copies; commit its blocks to the prefix cache (True), or,
@@ -490,7 +483,6 @@ class HostTier:
         `wait_layer` before it reads a layer, so layer i's copy overlaps the compute of
         the layers before it. `settle` (after the step) finishes it."""
         reload.opened_at = time.perf_counter()
-        reload.landed_before_open = sum(c.done() for _, c in reload.copies)
         self.kv.cache(reload.staging, reload.tokens)
         self._open.append(reload)
         self.counters["tier.reload.opened"] += 1
