@@ -38,10 +38,18 @@ Approach
         ssm     = d_inner * mamba_d_state * ssm_dtype_bytes       # fp32 by default
         Jamba 1.5 Mini: (3 * 8192 * 2) + (8192 * 16 * 4) = 49152 + 524288 = 573440 B
 
+    Multi-head latent attention (``kv_lora_rank`` set: DeepSeek-V2/V3, Kimi, GLM-4 MoE
+    lite, ...): what is cached per token is the compressed latent, not a per-head K and
+    V (transformers caches ``kv_nope`` [1 head x kv_lora_rank] as "keys" and the roped
+    ``k_rot`` [1 head x qk_rope_head_dim] as "values"; vLLM caches the same latent), so a
+    full-attention layer becomes `Kind.MLA` (a sliding one `Kind.SLIDING_WINDOW_MLA`) of
+    1 head x (kv_lora_rank + qk_rope_head_dim). DeepSeek-V3: 512 + 64 = 576 per token.
+
 Limitations
-    K and V of one layer share a head dim: a config whose ``v_head_dim`` differs (MLA) is
-    refused, as is multi-head latent attention. Reads the fields that shape the KV cache;
-    it does not validate the rest of a config.
+    K and V of one layer share a head dim: a config whose ``v_head_dim`` differs without
+    ``kv_lora_rank`` is refused. A latent (MLA) model's chunked layers are refused (no
+    jenga kind). Reads the fields that shape the KV cache; it does not validate the rest
+    of a config.
     `weight_bytes` is computed for the dense families (llama, mistral, ministral, gemma2,
     gemma3 text, qwen2) from their shapes; for MoE / Mamba / vision models it is left 0 unless
     the caller passes the published figure.
@@ -151,9 +159,17 @@ def _dtype_bytes(config: Config, options: HfOptions) -> int:
 class _AttentionShape:
     num_kv_heads: int
     head_dim: int
+    latent: bool = False  # MLA: one latent per token (1 "head" of the latent's width)
+
+
+# a latent (MLA) model's layers: the kind a K/V layer of that type becomes
+_LATENT_KINDS = {Kind.FULL: Kind.MLA, Kind.SLIDING_WINDOW: Kind.SLIDING_WINDOW_MLA}
 
 
 def _attention_shape(text: Config) -> _AttentionShape:
+    if text.get("kv_lora_rank") is not None:  # MLA: the compressed latent + its rope part
+        width = _require_int(text, "kv_lora_rank") + _require_int(text, "qk_rope_head_dim")
+        return _AttentionShape(1, width, latent=True)
     heads = _require_int(text, "num_attention_heads")
     kv_heads = text.get("num_key_value_heads")
     kv_heads = heads if kv_heads is None else kv_heads
@@ -162,10 +178,10 @@ def _attention_shape(text: Config) -> _AttentionShape:
         head_dim = text.get("attention_head_dim")  # Zamba2
     head_dim = _require_int(text, "hidden_size") // heads if head_dim is None else head_dim
     v_head_dim = text.get("v_head_dim")
-    if text.get("kv_lora_rank") is not None or (v_head_dim is not None and v_head_dim != head_dim):
+    if v_head_dim is not None and v_head_dim != head_dim:
         raise SpecError(
-            f"K head dim {head_dim} and V head dim {v_head_dim} differ (multi-head latent "
-            f"attention, kv_lora_rank={text.get('kv_lora_rank')}): a LayerSpec stores one head_dim"
+            f"K head dim {head_dim} and V head dim {v_head_dim} differ (and no kv_lora_rank: "
+            "not a latent cache): a LayerSpec stores one head_dim"
         )
     return _AttentionShape(int(kv_heads), int(head_dim))
 
@@ -173,6 +189,13 @@ def _attention_shape(text: Config) -> _AttentionShape:
 def _attention_layer(
     kind: Kind, shape: _AttentionShape, dtype_bytes: int, options: HfOptions, **kwargs: Any
 ) -> LayerSpec:
+    if shape.latent:
+        if kind not in _LATENT_KINDS:
+            raise SpecError(
+                f"a {kind} layer of a latent-attention model (kv_lora_rank) has no jenga kind; "
+                f"latent kinds: {sorted(str(k) for k in _LATENT_KINDS)}"
+            )
+        kind = _LATENT_KINDS[kind]
     return LayerSpec(
         kind,
         num_kv_heads=shape.num_kv_heads,

@@ -11,7 +11,8 @@ Parts, each PASS / FAIL / SKIP with its reason and figures:
     kvcache       a KVCache over a ChunkPool on the backend: writes read back, every
                   chunk unmapped after the requests are freed
     hf-cache      `generate` with a VmmCache on the backend vs transformers' own cache,
-                  tiny random Llama / Mistral (sliding window) / Jamba (Mamba states)
+                  tiny random Llama / Mistral (sliding window) / Jamba (Mamba states) /
+                  DeepSeek-V3 (multi-head latent attention: one latent per token)
     engine        the mini engine (``attention='sdpa'`` and ``'flash'``) vs per-request
                   `generate`, tiny random Mistral
 
@@ -241,7 +242,7 @@ def part_kvcache(args: argparse.Namespace, part: Part) -> None:
         pool.close()
 
 
-HF_FAMILIES = ("llama", "mistral", "jamba")
+HF_FAMILIES = ("llama", "mistral", "jamba", "deepseek_v3")
 
 
 def part_hf_cache(args: argparse.Namespace, part: Part) -> None:

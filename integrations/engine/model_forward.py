@@ -60,7 +60,7 @@ from transformers.cache_utils import Cache
 
 from integrations.engine.forward import Segment
 from integrations.engine.images import SEQUENCE_INPUTS, RequestImages
-from integrations.hf.cache import LAYER_CLASSES
+from integrations.hf.cache import LAYER_CLASSES, latent_layer_class
 from integrations.hf.compat import cache_kwargs, layer_types_and_kwargs
 from integrations.hf.layers import AttentionPart, StatePart, UnsupportedLayer, VmmCrossLayer
 from integrations.kvcache import KVCache
@@ -119,6 +119,14 @@ class ModelForward:
                 f"are not served (served: {sorted(LAYER_CLASSES)})"
             )
         self.state_groups = [i for i, g in enumerate(kv.model.groups) if g.spec.kind is Kind.MAMBA]
+        kinds: dict[int, set[Kind]] = {}
+        for g in kv.model.groups:
+            for layer in g.layer_ids:
+                kinds.setdefault(layer, set()).add(g.spec.kind)
+        self.layer_classes = [  # MLA layers: the latent pair (`VmmLatentLayer`)
+            latent_layer_class(i, t, kinds.get(i, set())) or LAYER_CLASSES[t]
+            for i, t in enumerate(self.layer_types)
+        ]
         self.cross_layers = {
             layer
             for g in kv.model.groups
@@ -180,11 +188,11 @@ class ModelForward:
         store.recurrent_offset = self.recurrent_offset
         store.image_tokens = cross_tokens
         layers: list[Any] = []
-        for i, (kind, kwargs) in enumerate(zip(self.layer_types, self.layer_kwargs, strict=True)):
+        for i, kwargs in enumerate(self.layer_kwargs):
             if i in self.cross_layers:
                 layers.append(self._cross_layer(store, i, seg))
                 continue
-            layer = LAYER_CLASSES[kind](store, i, **kwargs)
+            layer = self.layer_classes[i](store, i, **kwargs)
             if isinstance(layer, AttentionPart):
                 layer.seen = seg.start
                 if hasattr(layer, "cumulative_length"):

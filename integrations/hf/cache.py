@@ -72,6 +72,7 @@ from integrations.hf.layers import (
     VmmCrossLayer,
     VmmHybridLayer,
     VmmHybridSlidingLayer,
+    VmmLatentLayer,
     VmmLayer,
     VmmMambaLayer,
     VmmSlidingLayer,
@@ -87,6 +88,21 @@ LAYER_CLASSES: dict[str, Callable[..., Any]] = {
     "hybrid_sliding": VmmHybridSlidingLayer,
     "dummy": lambda store, layer_idx, **kwargs: DummyLayer(),
 }
+
+
+def latent_layer_class(layer: int, kind: str, kinds: set[Kind]) -> Any:
+    """`VmmLatentLayer` for a full-attention layer in an MLA group, None for a layer in no
+    latent group; `UnsupportedLayer` for a latent layer of another type (transformers has
+    no windowed latent cache)."""
+    latent = kinds & {Kind.MLA, Kind.SLIDING_WINDOW_MLA}
+    if not latent:
+        return None
+    if kind != "full_attention" or latent != {Kind.MLA}:
+        raise UnsupportedLayer(
+            f"layer {layer}: a {kind!r} layer in a {sorted(str(k) for k in latent)} group; "
+            "latent (MLA) groups are served for full_attention layers only"
+        )
+    return VmmLatentLayer
 
 
 def config_dict(config: Any, text: Any) -> dict[str, Any]:
@@ -452,7 +468,7 @@ class VmmCache(Cache):
         kinds = {g.spec.kind for g in spec.groups if layer in g.layer_ids}
         if Kind.CROSS_ATTENTION in kinds:
             return VmmCrossLayer(self.store, layer)
-        make = LAYER_CLASSES.get(kind)
+        make = latent_layer_class(layer, kind, kinds) or LAYER_CLASSES.get(kind)
         if make is None:
             raise UnsupportedLayer(
                 f"layer {layer}: type {kind!r} is not stored by VmmCache "

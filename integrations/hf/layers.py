@@ -11,6 +11,8 @@ Approach
     ::
 
         full_attention      VmmLayer            returns positions [0, stop)
+        full_attention of   VmmLatentLayer      the latent pair transformers caches (see
+          an MLA group                          below), positions [0, stop)
         sliding_attention   VmmSlidingLayer     returns [past - (w - 1), stop)
         chunked_attention   VmmChunkedLayer     same span as transformers (a sliding layer
                                                 of w = chunk); positions before the current
@@ -22,6 +24,13 @@ Approach
                             VmmHybridSlidingLayer  group, the state in the Mamba group
         cross attention     VmmCrossLayer       mllama's image K/V, written once
         dummy (KV reader)   transformers' DummyLayer: the model hands the owner's K/V over
+
+    Multi-head latent attention (DeepSeek-V3 and its kin): transformers caches the
+    compressed latent, not a per-head K and V. Its ``update`` gets ``kv_nope``
+    [rows, 1, q, kv_lora_rank] as keys and the roped ``k_rot`` [rows, 1, q, rope] as
+    values, and up-projects what it gets back. The jenga group is `Kind.MLA` (one vector
+    per token); `VmmLatentLayer` stores the two side by side as that vector and hands
+    them back split, each contiguous as `DynamicLayer`'s concatenation would be.
 
     A state block holds ``conv [channels, kernel]`` then, at the next 16-byte boundary,
     the recurrent state. The batch dimension is a strided view over the rows' blocks (one
@@ -59,7 +68,13 @@ from transformers.cache_utils import (
 )
 
 from integrations.hf.store import LayerStore
-from integrations.kvcache.access import read_kv, token_slots, write_kv
+from integrations.kvcache.access import (
+    read_kv,
+    read_latent,
+    token_slots,
+    write_kv,
+    write_latent,
+)
 
 
 class UnsupportedLayer(NotImplementedError):
@@ -169,6 +184,41 @@ class VmmLayer(FullAttentionPart, DynamicLayer):
     def __init__(self, store: LayerStore, layer_idx: int, **kwargs: Any) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
+
+
+class VmmLatentLayer(VmmLayer):
+    """Full attention over an MLA group: the latent pair transformers caches (``kv_nope``
+    as keys, ``k_rot`` as values, one head each) stored as one vector per token."""
+
+    def _attend(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        past = self.seen
+        rows, heads, q, split = key_states.shape
+        stop = past + q
+        self.store.ensure(rows, stop, key_states.dtype)
+        kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
+        spec = kv.model.groups[group].spec
+        got = (heads, split + value_states.shape[-1])
+        if value_states.shape[:3] != key_states.shape[:3] or got != (
+            spec.num_kv_heads, spec.head_dim
+        ):  # fmt: skip
+            raise UnsupportedLayer(
+                f"layer {self.layer_idx}: the model caches {tuple(key_states.shape)} keys and "
+                f"{tuple(value_states.shape)} values, the {spec.kind} group stores "
+                f"{spec.num_kv_heads} x {spec.head_dim} per token"
+            )
+        latents = torch.cat([key_states, value_states], dim=-1)
+        out = []
+        for row in range(rows):
+            rid, table = self.store.request(row), self.store.table(row, group)
+            new = token_slots(kv, rid, group, past, stop, table)
+            write_latent(kv, self.layer_idx, new, latents[row].transpose(0, 1))
+            every = token_slots(kv, rid, group, 0, stop, table)
+            out.append(read_latent(kv, self.layer_idx, every).transpose(0, 1))
+        self.seen = stop
+        whole = torch.stack(out)
+        return whole[..., :split].contiguous(), whole[..., split:].contiguous()
 
 
 class VmmSlidingLayer(SlidingAttentionPart, DynamicSlidingWindowLayer):

@@ -12,8 +12,12 @@ Approach
     `TokenSlots` holds the three index vectors for a span of positions, computed once per
     group and step and reused for every layer of the group.
 
+    One-vector kinds (MLA's latent) hold one ``[H, D]`` vector per token:
+    `write_latent` / `read_latent` move it through the same slots.
+
 Limitations
-    Attention kinds only (full, sliding, chunked, cross attention). Reading a position
+    K/V kinds (full, sliding, chunked, cross attention) through `write_kv` / `read_kv`,
+    one-vector kinds through `write_latent` / `read_latent`. Reading a position
     whose block the request released (``NULL_BLOCK``) raises `ReleasedBlockError`.
 """
 
@@ -105,3 +109,13 @@ def read_kv(cache: KVCache, layer: int, slots: TokenSlots) -> tuple[torch.Tensor
         return cache.layer_view(layer, 0)[p, b, r], cache.layer_view(layer, 1)[p, b, r]
     view = cache.layer_view(layer)
     return view[p, b, 0, r], view[p, b, 1, r]
+
+
+def write_latent(cache: KVCache, layer: int, slots: TokenSlots, latents: torch.Tensor) -> None:
+    """Store one-vector-kind ``latents`` ``[n, H, D]`` (MLA) at `slots` of `layer`."""
+    cache.layer_view(layer)[slots.pages, slots.blocks, slots.rows] = latents
+
+
+def read_latent(cache: KVCache, layer: int, slots: TokenSlots) -> torch.Tensor:
+    """The ``[n, H, D]`` latents at `slots` of a one-vector-kind `layer` (a gather)."""
+    return cache.layer_view(layer)[slots.pages, slots.blocks, slots.rows]

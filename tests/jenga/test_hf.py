@@ -275,6 +275,31 @@ def test_unstorable_layer_types_are_refused_naming_type_and_layers():
         model_spec_from_config({**LLAMA_LIKE, "head_dim": 128, "v_head_dim": 64})
 
 
+DEEPSEEK_V3_LIKE = {
+    **LLAMA_LIKE, "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "head_dim": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def test_latent_attention_configs_cache_one_latent_per_token():
+    """kv_lora_rank set: full layers are MLA of 1 x (kv_lora_rank + rope), DeepSeek-V3's
+    576 bf16 values per token (not 128 heads x (192 + 128) of expanded K and V)."""
+    (group,) = model_spec_from_config(DEEPSEEK_V3_LIKE).groups
+    assert (group.name, group.spec.kind, group.layer_ids) == ("mla", Kind.MLA, (0, 1, 2))
+    assert (group.spec.num_kv_heads, group.spec.head_dim) == (1, 576)
+    assert group.spec.bytes_per_token == 576 * 2
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    windowed = model_spec_from_config({**DEEPSEEK_V3_LIKE, "layer_types": types,
+                                       "sliding_window": 128})  # fmt: skip
+    kinds = [(g.spec.kind, g.spec.window, g.layer_ids) for g in windowed.groups]
+    assert kinds == [(Kind.SLIDING_WINDOW_MLA, 128, (0, 2)), (Kind.MLA, None, (1,))]
+    chunked = {**DEEPSEEK_V3_LIKE, "layer_types": ["chunked_attention"] * 3,
+               "attention_chunk_size": 64}  # fmt: skip
+    with pytest.raises(SpecError, match="a chunked_local layer of a latent-attention model"):
+        model_spec_from_config(chunked)
+
+
 def test_kv_sharing_layers_read_the_last_earlier_layer_of_their_type():
     types = ["sliding_attention", "full_attention"] * 3
     config = {**LLAMA_LIKE, "num_hidden_layers": 6, "layer_types": types, "sliding_window": 512,

@@ -1,10 +1,11 @@
 """Tiny random configs of the decoder families the HF cache and the mini engine serve.
 
 Each entry builds a transformers model with random weights (``initializer_range=0.2`` so
-logits are sharp, hidden 64, 2-4 layers), small enough that a 23-token generation runs
-in well under a second on a shared CPU core. Windows and chunks are 8 tokens, Mamba
-checkpoints (`CHECKPOINT`) 8 tokens, so an 11-token prompt plus 12 new tokens slides,
-crosses chunk boundaries and moves states to new checkpoint blocks.
+logits are sharp, hidden 64, 2-4 layers; a family's fields override `SMALL`'s), small
+enough that a 23-token generation runs in well under a second on a shared CPU core.
+Windows and chunks are 8 tokens, Mamba checkpoints (`CHECKPOINT`) 8 tokens, so an
+11-token prompt plus 12 new tokens slides, crosses chunk boundaries and moves states to
+new checkpoint blocks.
 """
 
 from __future__ import annotations
@@ -93,13 +94,21 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                {"num_hidden_layers": 4, "head_dim": 16, "attention_chunk_size": WINDOW,
                 "intermediate_size_mlp": 96, "num_local_experts": 1,
                 "interleave_moe_layer_step": 2}),
+    # multi-head latent attention: transformers caches the latent (kv_lora_rank 24 + rope
+    # 8 = a 32-wide vector per token); MoE from layer 1 on (4 routed experts, 2 groups)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {"num_hidden_layers": 3, "num_key_value_heads": 4, "q_lora_rank": 32,
+                     "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+                     "moe_intermediate_size": 32, "n_shared_experts": 1}),
 }  # fmt: skip
 
 
 def tiny_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     """The family's tiny model with random weights from `seed`, in eval mode, as `dtype`."""
     config_name, model_name, extra = FAMILIES[name]
-    config = getattr(transformers, config_name)(**SMALL, **extra)
+    config = getattr(transformers, config_name)(**{**SMALL, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     return model.to(dtype)
