@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 def check_supported_config(vllm_config: VllmConfig) -> None:
     """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
     problems = []
-    if vllm_config.parallel_config.decode_context_parallel_size > 1:
-        problems.append("decode context parallelism")
     if aux_outputs_read_the_block_pool(vllm_config):
         problems.append(
             "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
@@ -55,14 +53,21 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             + ", ".join(problems)
             + "; supported: models with full, sliding-window, chunked-local attention, "
             "MLA, Mamba and (encoder-decoder) cross-attention layers, prefix caching, "
-            "chunked prefill, preemption, speculative decoding, KV connectors"
+            "chunked prefill, preemption, speculative decoding, KV connectors, decode "
+            "context parallelism"
         )
 
 
 def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
     """Replace ``scheduler.kv_cache_manager`` (built by vLLM) with a jenga-backed one."""
     options = JengaVllmOptions.from_vllm_config(scheduler.vllm_config)
-    layout = build_layout(scheduler.kv_cache_config, scheduler.max_model_len, options)
+    # vLLM's scheduler builds its manager with its DCP world size and pcp_world_size=1
+    layout = build_layout(
+        scheduler.kv_cache_config,
+        scheduler.max_model_len,
+        options,
+        dcp_world_size=scheduler.vllm_config.parallel_config.decode_context_parallel_size,
+    )
     manager = JengaKVCacheManager(
         layout,
         enable_caching=bool(scheduler.cache_config.enable_prefix_caching),
