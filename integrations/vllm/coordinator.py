@@ -3,9 +3,10 @@
 Rationale
     vLLM's `EngineCore` and `Scheduler` reach past the manager into its coordinator:
     ``coordinator.single_type_managers`` (each with ``block_size``, ``kv_cache_spec``,
-    ``kv_cache_group_id``, ``dcp_world_size``) and ``group_block_sizes`` for the effective attention block size, the KV-group metadata
-    for event consumers and the speculative-step block count; ``enable_partial_hash_hits``;
-    and ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
+    ``kv_cache_group_id``, ``dcp_world_size``) and ``group_block_sizes`` for the
+    effective attention block size, the KV-group metadata for event consumers and the
+    speculative-step block count; ``enable_partial_hash_hits``; and
+    ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
     vLLM's own coordinator would allocate its block pool; this view answers the same
     questions from the jenga layout and allocator.
 

@@ -118,7 +118,7 @@ class _JengaManagerMixin:
         check_supported_config(vllm_config)
         # before vLLM's own manager, which asserts on the groups decode CP cannot shard
         kv_cache_config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
-        if kv_cache_config is not None:
+        if vllm_config is not None and kv_cache_config is not None:
             dcp = vllm_config.parallel_config.decode_context_parallel_size
             check_context_parallel(kv_cache_config.kv_cache_groups, dcp, 1)
         super().__init__(*args, **kwargs)

@@ -19,12 +19,12 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from integrations.vllm.harness import cases, engine, replay
-
-from integrations.vllm import compat
 from integrations.vllm.drop_in import jenga_kv_cache_manager
 from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.harness import cases, engine, replay
 from integrations.vllm.layout import build_layout
+
+from integrations.vllm import compat
 from tests.integrations.vllm.test_activation import engine_request
 
 PREFIX = 112  # 7 blocks of 16 tokens, 3 blocks (96 tokens) of 16 x 2
