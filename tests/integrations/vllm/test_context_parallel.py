@@ -31,7 +31,8 @@ PREFIX = 112  # 7 blocks of 16 tokens, 3 blocks (96 tokens) of 16 x 2
 
 
 def _core(model_dir: Path, case: str, kv_tensors: str, dcp: int, *, jenga: bool = True) -> Any:
-    setup = replay.SchedulerSetup(max_model_len=1024, jenga_options={"kv_tensors": kv_tensors})
+    options = {"kv_tensors": kv_tensors} if jenga else None  # None: vLLM's own manager
+    setup = replay.SchedulerSetup(max_model_len=1024, jenga_options=options)
     config = replay.make_vllm_config(model_dir, setup)
     config.parallel_config.decode_context_parallel_size = dcp  # as vLLM's own DCP tests set it
     if jenga:
@@ -40,21 +41,25 @@ def _core(model_dir: Path, case: str, kv_tensors: str, dcp: int, *, jenga: bool 
     return compat.engine_core_class()(config, executor, log_stats=True)
 
 
-def _serve(core: Any, n: int) -> tuple[set[str], int, dict[str, int]]:
+def _serve(core: Any, n: int) -> tuple[set[str], int, dict[str, tuple[tuple[int, ...], int]]]:
     """``n`` requests sharing a ``PREFIX``-token prefix, stepped until all finish: (the
-    finished ids, the prefix-hit tokens vLLM's scheduler reported, each request's most
-    blocks in group 0 with the tokens they held then)."""
+    finished ids, the prefix-hit tokens vLLM's scheduler reported and, on the jenga
+    manager, each running request's blocks per group and the tokens the allocator held
+    for it after its last step)."""
     for i in range(n):
         request = engine_request(f"r{i}", [7] * PREFIX + [i + 1] * 40)
         core.add_request(*core.preprocess_add_request(request))
     finished: set[str] = set()
-    hits, held = 0, {}
+    hits = 0
+    held: dict[str, tuple[tuple[int, ...], int]] = {}
     manager = core.scheduler.kv_cache_manager
     for _ in range(80):
         outputs, _executed = core.step()
         for request in core.scheduler.running:
-            blocks = manager.get_block_ids(request.request_id)[0]
-            held[request.request_id] = (len(blocks), request.num_computed_tokens)
+            if hasattr(manager, "allocator"):  # the jenga manager: the tokens it holds
+                rid = request.request_id
+                rows = tuple(len(row) for row in manager.get_block_ids(rid))
+                held[rid] = (rows, manager.allocator.num_tokens(rid))
         for batch in outputs.values():
             finished.update(o.request_id for o in batch.outputs if o.finished)
             stats = batch.scheduler_stats
@@ -65,43 +70,63 @@ def _serve(core: Any, n: int) -> tuple[set[str], int, dict[str, int]]:
     return finished, hits, held
 
 
-@pytest.mark.parametrize("case", ["llama", "deepseek"])
+@pytest.mark.parametrize(
+    ("case", "hits"), [("llama", 2 * 96), ("deepseek", 2 * 96), ("jamba", None)]
+)
 @pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
 def test_engine_core_with_dcp_hits_and_allocates_sharded_blocks(
-    model_dir: Path, case: str, kv_tensors: str
+    model_dir: Path, case: str, hits: int | None, kv_tensors: str
 ) -> None:
-    """dcp=2 on a full-attention and an MLA model: the manager's block is 32 tokens (one
-    rank's page still 16 tokens' bytes), the engine's effective attention block size is
-    32, hits are whole 32-token blocks (96 of the 112 shared tokens, where 16-token blocks
-    would give 112) as on vLLM's manager in the same engine, and a request holds
-    ceil(tokens / 32) blocks."""
-    hits = []
+    """dcp=2 on a full-attention, an MLA and a Mamba hybrid model: an attention block is 32
+    tokens (one rank's page still 16 tokens' bytes), a Mamba group keeps 16, the engine's
+    effective attention block size is 32, and a request holds ceil(tokens / block) blocks
+    per group. The prefix-hit tokens equal those of vLLM's manager in the same engine:
+    whole 32-token blocks (96 of the 112 shared tokens, where 16-token blocks would give
+    112) on the attention models."""
+    reported = []
     for jenga in (True, False):
         core = _core(model_dir, case, kv_tensors, 2, jenga=jenga)
         scheduler = core.scheduler
         manager = scheduler.kv_cache_manager
+        assert type(manager).__name__ == ("JengaKVCacheManager" if jenga else "KVCacheManager")
         assert scheduler.block_size == 32 and scheduler.dcp_world_size == 2
         assert core.vllm_config.cache_config.effective_attention_block_size == 32
-        assert [g.block_size for g in manager.coordinator.single_type_managers] == [32]
+        views = manager.coordinator.single_type_managers
+        sizes = [16 if type(v.kv_cache_spec).__name__ == "MambaSpec" else 32 for v in views]
+        assert [v.block_size for v in views] == sizes
         finished, hit_tokens, held = _serve(core, 3)
         assert finished == {"r0", "r1", "r2"}
-        hits.append(hit_tokens)
+        reported.append(hit_tokens)
         if jenga:
-            assert type(manager).__name__ == "JengaKVCacheManager"
-            group = manager.layout.groups[0]
-            assert (group.block_size, group.dcp_world_size) == (32, 2)
-            single = build_layout(scheduler.kv_cache_config, 1024, manager.layout.options)
-            assert group.page_bytes == single.groups[0].page_bytes  # one rank's page
-            assert manager.coordinator.single_type_managers[0].dcp_world_size == 2
-            for blocks, tokens in held.values():
-                assert blocks * 32 >= tokens > (blocks - 1) * 32 - 32
-            assert manager.stats()["prefix.hit_tokens"] == 2 * 96
-            manager.check_invariants(expensive=True)
-            if kv_tensors == "vmm":
-                worker = core.model_executor.worker
-                assert worker.kv_cache is not None and worker.kv_cache.mapped_bytes() > 0
+            _check_jenga_side(core, manager, sizes, held, kv_tensors)
         core.model_executor.shutdown()
-    assert hits == [2 * 96, 2 * 96]
+    assert reported[0] == reported[1] > 0
+    if hits is not None:
+        assert reported[0] == hits
+
+
+def _check_jenga_side(
+    core: Any,
+    manager: Any,
+    sizes: list[int],
+    held: dict[str, tuple[tuple[int, ...], int]],
+    kv_tensors: str,
+) -> None:
+    """Block sizes, one rank's pages, the coordinator view and each request's tables."""
+    groups = manager.layout.groups
+    assert [g.block_size for g in groups] == sizes
+    assert [g.dcp_world_size for g in groups] == [size // 16 for size in sizes]
+    single = build_layout(core.scheduler.kv_cache_config, 1024, manager.layout.options)
+    assert [g.page_bytes for g in groups] == [g.page_bytes for g in single.groups]
+    views = manager.coordinator.single_type_managers
+    assert [v.dcp_world_size for v in views] == [size // 16 for size in sizes]
+    assert set(held) == {"r0", "r1", "r2"}
+    for rows, tokens in held.values():
+        assert list(rows) == [-(-tokens // size) for size in sizes]
+    manager.check_invariants(expensive=True)
+    if kv_tensors == "vmm":
+        worker = core.model_executor.worker
+        assert worker.kv_cache is not None and worker.kv_cache.mapped_bytes() > 0
 
 
 def test_scheduler_refuses_dcp_over_a_sliding_window_group(model_dir: Path) -> None:
