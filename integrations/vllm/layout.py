@@ -85,7 +85,7 @@ from integrations.vllm.specs import (
 )
 
 if TYPE_CHECKING:
-    from integrations.vllm.compat import KVCacheConfig
+    from integrations.vllm.compat import KVCacheConfig, KVCacheGroupSpec
 
 
 @dataclass(frozen=True)
@@ -163,8 +163,7 @@ def build_layout(
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
 ) -> JengaLayout:
-    """Convert vLLM's config; raises `UnsupportedLayerKind`, `UnsupportedFeature` (a
-    context-parallel setting vLLM's manager refuses), `JengaVllmError` (no room)."""
+    """Convert vLLM's config; raises UnsupportedLayerKind, UnsupportedFeature, JengaVllmError."""
     options = options or JengaVllmOptions()
     vgroups = list(kv_cache_config.kv_cache_groups)
     if not vgroups:
@@ -176,16 +175,8 @@ def build_layout(
     geometry = options.tensor_geometry
     shared = geometry is TensorGeometry.SHARED_SLOTS
     slot = memory // max(1, int(kv_cache_config.num_blocks)) if shared else None
-    kv_groups: list[KVGroup] = []
-    next_layer = 0
-    for i, g in enumerate(vgroups):
-        spec = layer_spec_from_vllm(
-            g.kv_cache_spec, max_model_len, i, slot, len(g.layer_names), dcp_world_size
-        )
-        ids = tuple(range(next_layer, next_layer + len(g.layer_names)))
-        next_layer += len(ids)
-        kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
-    model = ModelSpec("vllm", tuple(kv_groups), max_model_len)
+    kv_groups = _kv_groups(vgroups, max_model_len, slot, dcp_world_size)
+    model = ModelSpec("vllm", kv_groups, max_model_len)
     placements: tuple[GroupPlacement | None, ...] = (None,) * len(kv_groups)
     if shared:
         table, total_units = vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
@@ -225,6 +216,22 @@ def build_layout(
             )
         )
     return JengaLayout(model, table, config, tuple(groups), memory, options)
+
+
+def _kv_groups(
+    vgroups: list[KVCacheGroupSpec], max_model_len: int, slot: int | None, dcp_world_size: int
+) -> tuple[KVGroup, ...]:
+    """One jenga group per vLLM group, in vLLM's order; layer names become layer ids."""
+    kv_groups: list[KVGroup] = []
+    next_layer = 0
+    for i, g in enumerate(vgroups):
+        spec = layer_spec_from_vllm(
+            g.kv_cache_spec, max_model_len, i, slot, len(g.layer_names), dcp_world_size
+        )
+        ids = tuple(range(next_layer, next_layer + len(g.layer_names)))
+        next_layer += len(ids)
+        kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
+    return tuple(kv_groups)
 
 
 def _rules(options: JengaVllmOptions) -> AllocationRules:
