@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.drop_in import jenga_kv_cache_manager
 from integrations.vllm.errors import UnsupportedFeature
-from integrations.vllm.harness import cases, engine, replay
+from integrations.vllm.harness import cases, engine, offload, replay
 from integrations.vllm.layout import build_layout
 
 from integrations.vllm import compat
@@ -190,3 +190,36 @@ def test_context_parallel_settings_vllm_refuses_are_refused_by_name(
     config = _config(_gemma2_groups())
     with pytest.raises(UnsupportedFeature, match=match):
         jenga_kv_cache_manager(config, 1024, dcp_world_size=dcp, pcp_world_size=pcp)
+
+
+@pytest.mark.parametrize("jenga", [True, False], ids=["jenga", "vllm"])
+def test_offloading_connector_under_dcp_loads_whole_sharded_blocks(
+    model_dir: Path, jenga: bool
+) -> None:
+    """vLLM's CPU offloading connector with dcp=2 (32-token blocks, offloaded 32 at a
+    time): three documents that no longer fit on the GPU come back from the CPU tier,
+    every whole 32-token block of each 266-token prompt (256 tokens), as on vLLM's manager."""
+    setup = replay.SchedulerSetup(
+        max_model_len=400, max_num_batched_tokens=512, jenga_options={} if jenga else None
+    )
+    config = replay.make_vllm_config(model_dir, setup)
+    config.parallel_config.decode_context_parallel_size = 2
+    config.kv_transfer_config = offload.offloading_config(64 << 20, 32)
+    if jenga:
+        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+    # about 25 blocks of 32 tokens (each rank's page holds 16): 3 documents do not fit
+    executor = offload.offload_executor_class("llama", 7 << 19)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    try:
+        manager = core.scheduler.kv_cache_manager
+        assert (type(manager).__name__ == "JengaKVCacheManager") is jenga
+        docs = [[100 + d] * 16 + list(range(1000 * d, 1000 * d + 250)) for d in range(3)]
+        cached = offload.run_prefix_workload(core, docs + docs, max_steps=200)
+        assert cached == [(0, 0)] * 3 + [(0, 256)] * 3  # (GPU hit, CPU load) per request
+        worker = core.model_executor.worker
+        assert worker.num_stores > 0 and worker.num_loads > 0
+        if jenga:
+            manager.check_invariants(expensive=True)
+            assert not manager._requests and not manager._connector.live_parked
+    finally:
+        core.model_executor.shutdown()
