@@ -86,10 +86,18 @@ class LayerSpec:
     # CROSS_ATTENTION / VISION_EMBEDDING: tokens one image contributes (mllama: 4 tiles x 1601).
     tokens_per_image: int | None = None
     sink_len: int | None = None  # SINK_FULL: sink tokens, a multiple of block_size
+    # attention kinds: ranks a block's tokens are spread over (vLLM's decode context
+    # parallelism); one rank's page holds block_size // token_shards of them
+    token_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise SpecError(f"block_size must be > 0, got {self.block_size}")
+        if self.token_shards <= 0 or self.block_size % self.token_shards:
+            raise SpecError(
+                f"token_shards must be > 0 and divide block_size {self.block_size}, "
+                f"got {self.token_shards}"
+            )
         if self.dtype_bytes <= 0:
             raise SpecError(f"dtype_bytes must be > 0, got {self.dtype_bytes}")
         self._check_kind_fields()
@@ -100,6 +108,8 @@ class LayerSpec:
                 raise SpecError(
                     f"mamba checkpoint_interval must be > 0, got {self.checkpoint_interval}"
                 )
+            if self.token_shards != 1:
+                raise SpecError(f"a mamba state is not sharded by tokens ({self.token_shards})")
             return
         if self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise SpecError(
@@ -158,11 +168,12 @@ class LayerSpec:
 
     @property
     def page_bytes(self) -> int:
-        """The small page: one block of this layer (one state for Mamba)."""
+        """The small page: one block of this layer (one state for Mamba); with
+        `token_shards` > 1, the part of the block one rank holds."""
         if self.kind is Kind.MAMBA:
             assert self.state_bytes is not None
             return self.state_bytes
-        return self.bytes_per_token * self.block_size
+        return self.bytes_per_token * (self.block_size // self.token_shards)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ Limitations
     Partial-tail offloads (a KV producer's sub-block Mamba tails) belong to vLLM's "align"
     sub-block hits, which the jenga manager does not make (``enable_partial_hash_hits``
     is False): none are offered. The block pool serves the scheduler's calls, not vLLM's
-    `BlockPool` internals. Decode context parallelism stays refused.
+    `BlockPool` internals. Under decode context parallelism block sizes are the scaled
+    ones the manager uses (`integrations.vllm.layout`).
 """
 
 from __future__ import annotations

@@ -3,16 +3,18 @@
 Rationale
     vLLM's `EngineCore` and `Scheduler` reach past the manager into its coordinator:
     ``coordinator.single_type_managers`` (each with ``block_size``, ``kv_cache_spec``,
-    ``kv_cache_group_id``) for the effective attention block size, the KV-group metadata
-    for event consumers and the speculative-step block count; ``enable_partial_hash_hits``;
-    and ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
+    ``kv_cache_group_id``, ``dcp_world_size``) and ``group_block_sizes`` for the
+    effective attention block size, the KV-group metadata for event consumers and the
+    speculative-step block count; ``enable_partial_hash_hits``; and
+    ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
     vLLM's own coordinator would allocate its block pool; this view answers the same
     questions from the jenga layout and allocator.
 
 Approach
     `GroupView` is one vLLM group as the engine sees it (vLLM's own spec object, so
     ``is_full_attention_spec`` and friends classify it as vLLM does). `CoordinatorView`
-    holds them in vLLM's group order and delegates block counting to the manager's
+    holds them in vLLM's group order (block sizes as the layout scales them under decode
+    context parallelism) and delegates block counting to the manager's
     `blocks_needed` estimate (the same one the ``full_sequence_must_fit`` gate uses).
 
 Limitations
@@ -22,12 +24,13 @@ Limitations
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig, KVCacheSpec
+    from integrations.vllm.layout import GroupLayout
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class GroupView:
 
     kv_cache_group_id: int
     kv_cache_spec: KVCacheSpec
-    block_size: int
+    block_size: int  # tokens of one block, scaled by decode context parallelism
+    dcp_world_size: int = 1  # ranks one block's tokens are spread over (1: replicated)
 
 
 class CoordinatorView:
@@ -45,12 +49,16 @@ class CoordinatorView:
     enable_partial_hash_hits = False  # hits are whole blocks of the scheduler block size
 
     def __init__(
-        self, kv_cache_config: KVCacheConfig, blocks_needed: Callable[[str, int, int], int]
+        self,
+        kv_cache_config: KVCacheConfig,
+        blocks_needed: Callable[[str, int, int], int],
+        groups: Sequence[GroupLayout],
     ) -> None:
         self.single_type_managers = tuple(
-            GroupView(i, g.kv_cache_spec, int(g.kv_cache_spec.block_size))
-            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+            GroupView(i, vg.kv_cache_spec, g.block_size, g.dcp_world_size)
+            for i, (vg, g) in enumerate(zip(kv_cache_config.kv_cache_groups, groups, strict=True))
         )
+        self.group_block_sizes = tuple(g.block_size for g in self.single_type_managers)
         self._blocks_needed = blocks_needed
 
     def get_num_blocks_to_allocate(

@@ -10,8 +10,10 @@ Rationale
 Approach
     `jenga_kv_cache_manager` accepts vLLM's keyword arguments of every supported version,
     passes the speculative-decoding ones (``use_eagle``, ``num_prefill_lookahead``, 0.33's
-    ``num_hash_lookahead_tokens``) on as a `SpeculativeSetup`, refuses decode/prefill
-    context parallelism with `UnsupportedFeature` naming them, validates the config's
+    ``num_hash_lookahead_tokens``) on as a `SpeculativeSetup`, passes the context-parallel
+    world sizes to `build_layout` (decode context parallelism scales a sharded group's
+    block as vLLM's manager does; the groups vLLM refuses are refused with
+    `UnsupportedFeature` naming them), validates the config's
     ``prefix_cache_retention_interval`` as vLLM does (`ValueError`), and builds
     `JengaKVCacheManager` on `build_layout` of the config with default `JengaVllmOptions`
     (or the ones given).
@@ -29,27 +31,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
+from integrations.vllm.specs import dcp_shards
 from integrations.vllm.speculative import SpeculativeSetup
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig
-
-
-def check_manager_args(dcp_world_size: int, pcp_world_size: int) -> None:
-    """Raise `UnsupportedFeature` for manager arguments that ask for what we do not serve."""
-    problems = []
-    if dcp_world_size > 1:
-        problems.append(f"decode context parallelism (dcp_world_size={dcp_world_size})")
-    if pcp_world_size > 1:
-        problems.append(f"prefill context parallelism (pcp_world_size={pcp_world_size})")
-    if problems:
-        raise UnsupportedFeature(
-            "the jenga KV-cache manager does not support " + ", ".join(problems)
-        )
 
 
 RETAINING_SPECS = ("SlidingWindowSpec", "MambaSpec")
@@ -100,17 +89,22 @@ def jenga_kv_cache_manager(
 ) -> JengaKVCacheManager:
     """`JengaKVCacheManager` from the arguments vLLM's `KVCacheManager` takes.
 
-    ``scheduler_block_size`` defaults to the lcm of the groups' block sizes (vLLM's value
-    without context parallelism); it only checks the retention interval here.
+    ``scheduler_block_size`` defaults to the lcm of the groups' block sizes (each scaled by
+    decode context parallelism where vLLM scales it); it only checks the retention
+    interval here.
     """
-    check_manager_args(dcp_world_size, pcp_world_size)
     if scheduler_block_size is None:
-        sizes = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+        sizes = [
+            int(g.kv_cache_spec.block_size) * dcp_shards(g.kv_cache_spec, dcp_world_size)
+            for g in kv_cache_config.kv_cache_groups
+        ]
         scheduler_block_size = math.lcm(*sizes) if sizes else 1
     check_retention_interval(kv_cache_config, scheduler_block_size)
     speculative = SpeculativeSetup(use_eagle, num_prefill_lookahead, num_hash_lookahead_tokens)
     speculative.check(scheduler_block_size, enable_caching)
-    layout = build_layout(kv_cache_config, max_model_len, jenga_options)
+    layout = build_layout(
+        kv_cache_config, max_model_len, jenga_options, dcp_world_size, pcp_world_size
+    )
     return JengaKVCacheManager(
         layout,
         enable_caching=enable_caching,

@@ -9,8 +9,10 @@ Rationale
 Approach
     - One jenga group per vLLM KV-cache group, in vLLM's order, so group ``i`` of the
       scheduler output is jenga group ``i``. Layer names become integer layer ids.
-    - Each group keeps vLLM's ``block_size`` (the worker's slot mapping uses it). Where a
-      block id points depends on `JengaVllmOptions.tensor_geometry`:
+    - Each group's ``block_size`` is the one vLLM's manager uses: the spec's, times the
+      decode context parallel world size for a sharded group (one rank's page still
+      holds the spec's ``block_size`` tokens: `integrations.vllm.specs`). Where a block
+      id points depends on `JengaVllmOptions.tensor_geometry`:
 
       * shared slots (``pages="vllm"``, with vLLM's own KV tensors): vLLM overlays
         every group on one buffer, so id ``b`` names the same bytes in every group.
@@ -75,6 +77,7 @@ from integrations.vllm.page_tables import (
 )
 from integrations.vllm.placement import GroupPlacement
 from integrations.vllm.specs import (
+    check_context_parallel,
     check_spec_kind,
     kv_cache_memory_bytes,
     layer_spec_from_vllm,
@@ -82,7 +85,7 @@ from integrations.vllm.specs import (
 )
 
 if TYPE_CHECKING:
-    from integrations.vllm.compat import KVCacheConfig
+    from integrations.vllm.compat import KVCacheConfig, KVCacheGroupSpec
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class GroupLayout:
     null_block_id: int  # capacity (vmm pages) or 0 (vllm pages, vLLM's null block)
     block_bytes: int  # what one block of this group costs in the KV-cache budget
     placement: GroupPlacement | None = None  # per_group VMM geometry, else None
+    dcp_world_size: int = 1  # ranks one block's tokens are spread over (decode CP)
 
     @property
     def spread_ids(self) -> bool:
@@ -153,27 +157,26 @@ class JengaLayout:
 
 
 def build_layout(
-    kv_cache_config: KVCacheConfig, max_model_len: int, options: JengaVllmOptions | None = None
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    options: JengaVllmOptions | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> JengaLayout:
-    """Convert vLLM's config; raises `UnsupportedLayerKind`, `JengaVllmError` (no room)."""
+    """Convert vLLM's config; raises UnsupportedLayerKind, UnsupportedFeature, JengaVllmError."""
     options = options or JengaVllmOptions()
     vgroups = list(kv_cache_config.kv_cache_groups)
     if not vgroups:
         raise JengaVllmError("the KV-cache config has no groups (attention-free model)")
     for i, g in enumerate(vgroups):
         check_spec_kind(g.kv_cache_spec, i)
+    check_context_parallel(vgroups, dcp_world_size, pcp_world_size)
     memory = kv_cache_memory_bytes(kv_cache_config)
     geometry = options.tensor_geometry
     shared = geometry is TensorGeometry.SHARED_SLOTS
     slot = memory // max(1, int(kv_cache_config.num_blocks)) if shared else None
-    kv_groups: list[KVGroup] = []
-    next_layer = 0
-    for i, g in enumerate(vgroups):
-        spec = layer_spec_from_vllm(g.kv_cache_spec, max_model_len, i, slot, len(g.layer_names))
-        ids = tuple(range(next_layer, next_layer + len(g.layer_names)))
-        next_layer += len(ids)
-        kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
-    model = ModelSpec("vllm", tuple(kv_groups), max_model_len)
+    kv_groups = _kv_groups(vgroups, max_model_len, slot, dcp_world_size)
+    model = ModelSpec("vllm", kv_groups, max_model_len)
     placements: tuple[GroupPlacement | None, ...] = (None,) * len(kv_groups)
     if shared:
         table, total_units = vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
@@ -202,16 +205,33 @@ def build_layout(
                 name=kg.name,
                 kind=kg.spec.kind,
                 layer_names=tuple(vg.layer_names),
-                block_size=int(vg.kv_cache_spec.block_size),
+                block_size=kg.spec.block_size,
                 page_bytes=kg.spec.page_bytes,
                 pages=row,
                 capacity=capacity + 1 if shared else capacity,
                 null_block_id=0 if shared else capacity,
                 block_bytes=(slot or 0) if shared else kg.spec.page_bytes * kg.num_layers,
                 placement=placement,
+                dcp_world_size=kg.spec.token_shards,
             )
         )
     return JengaLayout(model, table, config, tuple(groups), memory, options)
+
+
+def _kv_groups(
+    vgroups: list[KVCacheGroupSpec], max_model_len: int, slot: int | None, dcp_world_size: int
+) -> tuple[KVGroup, ...]:
+    """One jenga group per vLLM group, in vLLM's order; layer names become layer ids."""
+    kv_groups: list[KVGroup] = []
+    next_layer = 0
+    for i, g in enumerate(vgroups):
+        spec = layer_spec_from_vllm(
+            g.kv_cache_spec, max_model_len, i, slot, len(g.layer_names), dcp_world_size
+        )
+        ids = tuple(range(next_layer, next_layer + len(g.layer_names)))
+        next_layer += len(ids)
+        kv_groups.append(KVGroup(f"g{i}.{spec.kind}", spec, ids))
+    return tuple(kv_groups)
 
 
 def _rules(options: JengaVllmOptions) -> AllocationRules:

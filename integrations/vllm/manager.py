@@ -231,7 +231,7 @@ class JengaKVCacheManager:
                 "this JengaKVCacheManager was built without kv_cache_config, so it has no "
                 "coordinator view (install_jenga_manager passes the scheduler's)"
             )
-        return CoordinatorView(self.kv_cache_config, self.blocks_needed)
+        return CoordinatorView(self.kv_cache_config, self.blocks_needed, self.layout.groups)
 
     def blocks_needed(self, request_id: str, num_tokens: int, num_computed: int = 0) -> int:
         """Blocks (over all groups) the request must still get to hold ``num_tokens``."""

@@ -175,7 +175,8 @@ def vmm_allocate_kv_cache(
 ) -> VmmKVCache:
     """Reserve ranges and build vLLM's per-layer views for ``kv_cache_config``."""
     options = JengaVllmOptions.from_vllm_config(vllm_config)
-    layout = build_layout(kv_cache_config, vllm_config.model_config.max_model_len, options)
+    dcp = vllm_config.parallel_config.decode_context_parallel_size  # as the scheduler's
+    layout = build_layout(kv_cache_config, vllm_config.model_config.max_model_len, options, dcp)
     budget = layout.total_units * options.chunk_bytes
     if backend is None and options.shared_pool:
         backend = _join_shared_pool(options, budget)

@@ -11,7 +11,9 @@ Approach
     `JengaVllmOptions`): the plugin then sets ``scheduler_cls`` to `JengaAsyncScheduler`
     under async scheduling and to `JengaScheduler` otherwise
     (`integrations.vllm.activation`); ``--scheduler-cls`` naming either class also works.
-    Features the manager does not serve are refused up front with `UnsupportedFeature`;
+    Features the manager does not serve are refused up front with `UnsupportedFeature`
+    (decode context parallelism over a group vLLM cannot shard, before vLLM's own manager
+    asserts on it);
     a KV connector vLLM built is re-bound to the jenga manager
     (`integrations.vllm.connector.bind_connector`, which refuses the ones that drive
     vLLM's own block pool).
@@ -32,6 +34,7 @@ from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
+from integrations.vllm.specs import check_context_parallel
 from integrations.vllm.speculative import speculative_setup_of
 from integrations.vllm.version import check_vllm_version
 
@@ -42,8 +45,6 @@ if TYPE_CHECKING:
 def check_supported_config(vllm_config: VllmConfig) -> None:
     """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
     problems = []
-    if vllm_config.parallel_config.decode_context_parallel_size > 1:
-        problems.append("decode context parallelism")
     if aux_outputs_read_the_block_pool(vllm_config):
         problems.append(
             "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
@@ -55,14 +56,21 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
             + ", ".join(problems)
             + "; supported: models with full, sliding-window, chunked-local attention, "
             "MLA, Mamba and (encoder-decoder) cross-attention layers, prefix caching, "
-            "chunked prefill, preemption, speculative decoding, KV connectors"
+            "chunked prefill, preemption, speculative decoding, KV connectors, decode "
+            "context parallelism"
         )
 
 
 def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
     """Replace ``scheduler.kv_cache_manager`` (built by vLLM) with a jenga-backed one."""
     options = JengaVllmOptions.from_vllm_config(scheduler.vllm_config)
-    layout = build_layout(scheduler.kv_cache_config, scheduler.max_model_len, options)
+    # vLLM's scheduler builds its manager with its DCP world size and pcp_world_size=1
+    layout = build_layout(
+        scheduler.kv_cache_config,
+        scheduler.max_model_len,
+        options,
+        dcp_world_size=scheduler.vllm_config.parallel_config.decode_context_parallel_size,
+    )
     manager = JengaKVCacheManager(
         layout,
         enable_caching=bool(scheduler.cache_config.enable_prefix_caching),
@@ -106,7 +114,13 @@ class _JengaManagerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
-        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        check_supported_config(vllm_config)
+        # before vLLM's own manager, which asserts on the groups decode CP cannot shard
+        kv_cache_config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
+        if vllm_config is not None and kv_cache_config is not None:
+            dcp = vllm_config.parallel_config.decode_context_parallel_size
+            check_context_parallel(kv_cache_config.kv_cache_groups, dcp, 1)
         super().__init__(*args, **kwargs)
         install_jenga_manager(self)
 

@@ -17,6 +17,12 @@ Approach
     MLA specs (one latent per token) become `Kind.MLA` / `Kind.SLIDING_WINDOW_MLA`,
     static-sink specs `Kind.SINK_FULL`; each kind's rules are its jenga policy class.
 
+    Decode context parallelism follows vLLM's manager: a ``dcp_sharded`` group's block
+    spans ``block_size * dcp_world_size`` tokens, spread over the ranks, so its jenga spec
+    has that block size and ``token_shards = dcp_world_size`` (one rank's page stays the
+    spec's page); replicated groups (Mamba, a draft with ``dcp_sharded=False``) keep
+    theirs. `check_context_parallel` refuses the groups vLLM's manager refuses.
+
 Limitations
     Circular-buffer, HiSparse, encoder-only, R-SWA and uniform-type specs, compressed
     pages (``tokens_per_state != 1``: DeepSeek-V4's compressed MLA) and bounded-replay
@@ -27,11 +33,12 @@ Limitations
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from jenga.specs import ONE_VECTOR_KINDS, Kind, LayerSpec
 
-from integrations.vllm.errors import JengaVllmError, UnsupportedLayerKind
+from integrations.vllm.errors import JengaVllmError, UnsupportedFeature, UnsupportedLayerKind
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
@@ -47,6 +54,15 @@ SUPPORTED_SPECS = (
     "SinkFullAttentionSpec",
     "HiddenStateCacheSpec",
 )
+# vLLM's `FullAttentionSpec` and its subclasses: the groups decode context parallelism shards
+FULL_ATTENTION_FAMILY = (
+    "FullAttentionSpec",
+    "MLAAttentionSpec",
+    "SinkFullAttentionSpec",
+    "HiddenStateCacheSpec",
+)
+# vLLM's `AttentionSpec` family among the supported specs (all but Mamba)
+ATTENTION_SPECS = tuple(name for name in SUPPORTED_SPECS if name != "MambaSpec")
 # specs with one latent vector per token (vLLM's MLA caches: ``head_size_v == 0``)
 MLA_SPECS = {"MLAAttentionSpec": Kind.MLA, "HiddenStateCacheSpec": Kind.MLA}
 # why a spec vLLM defines is refused (the message names it; others get the supported list)
@@ -130,17 +146,61 @@ def check_spec_kind(spec: KVCacheSpec, group_index: int) -> None:
         )
 
 
+def dcp_shards(spec: KVCacheSpec, dcp_world_size: int) -> int:
+    """Ranks decode context parallelism spreads one block of ``spec`` over (vLLM's rule:
+    the world size for a ``dcp_sharded`` spec, 1 for a replicated one such as Mamba's or
+    a draft's that opts out)."""
+    return dcp_world_size if getattr(spec, "dcp_sharded", False) else 1
+
+
+def check_context_parallel(
+    vgroups: Sequence[KVCacheGroupSpec], dcp_world_size: int, pcp_world_size: int
+) -> None:
+    """vLLM's context-parallel rules for the groups, as `UnsupportedFeature` naming them.
+
+    A positive world size is required. Under decode context parallelism every sharded
+    group must be full attention (MLA and sink included: vLLM's `FullAttentionSpec`
+    family); under prefill context parallelism every group must be full attention or a
+    replicated attention group. Mamba and other replicated groups keep their block size.
+    """
+    if dcp_world_size < 1 or pcp_world_size < 1:
+        raise UnsupportedFeature(
+            f"context parallel world sizes must be >= 1, got dcp_world_size={dcp_world_size}, "
+            f"pcp_world_size={pcp_world_size}"
+        )
+    for i, g in enumerate(vgroups):
+        spec, name = g.kv_cache_spec, type(g.kv_cache_spec).__name__
+        full = name in FULL_ATTENTION_FAMILY
+        sharded = bool(getattr(spec, "dcp_sharded", False))
+        if dcp_world_size > 1 and sharded and not full:
+            raise UnsupportedFeature(
+                f"decode context parallelism (dcp_world_size={dcp_world_size}) with KV-cache "
+                f"group {i} ({name}, dcp_sharded=True): only full-attention groups (and "
+                "replicated ones: Mamba, drafts with dcp_sharded=False) can be sharded"
+            )
+        attention = name in ATTENTION_SPECS
+        if pcp_world_size > 1 and not (full or (attention and not sharded)):
+            raise UnsupportedFeature(
+                f"prefill context parallelism (pcp_world_size={pcp_world_size}) with KV-cache "
+                f"group {i} ({name}, dcp_sharded={sharded}): only full-attention groups and "
+                "replicated attention groups are served"
+            )
+
+
 def layer_spec_from_vllm(
     spec: KVCacheSpec,
     max_model_len: int,
     group_index: int,
     slot_bytes: int | None = None,
     num_layers: int = 1,
+    dcp_world_size: int = 1,
 ) -> LayerSpec:
     """The jenga `LayerSpec` whose page equals the vLLM spec's unpadded page.
 
     ``slot_bytes``: vLLM's block slot when blocks live in its shared tensors (sizes a
-    Mamba state its spec does not size, see `declared_page_bytes`).
+    Mamba state its spec does not size, see `declared_page_bytes`). Under decode context
+    parallelism a sharded group's block spans ``block_size * dcp_world_size`` tokens
+    (vLLM's manager block), of which one rank's page holds ``block_size``.
     """
     name = type(spec).__name__
     where = f"KV-cache group {group_index} ({name})"
@@ -157,7 +217,11 @@ def layer_spec_from_vllm(
             checkpoint_interval=int(spec.block_size),
             block_size=int(spec.block_size),
         )
-    return _attention_spec(spec, name, where, max_model_len)
+    shards = dcp_shards(spec, dcp_world_size)
+    layer = _attention_spec(spec, name, where, max_model_len)
+    if shards == 1:
+        return layer
+    return replace(layer, block_size=layer.block_size * shards, token_shards=shards)
 
 
 def _attention_kind(

@@ -17,6 +17,17 @@ def test_page_bytes_per_kind():
     assert LayerSpec(Kind.VISION_EMBEDDING, 1, 64).num_kv_tensors == 1
 
 
+def test_token_shards_keep_one_ranks_page():
+    """A block of 64 tokens spread over 4 ranks: one rank's page holds 16 tokens' bytes."""
+    sharded = LayerSpec(Kind.FULL, 8, 128, block_size=64, token_shards=4)
+    assert sharded.page_bytes == LayerSpec(Kind.FULL, 8, 128).page_bytes == 65_536
+    assert policy_for(sharded).num_blocks(65) == 2
+    with pytest.raises(SpecError, match=r"divide block_size 64, got 3"):
+        LayerSpec(Kind.FULL, 8, 128, block_size=64, token_shards=3)
+    with pytest.raises(SpecError, match=r"a mamba state is not sharded by tokens \(2\)"):
+        LayerSpec(Kind.MAMBA, state_bytes=1024, token_shards=2)
+
+
 def test_token_fraction_rounds_up():
     spec = LayerSpec(Kind.FULL, 8, 128, token_fraction=(1, 4))
     assert [policy_for(spec).kept_tokens(n) for n in (0, 1, 4, 5, 1000)] == [0, 1, 1, 2, 250]

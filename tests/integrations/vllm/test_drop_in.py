@@ -12,7 +12,6 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.drop_in import jenga_kv_cache_manager
-from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.harness import cases, replay
 from integrations.vllm.manager import JengaKVCacheManager
 
@@ -62,14 +61,12 @@ def test_speculative_arguments_reach_the_manager(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "named"),
-    [
-        ({"dcp_world_size": 2}, r"decode context parallelism \(dcp_world_size=2\)"),
-        ({"pcp_world_size": 4}, r"prefill context parallelism \(pcp_world_size=4\)"),
-    ],
+    ("kwargs", "block_size"), [({"dcp_world_size": 2}, 32), ({"pcp_world_size": 4}, 16)]
 )
-def test_refused_features_are_named_at_construction(
-    model_dir: Path, kwargs: dict[str, Any], named: str
+def test_context_parallel_sizes_are_served_as_vllms_manager_serves_them(
+    model_dir: Path, kwargs: dict[str, Any], block_size: int
 ) -> None:
-    with pytest.raises(UnsupportedFeature, match=named):
-        jenga_kv_cache_manager(_kv_config(model_dir), 512, **kwargs)
+    """Decode context parallelism scales a full-attention block by its world size;
+    prefill context parallelism leaves the manager's blocks as they are (vLLM's rules)."""
+    manager = jenga_kv_cache_manager(_kv_config(model_dir), 512, **kwargs)
+    assert [g.block_size for g in manager.layout.groups] == [block_size]
