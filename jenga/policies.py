@@ -54,7 +54,7 @@ import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
@@ -114,6 +114,10 @@ class Policy:
     def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
         """Blocks a request of ``length`` tokens has (allocated or released)."""
         return _ceil_div(length, self.tokens_per_block)
+
+    def num_hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        """Table entries of a request that starts from a cached ``prefix``."""
+        return self.num_blocks(prefix, images)
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         """Lowest block index still read by the token at position ``length``."""
@@ -342,9 +346,21 @@ class MambaPolicy(Policy):
     vLLM's "align" Mamba cache mode) a step spanning several checkpoints holds only the
     state it starts from and the one it ends at (`num_superseded`): the checkpoints in
     between are NULL table entries, so a table's live entries may have NULL holes.
+
+    ``speculative_states`` (speculative decoding, vLLM's ``num_speculative_blocks``):
+    the table holds that many more blocks after the running state, one per draft token
+    the engine may keep a state for::
+
+        | released / NULL | running state | speculative 1 .. s |
+                            ceil(L/T) - 1
+
+    They are scratch: never a checkpoint, never cached. When a step moves the running
+    state past them, those left below it move to the table's end (`extension`), so a
+    checkpoint index never names a block holding a draft's state.
     """
 
     step_end_only: bool = False  # the engine writes a state only where a step ends
+    speculative_states: int = 0  # scratch states after the running one (draft tokens)
     kind: ClassVar[Kind] = Kind.MAMBA
     holds_state: ClassVar[bool] = True
 
@@ -355,6 +371,17 @@ class MambaPolicy(Policy):
 
     def kept_tokens(self, length: int) -> int:
         return 0  # a state, not tokens
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        if length <= 0:
+            return 0
+        return _ceil_div(length, self.tokens_per_block) + self.speculative_states
+
+    def num_hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        return _ceil_div(prefix, self.tokens_per_block)  # a hit holds no scratch states
+
+    def last_length_held(self, num_blocks: int) -> int | None:
+        return max(0, num_blocks - self.speculative_states) * self.tokens_per_block
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         return max(0, _ceil_div(length, self.tokens_per_block) - 1)
@@ -368,6 +395,26 @@ class MambaPolicy(Policy):
         # held after the step: the state it starts from and the one where it ends
         return max(0, self.first_live_block(new) - self.num_blocks(old))
 
+    def extension(self, num_held: int, speculative_tail: bool, length: int) -> StateExtension:
+        """How a table of ``num_held`` entries grows to serve ``length`` tokens.
+
+        ``speculative_tail``: the table ends with `speculative_states` scratch entries
+        (the request was extended before; a table a prefix hit built has none). With
+        ``step_end_only`` the entries below the running state that this step skips are
+        NULL and scratch entries below it move to the end; otherwise the table just
+        grows (every checkpoint is written).
+        """
+        total = self.num_blocks(length)
+        if total <= num_held:
+            return StateExtension(0, 0, 0)
+        if not self.step_end_only:
+            return StateExtension(0, 0, total - num_held)
+        running = self.first_live_block(length)
+        tail = self.speculative_states if speculative_tail else 0
+        moved = max(0, min(tail, running - (num_held - tail)))
+        skipped = max(0, running - num_held)
+        return StateExtension(skipped, moved, total - max(num_held, running) - moved)
+
     def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
         k = prefix // self.tokens_per_block
         return range(k - 1, k) if k > 0 else range(0)
@@ -377,6 +424,16 @@ class MambaPolicy(Policy):
     ) -> tuple[np.ndarray, np.ndarray]:
         k = p // self.tokens_per_block
         return k - 1, k
+
+
+class StateExtension(NamedTuple):
+    """One state group's table growth in a step, in table order: ``skipped`` NULL
+    entries, then ``moved`` scratch blocks taken from below the running state (their old
+    entries become NULL), then ``new`` blocks from the allocator."""
+
+    skipped: int
+    moved: int
+    new: int
 
 
 class _ImagePolicy(Policy):
@@ -539,4 +596,5 @@ def policy_for(spec: LayerSpec, *, step_end_only: bool = False) -> Policy:
         chunk=spec.chunk,
         token_fraction=spec.token_fraction,
         step_end_only=step_end_only,
+        speculative_states=spec.speculative_states,
     )
