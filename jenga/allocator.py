@@ -407,27 +407,40 @@ class JengaAllocator(AllocatorViews):
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         got, copies = cow.apply(req, got) if cow else (got, ())
+        appended = self._extend_tables(req, got, firsts, skips, moves)
+        req.num_tokens = new
+        req.update_quiet_span(self.policies)
+        new_blocks = tuple(tuple(b.tolist()) for b in got)
+        return Allocation(new_blocks, released, plan, new, copies, appended)
+
+    def _extend_tables(
+        self,
+        req: LiveRequest,
+        got: Sequence[np.ndarray],
+        firsts: list[int],
+        skips: list[int],
+        moves: list[int],
+    ) -> tuple[tuple[int, ...], ...]:
+        """Record one `allocate`'s releases and new blocks in the request's tables;
+        per group the entries appended (`Allocation.appended`)."""
         appended = []
         for g, blocks in enumerate(got):
-            table = req.tables[g]
+            table, policy = req.tables[g], self.policies[g]
             start = len(table)
             req.drop_released(g, firsts[g])
-            scratch = getattr(self.policies[g], "speculative_states", 0)
+            scratch = policy.speculative_states if isinstance(policy, MambaPolicy) else 0
             req.extend_state(g, skips[g], moves[g], scratch)
             if len(table):
                 table.extend(blocks)
             else:  # a fresh array from the core, referenced nowhere else: no copy
                 req.tables[g] = IntBuffer.adopt(blocks)
-            if self.policies[g].holds_state and (skips[g] or moves[g] or len(blocks)):
+            if policy.holds_state and (skips[g] or moves[g] or len(blocks)):
                 appended.append(tuple(req.tables[g].view(start).tolist()))
-                if getattr(self.policies[g], "speculative_states", 0):
+                if scratch:
                     req.speculative_tails.add(g)
             else:
                 appended.append(tuple(blocks.tolist()))
-        req.num_tokens = new
-        req.update_quiet_span(self.policies)
-        new_blocks = tuple(tuple(b.tolist()) for b in got)
-        return Allocation(new_blocks, released, plan, new, copies, tuple(appended))
+        return tuple(appended)
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None

@@ -355,8 +355,7 @@ class JengaKVCacheManager:
                 self._release(rid)
             self.counters["requests.rejected"] += 1
             return None
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        computed += num_external_computed_tokens  # loaded by the connector
+        computed = request.num_computed_tokens + known  # hit and connector-loaded tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
@@ -364,9 +363,8 @@ class JengaKVCacheManager:
         processed = max(0, computed - request.num_in_flight_tokens)
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
-        lookahead = max(0, target - computed - num_new_tokens)  # no Mamba state for these
-        grow = (need, target, processed, external, lookahead)
-        new_blocks = self._grow(request, *grow) if room else None
+        ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
+        new_blocks = self._grow(request, need, target, processed, external, ahead) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)

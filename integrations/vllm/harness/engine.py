@@ -92,7 +92,7 @@ class HostWorker:
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = [list(ids) for ids in new.block_ids]
         cached = out.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set())
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if ids is None:
                 continue
