@@ -176,16 +176,22 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 NGRAM["prompt_lookup_min"] = 1
 
 
-def _jamba_core(model_dir: Any, kv_tensors: str, jenga: bool, speculative: Any) -> Any:
+def _jamba_core(
+    model_dir: Any, kv_tensors: str, jenga: bool, speculative: Any, asynchronous: bool
+) -> Any:
     """vLLM's `EngineCore` on the Jamba-style case with 128 MiB of KV memory (the
     speculative states take more than one state per request)."""
     options = {"kv_tensors": kv_tensors} if jenga else None  # None: vLLM's own manager
     setup = replay.SchedulerSetup(
-        max_model_len=1024, jenga_options=options, speculative=speculative
+        max_model_len=1024,
+        jenga_options=options,
+        speculative=speculative,
+        async_scheduling=asynchronous,
     )
     config = replay.make_vllm_config(model_dir, setup)
     if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+        name = "JengaAsyncScheduler" if asynchronous else "JengaScheduler"
+        config.scheduler_config.scheduler_cls = f"integrations.vllm.scheduler.{name}"
     executor = engine.host_executor_class("jamba", 128 << 20)
     return compat.engine_core_class()(config, executor, log_stats=True)
 
@@ -206,15 +212,24 @@ def _worker_tables_match(core: Any) -> None:
             assert [(i, table[i]) for i, _ in held] == held, (rid, g)
 
 
-@pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize(
+    ("method", "kv_tensors", "asynchronous"),
+    [
+        ("ngram", "torch", False),
+        ("ngram", "vmm", False),
+        ("eagle", "torch", False),
+        ("eagle", "vmm", False),
+        ("eagle", "torch", True),
+    ],
+)
 def test_a_mamba_hybrid_serves_speculative_decoding_in_the_engine(
-    model_dir: Any, tmp_path: Any, kv_tensors: str, method: str
+    model_dir: Any, tmp_path: Any, method: str, kv_tensors: str, asynchronous: bool
 ) -> None:
-    """vLLM's real `EngineCore` on a Jamba-style hybrid with speculative decoding: the
-    Mamba groups keep a state per draft token, the worker's block tables (built from
-    what the scheduler sends) equal the manager's after every step, every request
-    finishes, and the prefix hits equal those of vLLM's own manager in the same engine."""
+    """vLLM's real `EngineCore` on a Jamba-style hybrid with speculative decoding (and
+    asynchronous scheduling once): the Mamba groups keep a state per draft token, the
+    worker's block tables (built from what the scheduler sends) equal the manager's
+    after every step, every request finishes, and the prefix hits equal those of vLLM's
+    own manager in the same engine."""
     from tests.integrations.vllm.test_engine_kinds import _serve
 
     if method == "ngram":
@@ -224,7 +239,7 @@ def test_a_mamba_hybrid_serves_speculative_decoding_in_the_engine(
         spec, k = {"method": "eagle", "model": str(draft), "num_speculative_tokens": 2}, 2
     hits = []
     for jenga in (True, False):
-        core = _jamba_core(model_dir, kv_tensors, jenga, spec)
+        core = _jamba_core(model_dir, kv_tensors, jenga, spec, asynchronous)
         manager = core.scheduler.kv_cache_manager
         assert (type(manager).__name__ == "JengaKVCacheManager") is jenga
         if jenga:
