@@ -114,7 +114,7 @@ from jenga.errors import InvalidInput as InvalidInput
 from jenga.fork import CopyOnWrite, checked_children, forked, mark_shared_tail, share_blocks
 from jenga.guard import Entry, guard_methods
 from jenga.plan import MappingPlan, plan_from_keys
-from jenga.policies import MambaPolicy, Policy, StateExtension, make_policy
+from jenga.policies import Policy, StateExtension, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
 from jenga.requests import (
     NULL_BLOCK,
@@ -343,11 +343,11 @@ class JengaAllocator(AllocatorViews):
             releases.append(release)
             firsts.append(first)
             held = len(req.tables[g])
-            if isinstance(policy, MambaPolicy):
-                length = new - lookahead if policy.step_end_only else new
-                grow = policy.extension(held, g in req.speculative_tails, length)
-            else:
+            if policy.reads_images:
                 grow = StateExtension(0, 0, max(0, policy.num_blocks(new, req.images) - held))
+            else:
+                length = policy.counted_length(new, lookahead)
+                grow = policy.extension(held, g in req.speculative_tails, length)
             skips.append(grow.skipped)
             moves.append(grow.moved)
             counts.append(grow.new)
@@ -428,7 +428,7 @@ class JengaAllocator(AllocatorViews):
             table, policy = req.tables[g], self.policies[g]
             start = len(table)
             req.drop_released(g, firsts[g])
-            scratch = policy.speculative_states if isinstance(policy, MambaPolicy) else 0
+            scratch = policy.scratch_blocks()
             req.extend_state(g, skips[g], moves[g], scratch)
             if len(table):
                 table.extend(blocks)

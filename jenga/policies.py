@@ -78,6 +78,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class StateExtension(NamedTuple):
+    """One state group's table growth in a step, in table order: ``skipped`` NULL
+    entries, then ``moved`` scratch blocks taken from below the running state (their old
+    entries become NULL), then ``new`` blocks from the allocator."""
+
+    skipped: int
+    moved: int
+    new: int
+
+
 @dataclass(frozen=True)
 class Policy:
     """Full attention: every token is read, every block stays, any cached prefix is valid."""
@@ -140,14 +150,19 @@ class Policy:
             return None
         return sys.maxsize  # full attention reads from token 0: block 0 stays live
 
-    def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
-        """New block indices of one step ``old -> new`` that are stale before it ends.
+    def counted_length(self, length: int, lookahead: int) -> int:
+        """Of a request's ``length`` tokens (the last ``lookahead`` of them a draft's
+        lookahead slots), those this kind holds blocks for (all of them)."""
+        return length
 
-        They come first among the step's new blocks and are never allocated (their table
-        entries are NULL). Only Mamba has any: the engine writes the state where the step
-        ends, so the checkpoints strictly inside the span never exist.
-        """
+    def scratch_blocks(self) -> int:
+        """Blocks a table keeps after its live ones that never hold a checkpoint."""
         return 0
+
+    def extension(self, num_held: int, speculative_tail: bool, length: int) -> StateExtension:
+        """How a table of ``num_held`` entries grows to serve ``length`` tokens: new
+        blocks up to `num_blocks` (state kinds may also skip and move entries)."""
+        return StateExtension(0, 0, max(0, self.num_blocks(length) - num_held))
 
     def active_blocks(self, length: int, images: Sequence[Image] = ()) -> range:
         """Blocks whose last access the step computing position ``length`` refreshes."""
@@ -344,7 +359,7 @@ class MambaPolicy(Policy):
     before it is kept while a step crosses a boundary (the engine copies it forward).
     With ``step_end_only`` (an engine that writes the state only where a step ends, like
     vLLM's "align" Mamba cache mode) a step spanning several checkpoints holds only the
-    state it starts from and the one it ends at (`num_superseded`): the checkpoints in
+    state it starts from and the one it ends at (`extension`): the checkpoints in
     between are NULL table entries, so a table's live entries may have NULL holes.
 
     ``speculative_states`` (speculative decoding, vLLM's ``num_speculative_blocks``):
@@ -389,11 +404,12 @@ class MambaPolicy(Policy):
     def last_length_first_live(self, first: int) -> int | None:
         return (first + 1) * self.tokens_per_block  # ceil(L / t) - 1 <= first
 
-    def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
-        if not self.step_end_only:
-            return 0  # every checkpoint in the span is written (and cacheable)
-        # held after the step: the state it starts from and the one where it ends
-        return max(0, self.first_live_block(new) - self.num_blocks(old))
+    def counted_length(self, length: int, lookahead: int) -> int:
+        # step-end mode: no state is written for a draft's lookahead slots
+        return length - lookahead if self.step_end_only else length
+
+    def scratch_blocks(self) -> int:
+        return self.speculative_states
 
     def extension(self, num_held: int, speculative_tail: bool, length: int) -> StateExtension:
         """How a table of ``num_held`` entries grows to serve ``length`` tokens.
@@ -401,8 +417,9 @@ class MambaPolicy(Policy):
         ``speculative_tail``: the table ends with `speculative_states` scratch entries
         (the request was extended before; a table a prefix hit built has none). With
         ``step_end_only`` the entries below the running state that this step skips are
-        NULL and scratch entries below it move to the end; otherwise the table just
-        grows (every checkpoint is written).
+        NULL (a step spanning several checkpoints holds only the state it starts from
+        and the one it ends at) and scratch entries below it move to the end; otherwise
+        the table just grows (every checkpoint is written).
         """
         total = self.num_blocks(length)
         if total <= num_held:
@@ -424,16 +441,6 @@ class MambaPolicy(Policy):
     ) -> tuple[np.ndarray, np.ndarray]:
         k = p // self.tokens_per_block
         return k - 1, k
-
-
-class StateExtension(NamedTuple):
-    """One state group's table growth in a step, in table order: ``skipped`` NULL
-    entries, then ``moved`` scratch blocks taken from below the running state (their old
-    entries become NULL), then ``new`` blocks from the allocator."""
-
-    skipped: int
-    moved: int
-    new: int
 
 
 class _ImagePolicy(Policy):
