@@ -558,9 +558,15 @@ class JengaAllocator(AllocatorViews):
         reference each); the block the next token writes into is copied on each holder's
         next write (`Allocation.copies`; per kind: `jenga.fork`). Needs no memory. Raises
         `UnknownRequest`/`DoubleFree` (parent), `InvalidSize` (no child id),
-        `DuplicateRequest` (a child id live or repeated)."""
+        `DuplicateRequest` (a child id live or repeated), `InvalidInput` (the parent holds
+        speculative Mamba states: each holder's drafts would write the same scratch)."""
         parent = self._request(parent_id)
         children = checked_children(parent_id, child_ids, self._requests)
+        if parent.speculative_tails:
+            raise InvalidInput(
+                f"request {parent_id!r}: groups {sorted(parent.speculative_tails)} hold "
+                "speculative Mamba states, which a fork cannot share"
+            )
         mark_shared_tail(parent, self.policies)
         now = self._tick()
         for cid in children:

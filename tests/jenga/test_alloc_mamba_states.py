@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from jenga.allocator import NULL_BLOCK, AllocatorConfig, GroupConfig, JengaAllocator
-from jenga.errors import InvalidSize
+from jenga.errors import InvalidInput, InvalidSize, UnknownRequest
 from jenga.specs import Kind
 
 GROUPS = (
@@ -177,3 +177,14 @@ def test_a_negative_lookahead_or_one_past_the_length_is_refused():
     with pytest.raises(InvalidSize, match="lookahead 5 not in"):
         alloc.allocate("a", 4, lookahead=5)
     assert alloc.num_tokens("a") == 0
+
+
+def test_a_request_holding_speculative_states_is_not_forked():
+    alloc = make_speculative(2)
+    alloc.add_request("a", list(range(40)))
+    assert alloc.allocate("a", 40) is not None
+    with pytest.raises(InvalidInput, match=r"'a': groups \[1\] hold speculative Mamba states"):
+        alloc.fork("a", ["b"])
+    with pytest.raises(UnknownRequest):  # nothing registered
+        alloc.num_tokens("b")
+    alloc.check_invariants(expensive=True)
