@@ -4,7 +4,9 @@ vLLM's manager and ours are driven with the same calls (chunked prefill, decode 
 with draft tokens verified and rejected, lookahead slots) and compared on what the
 worker sees: each step's Mamba table (which entries are NULL, which block moved from
 where) and the rows ``allocate_slots`` returns, which vLLM's worker appends to its block
-table. Then a prefix hit on what the first request cached.
+table. Then a prefix hit on what the first request cached. Last, vLLM's real
+`EngineCore` (executor replaced) serves a Jamba-style hybrid with n-gram and EAGLE
+drafts, beside vLLM's own manager in the same engine.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ def test_speculative_mamba_tables_are_vllms(num_speculative_blocks: int, chunks:
     boundaries but the last, as vLLM's scheduler splits them in align mode."""
     config = _config(32, num_speculative_blocks)
     theirs, ours = _managers(config)
-    assert ours.layout.allocator_config.groups[MAMBA].speculative_states == (num_speculative_blocks)
+    assert ours.layout.allocator_config.groups[MAMBA].speculative_states == num_speculative_blocks
     prompt = [i % 50 for i in range(300)]
     drafts = [3, 0, 1, 3, 3, 2, 0, 3, 3, 3, 1, 3, 3]
     seen = []
