@@ -114,7 +114,7 @@ from jenga.errors import InvalidInput as InvalidInput
 from jenga.fork import CopyOnWrite, checked_children, forked, mark_shared_tail, share_blocks
 from jenga.guard import Entry, guard_methods
 from jenga.plan import MappingPlan, plan_from_keys
-from jenga.policies import Policy, make_policy
+from jenga.policies import Policy, StateExtension, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
 from jenga.requests import (
     NULL_BLOCK,
@@ -169,6 +169,7 @@ class JengaAllocator(AllocatorViews):
                 chunk=g.chunk,
                 token_fraction=g.token_fraction,
                 step_end_only=config.mamba_step_end_only,
+                speculative_states=g.speculative_states,
             )
             for g in config.groups
         )
@@ -325,26 +326,40 @@ class JengaAllocator(AllocatorViews):
         return req
 
     def _group_needs(
-        self, req: LiveRequest, old: int, new: int, upto: int
-    ) -> tuple[list[np.ndarray], list[int], list[int], list[int]]:
-        """Per group, for growing ``req`` from ``old`` to ``new`` tokens: the blocks to
-        release (those left behind at ``upto`` tokens), the first still-live block index,
-        the Mamba checkpoints skipped inside the span, and the blocks to take."""
+        self, req: LiveRequest, new: int, upto: int, lookahead: int = 0
+    ) -> tuple[list[np.ndarray], list[int], list[int], list[int], list[int]]:
+        """Per group, for growing ``req`` to ``new`` tokens: the blocks to release (those
+        left behind at ``upto`` tokens), the first still-live block index, the Mamba
+        checkpoints skipped inside the span, the scratch states moved past the running
+        one (`MambaPolicy.extension`) and the blocks to take. State groups count the
+        tokens without the ``lookahead`` slots (the draft's, which hold no state)."""
         releases: list[np.ndarray] = []
         firsts: list[int] = []
         skips: list[int] = []
+        moves: list[int] = []
         counts: list[int] = []
         for g, policy in enumerate(self.policies):
             release, first = req.skipped(g, policy, upto)
             releases.append(release)
             firsts.append(first)
-            count = max(0, policy.num_blocks(new, req.images) - len(req.tables[g]))
-            skips.append(min(count, policy.num_superseded(old, new, req.images)))
-            counts.append(count - skips[g])
-        return releases, firsts, skips, counts
+            held = len(req.tables[g])
+            if policy.reads_images:
+                grow = StateExtension(0, 0, max(0, policy.num_blocks(new, req.images) - held))
+            else:
+                length = policy.counted_length(new, lookahead)
+                grow = policy.extension(held, g in req.speculative_tails, length)
+            skips.append(grow.skipped)
+            moves.append(grow.moved)
+            counts.append(grow.new)
+        return releases, firsts, skips, moves, counts
 
     def allocate(
-        self, request_id: Hashable, num_new_tokens: int, *, release_upto: int | None = None
+        self,
+        request_id: Hashable,
+        num_new_tokens: int,
+        *,
+        release_upto: int | None = None,
+        lookahead: int = 0,
     ) -> Allocation | None:
         """Give the request slots for ``num_new_tokens`` more tokens in every group.
 
@@ -354,7 +369,10 @@ class JengaAllocator(AllocatorViews):
         that many tokens go (default: the request's current length). An engine whose
         earlier step may still be running (asynchronous scheduling) passes the tokens
         whose step has finished, so a block that step still reads is not handed out; a
-        later call (or `free`) releases it. Returns None ("no room") with nothing changed
+        later call (or `free`) releases it. ``lookahead``: how many of the request's
+        tokens after this call are a draft's lookahead slots, which Mamba groups in
+        step-end mode do not count (no state is written for them; vLLM's
+        ``num_tokens_main_model``). Returns None ("no room") with nothing changed
         when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
         (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
         """
@@ -368,11 +386,14 @@ class JengaAllocator(AllocatorViews):
         old, new = req.num_tokens, req.num_tokens + num_new_tokens
         self._check_length(request_id, "after allocate", new)
         upto = release_length(request_id, old, release_upto)
+        if not 0 <= lookahead <= new:
+            raise InvalidSize(f"request {request_id!r}: lookahead {lookahead} not in [0, {new}]")
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
-        releases, firsts, skips, counts = self._group_needs(req, old, new, upto)
+        releases, firsts, skips, moves, counts = self._group_needs(req, new, upto, lookahead)
         cow = CopyOnWrite(req, self._core, counts, releases) if req.shared_tail else None
-        if not cow and not any(counts) and not any(skips) and not any(len(r) for r in releases):
+        quiet = not any(counts) and not any(skips) and not any(moves)
+        if not cow and quiet and not any(len(r) for r in releases):
             # the slots are already held and nothing leaves: no core call, empty plan
             req.num_tokens = new
             req.update_quiet_span(self.policies)
@@ -386,18 +407,40 @@ class JengaAllocator(AllocatorViews):
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         got, copies = cow.apply(req, got) if cow else (got, ())
+        appended = self._extend_tables(req, got, firsts, skips, moves)
+        req.num_tokens = new
+        req.update_quiet_span(self.policies)
+        new_blocks = tuple(tuple(b.tolist()) for b in got)
+        return Allocation(new_blocks, released, plan, new, copies, appended)
+
+    def _extend_tables(
+        self,
+        req: LiveRequest,
+        got: Sequence[np.ndarray],
+        firsts: list[int],
+        skips: list[int],
+        moves: list[int],
+    ) -> tuple[tuple[int, ...], ...]:
+        """Record one `allocate`'s releases and new blocks in the request's tables;
+        per group the entries appended (`Allocation.appended`)."""
+        appended = []
         for g, blocks in enumerate(got):
-            table = req.tables[g]
+            table, policy = req.tables[g], self.policies[g]
+            start = len(table)
             req.drop_released(g, firsts[g])
-            if skips[g]:  # Mamba checkpoints inside the span: never held
-                table.extend(np.full(skips[g], NULL_BLOCK, dtype=np.int32))
+            scratch = policy.scratch_blocks()
+            req.extend_state(g, skips[g], moves[g], scratch)
             if len(table):
                 table.extend(blocks)
             else:  # a fresh array from the core, referenced nowhere else: no copy
                 req.tables[g] = IntBuffer.adopt(blocks)
-        req.num_tokens = new
-        req.update_quiet_span(self.policies)
-        return Allocation(tuple(tuple(b.tolist()) for b in got), released, plan, new, copies)
+            if policy.holds_state and (skips[g] or moves[g] or len(blocks)):
+                appended.append(tuple(req.tables[g].view(start).tolist()))
+                if scratch:
+                    req.speculative_tails.add(g)
+            else:
+                appended.append(tuple(blocks.tolist()))
+        return tuple(appended)
 
     def release_skipped(
         self, request_id: Hashable, *, release_upto: int | None = None
@@ -515,9 +558,15 @@ class JengaAllocator(AllocatorViews):
         reference each); the block the next token writes into is copied on each holder's
         next write (`Allocation.copies`; per kind: `jenga.fork`). Needs no memory. Raises
         `UnknownRequest`/`DoubleFree` (parent), `InvalidSize` (no child id),
-        `DuplicateRequest` (a child id live or repeated)."""
+        `DuplicateRequest` (a child id live or repeated), `InvalidInput` (the parent holds
+        speculative Mamba states: each holder's drafts would write the same scratch)."""
         parent = self._request(parent_id)
         children = checked_children(parent_id, child_ids, self._requests)
+        if parent.speculative_tails:
+            raise InvalidInput(
+                f"request {parent_id!r}: groups {sorted(parent.speculative_tails)} hold "
+                "speculative Mamba states, which a fork cannot share"
+            )
         mark_shared_tail(parent, self.policies)
         now = self._tick()
         for cid in children:
@@ -616,7 +665,7 @@ class JengaAllocator(AllocatorViews):
         self._check_length(request_id, "after allocate", new)
         if old <= req.quiet_until and new <= req.held_until:
             return 0
-        return pages_for(self.config.groups, self._group_needs(req, old, new, old)[3])
+        return pages_for(self.config.groups, self._group_needs(req, new, old)[4])
 
     def set_total_units(self, units: int) -> MappingPlan:
         """Grow or shrink the pool to ``units`` units; returns the plan of the evictions a
@@ -707,7 +756,7 @@ class JengaAllocator(AllocatorViews):
         hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []
         for g, policy in enumerate(self.policies):
-            table = [NULL_BLOCK] * (policy.num_blocks(hit, req.images) if hit else 0)
+            table = [NULL_BLOCK] * (policy.num_hit_blocks(hit, req.images) if hit else 0)
             take = policy.hit_blocks(hit, req.images) if hit else range(0)
             table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
             tables.append(table)

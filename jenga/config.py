@@ -103,6 +103,7 @@ class GroupConfig:
     window: int | None = None
     chunk: int | None = None
     token_fraction: tuple[int, int] = (1, 1)
+    speculative_states: int = 0  # Mamba: states kept per draft token past the running one
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class AllocatorConfig:
                     window=spec.window,
                     chunk=spec.chunk,
                     token_fraction=spec.token_fraction,
+                    speculative_states=spec.speculative_states,
                 )
             )
         return cls(

@@ -88,7 +88,8 @@ def mark_shared_tail(req: LiveRequest, policies: Sequence[Policy]) -> None:
     for g, policy in enumerate(policies):
         if policy.reads_images:
             continue
-        j = policy.num_blocks(length + 1, req.images) - 1
+        # the scratch states after a Mamba running state are each holder's own
+        j = policy.num_blocks(length + 1, req.images) - 1 - policy.scratch_blocks()
         table = req.tables[g]
         if req.first_live[g] <= j < len(table) and table[j] != NULL_BLOCK:
             req.shared_tail[g] = j
@@ -112,6 +113,7 @@ def forked(parent: LiveRequest, internal_id: int) -> LiveRequest:
         chains={t: chain.copy() for t, chain in parent.chains.items()},
         digests=None if parent.digests is None else list(parent.digests),
         shared_tail=dict(parent.shared_tail),
+        speculative_tails=set(parent.speculative_tails),
     )
 
 

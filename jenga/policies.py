@@ -54,7 +54,7 @@ import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
@@ -76,6 +76,16 @@ class Image(Protocol):
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class StateExtension(NamedTuple):
+    """One state group's table growth in a step, in table order: ``skipped`` NULL
+    entries, then ``moved`` scratch blocks taken from below the running state (their old
+    entries become NULL), then ``new`` blocks from the allocator."""
+
+    skipped: int
+    moved: int
+    new: int
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,10 @@ class Policy:
         """Blocks a request of ``length`` tokens has (allocated or released)."""
         return _ceil_div(length, self.tokens_per_block)
 
+    def num_hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        """Table entries of a request that starts from a cached ``prefix``."""
+        return self.num_blocks(prefix, images)
+
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         """Lowest block index still read by the token at position ``length``."""
         return self.attended_start(length) // self.tokens_per_block
@@ -136,14 +150,19 @@ class Policy:
             return None
         return sys.maxsize  # full attention reads from token 0: block 0 stays live
 
-    def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
-        """New block indices of one step ``old -> new`` that are stale before it ends.
+    def counted_length(self, length: int, lookahead: int) -> int:
+        """Of a request's ``length`` tokens (the last ``lookahead`` of them a draft's
+        lookahead slots), those this kind holds blocks for (all of them)."""
+        return length
 
-        They come first among the step's new blocks and are never allocated (their table
-        entries are NULL). Only Mamba has any: the engine writes the state where the step
-        ends, so the checkpoints strictly inside the span never exist.
-        """
+    def scratch_blocks(self) -> int:
+        """Blocks a table keeps after its live ones that never hold a checkpoint."""
         return 0
+
+    def extension(self, num_held: int, speculative_tail: bool, length: int) -> StateExtension:
+        """How a table of ``num_held`` entries grows to serve ``length`` tokens: new
+        blocks up to `num_blocks` (state kinds may also skip and move entries)."""
+        return StateExtension(0, 0, max(0, self.num_blocks(length) - num_held))
 
     def active_blocks(self, length: int, images: Sequence[Image] = ()) -> range:
         """Blocks whose last access the step computing position ``length`` refreshes."""
@@ -340,11 +359,23 @@ class MambaPolicy(Policy):
     before it is kept while a step crosses a boundary (the engine copies it forward).
     With ``step_end_only`` (an engine that writes the state only where a step ends, like
     vLLM's "align" Mamba cache mode) a step spanning several checkpoints holds only the
-    state it starts from and the one it ends at (`num_superseded`): the checkpoints in
+    state it starts from and the one it ends at (`extension`): the checkpoints in
     between are NULL table entries, so a table's live entries may have NULL holes.
+
+    ``speculative_states`` (speculative decoding, vLLM's ``num_speculative_blocks``):
+    the table holds that many more blocks after the running state, one per draft token
+    the engine may keep a state for::
+
+        | released / NULL | running state | speculative 1 .. s |
+                            ceil(L/T) - 1
+
+    They are scratch: never a checkpoint, never cached. When a step moves the running
+    state past them, those left below it move to the table's end (`extension`), so a
+    checkpoint index never names a block holding a draft's state.
     """
 
     step_end_only: bool = False  # the engine writes a state only where a step ends
+    speculative_states: int = 0  # scratch states after the running one (draft tokens)
     kind: ClassVar[Kind] = Kind.MAMBA
     holds_state: ClassVar[bool] = True
 
@@ -356,17 +387,50 @@ class MambaPolicy(Policy):
     def kept_tokens(self, length: int) -> int:
         return 0  # a state, not tokens
 
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        if length <= 0:
+            return 0
+        return _ceil_div(length, self.tokens_per_block) + self.speculative_states
+
+    def num_hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        return _ceil_div(prefix, self.tokens_per_block)  # a hit holds no scratch states
+
+    def last_length_held(self, num_blocks: int) -> int | None:
+        return max(0, num_blocks - self.speculative_states) * self.tokens_per_block
+
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         return max(0, _ceil_div(length, self.tokens_per_block) - 1)
 
     def last_length_first_live(self, first: int) -> int | None:
         return (first + 1) * self.tokens_per_block  # ceil(L / t) - 1 <= first
 
-    def num_superseded(self, old: int, new: int, images: Sequence[Image] = ()) -> int:
+    def counted_length(self, length: int, lookahead: int) -> int:
+        # step-end mode: no state is written for a draft's lookahead slots
+        return length - lookahead if self.step_end_only else length
+
+    def scratch_blocks(self) -> int:
+        return self.speculative_states
+
+    def extension(self, num_held: int, speculative_tail: bool, length: int) -> StateExtension:
+        """How a table of ``num_held`` entries grows to serve ``length`` tokens.
+
+        ``speculative_tail``: the table ends with `speculative_states` scratch entries
+        (the request was extended before; a table a prefix hit built has none). With
+        ``step_end_only`` the entries below the running state that this step skips are
+        NULL (a step spanning several checkpoints holds only the state it starts from
+        and the one it ends at) and scratch entries below it move to the end; otherwise
+        the table just grows (every checkpoint is written).
+        """
+        total = self.num_blocks(length)
+        if total <= num_held:
+            return StateExtension(0, 0, 0)
         if not self.step_end_only:
-            return 0  # every checkpoint in the span is written (and cacheable)
-        # held after the step: the state it starts from and the one where it ends
-        return max(0, self.first_live_block(new) - self.num_blocks(old))
+            return StateExtension(0, 0, total - num_held)
+        running = self.first_live_block(length)
+        tail = self.speculative_states if speculative_tail else 0
+        moved = max(0, min(tail, running - (num_held - tail)))
+        skipped = max(0, running - num_held)
+        return StateExtension(skipped, moved, total - max(num_held, running) - moved)
 
     def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
         k = prefix // self.tokens_per_block
@@ -539,4 +603,5 @@ def policy_for(spec: LayerSpec, *, step_end_only: bool = False) -> Policy:
         chunk=spec.chunk,
         token_fraction=spec.token_fraction,
         step_end_only=step_end_only,
+        speculative_states=spec.speculative_states,
     )

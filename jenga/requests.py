@@ -104,6 +104,10 @@ class Allocation(NamedTuple):
     plan: MappingPlan
     num_tokens: int
     copies: tuple[BlockCopy, ...] = ()
+    # per group the entries the call appended to the table, in order: as ``new_blocks``
+    # but for a state group also its NULL (skipped) entries and the scratch states it
+    # moved (`jenga.policies.StateExtension`); empty when nothing was allocated
+    appended: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -134,6 +138,8 @@ class LiveRequest:
     # group -> block index shared with a forked sibling that the next token writes into
     # (copied on that write: `jenga.fork`)
     shared_tail: dict[int, int] = field(default_factory=dict)
+    # state groups whose table ends with speculative scratch states (`MambaPolicy`)
+    speculative_tails: set[int] = field(default_factory=set)
 
     def grow_held(self, length: int) -> bool:
         """`JengaAllocator.allocate`'s fast path as one method: True (and the request now
@@ -157,6 +163,20 @@ class LiveRequest:
         live = table.view(self.first_live[g], first)
         release = live[live != NULL_BLOCK] if policy.holds_state else live
         return release, max(first, self.first_live[g])
+
+    def extend_state(self, g: int, skipped: int, moved: int, num_scratch: int) -> None:
+        """Append a state group's ``skipped`` NULL entries, then move the first ``moved``
+        of its ``num_scratch`` scratch states (the table's tail) to the end, NULL where
+        they were (`jenga.policies.StateExtension`; the allocator's new blocks follow)."""
+        table = self.tables[g]
+        if skipped:
+            table.extend(np.full(skipped, NULL_BLOCK, dtype=np.int32))
+        if moved:
+            start = len(table) - skipped - num_scratch
+            scratch = table.view(start, start + moved)
+            ids = scratch.copy()
+            scratch[:] = NULL_BLOCK
+            table.extend(ids)
 
     def drop_released(self, g: int, first: int) -> None:
         """NULL group g's table entries below ``first`` (released) and record it."""

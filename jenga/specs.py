@@ -80,6 +80,9 @@ class LayerSpec:
     chunk: int | None = None  # CHUNKED_LOCAL: attention chunk length (Llama 4: 8192)
     state_bytes: int | None = None  # MAMBA: bytes of one request's state in one layer
     checkpoint_interval: int = 512  # MAMBA: cache a state every N tokens for prefix hits
+    # MAMBA: states a request keeps past its running one, one per draft token of
+    # speculative decoding (vLLM's ``MambaSpec.num_speculative_blocks``)
+    speculative_states: int = 0
     model: str = "target"  # which model of a draft+target pair this layer belongs to
     # FULL only: (num, den) share of a request's tokens this layer keeps (PyramidKV-style).
     token_fraction: tuple[int, int] = (1, 1)
@@ -110,6 +113,10 @@ class LayerSpec:
                 )
             if self.token_shards != 1:
                 raise SpecError(f"a mamba state is not sharded by tokens ({self.token_shards})")
+            if self.speculative_states < 0:
+                raise SpecError(
+                    f"mamba speculative_states must be >= 0, got {self.speculative_states}"
+                )
             return
         if self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise SpecError(
@@ -138,6 +145,10 @@ class LayerSpec:
             raise SpecError(f"chunk={self.chunk} given for a {self.kind} layer")
         if self.state_bytes is not None and self.kind is not Kind.MAMBA:
             raise SpecError(f"state_bytes={self.state_bytes} given for a {self.kind} layer")
+        if self.speculative_states and self.kind is not Kind.MAMBA:
+            raise SpecError(
+                f"speculative_states={self.speculative_states} given for a {self.kind} layer"
+            )
         num, den = self.token_fraction
         if (num, den) != (1, 1):
             if self.kind is not Kind.FULL:

@@ -171,20 +171,27 @@ class ConnectorBlockPool:
 
 
 def external_then_new(
-    manager: JengaKVCacheManager, request: Request, external: int, target: int, processed: int
+    manager: JengaKVCacheManager,
+    request: Request,
+    external: int,
+    target: int,
+    processed: int,
+    lookahead: int = 0,
 ) -> tuple[tuple[int, ...], ...] | None:
-    """Slots up to ``target`` tokens for a just-admitted request, the ``external``
-    connector tokens in a call of their own first; per group the new blocks, or None
-    with the external slots given back by the caller (it releases the request)."""
+    """Slots up to ``target`` tokens (the last ``lookahead`` a draft's) for a
+    just-admitted request, the ``external`` connector tokens in a call of their own
+    first; per group the new blocks, or None with the external slots given back by the
+    caller (it releases the request)."""
     rid = request.request_id
     held = manager.allocator.num_tokens(rid)
-    first = manager._allocate(request, external, processed)
+    past_main = max(0, held + external - (target - lookahead))
+    first = manager._allocate(request, external, processed, past_main)
     if first is None:
         return None
     rest = target - held - external
     if rest <= 0:
         return first
-    second = manager._allocate(request, rest, processed)
+    second = manager._allocate(request, rest, processed, lookahead)
     if second is None:
         return None
     return tuple(a + b for a, b in zip(first, second, strict=True))

@@ -355,8 +355,7 @@ class JengaKVCacheManager:
                 self._release(rid)
             self.counters["requests.rejected"] += 1
             return None
-        computed = request.num_computed_tokens + num_new_computed_tokens
-        computed += num_external_computed_tokens  # loaded by the connector
+        computed = request.num_computed_tokens + known  # hit and connector-loaded tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
@@ -364,7 +363,8 @@ class JengaKVCacheManager:
         processed = max(0, computed - request.num_in_flight_tokens)
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
-        new_blocks = self._grow(request, need, target, processed, external) if room else None
+        ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
+        new_blocks = self._grow(request, need, target, processed, external, ahead) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -419,34 +419,46 @@ class JengaKVCacheManager:
         return self._fits(rid, target, reserved_blocks)
 
     def _grow(
-        self, request: Request, need: int, target: int, processed: int, external: int
+        self,
+        request: Request,
+        need: int,
+        target: int,
+        processed: int,
+        external: int,
+        lookahead: int,
     ) -> tuple[tuple[int, ...], ...] | None:
-        """`_allocate` of ``need`` tokens; a just-admitted request's ``external`` connector
-        tokens first, in a call of their own (`connector.external_then_new`)."""
+        """`_allocate` of ``need`` tokens, the last ``lookahead`` of ``target`` a draft's
+        slots; a just-admitted request's ``external`` connector tokens first, in a call
+        of their own (`connector.external_then_new`)."""
         if external:
-            return connector.external_then_new(self, request, external, target, processed)
-        return self._allocate(request, need, processed)
+            return connector.external_then_new(
+                self, request, external, target, processed, lookahead
+            )
+        return self._allocate(request, need, processed, lookahead)
 
     def _allocate(
-        self, request: Request, need: int, processed: int
+        self, request: Request, need: int, processed: int, lookahead: int = 0
     ) -> tuple[tuple[int, ...], ...] | None:
         """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
         the blocks out of the window as of ``processed`` tokens.
 
         Per group the new block ids, or None with nothing changed. The layout configures
         Mamba groups with ``mamba_step_end_only`` (vLLM writes a state only where a chunk
-        ends), so a long chunk holds the state it starts from and the one it ends at.
+        ends), so a long chunk holds the state it starts from and the one it ends at, and
+        does not count the ``lookahead`` slots. A Mamba group's rows are every entry the
+        call appended (NULL skips and moved speculative states too), as vLLM's worker
+        appends them to its block table.
         """
-        got = self.allocator.allocate(request.request_id, need, release_upto=processed)
+        rid = request.request_id
+        got = self.allocator.allocate(rid, need, release_upto=processed, lookahead=lookahead)
         if got is None:
             return None
         self._apply_plan(got.plan)
-        blocks = got.new_blocks
         if self.identity.events_on:
-            for g, ids in enumerate(blocks):
+            for g, ids in enumerate(got.new_blocks):
                 if ids and self.identity.digest[g]:
                     self.identity.forget(g, ids)  # a recorded block handed out again
-        return blocks
+        return got.appended or got.new_blocks
 
     def _new_allocator(self) -> JengaAllocator:
         """The layout's allocator, naming text blocks by vLLM's own digests (one per

@@ -206,16 +206,13 @@ def layer_spec_from_vllm(
     where = f"KV-cache group {group_index} ({name})"
     check_spec_kind(spec, group_index)
     if name == "MambaSpec":
-        if getattr(spec, "num_speculative_blocks", 0):
-            raise UnsupportedLayerKind(
-                f"{where}: num_speculative_blocks={spec.num_speculative_blocks} (a Mamba "
-                "state per draft token under speculative decoding) is not supported"
-            )
         return LayerSpec(
             Kind.MAMBA,
             state_bytes=_mamba_state_bytes(spec, where, slot_bytes, num_layers),
             checkpoint_interval=int(spec.block_size),
             block_size=int(spec.block_size),
+            # a state per draft token after the running one (speculative decoding)
+            speculative_states=int(getattr(spec, "num_speculative_blocks", 0) or 0),
         )
     shards = dcp_shards(spec, dcp_world_size)
     layer = _attention_spec(spec, name, where, max_model_len)

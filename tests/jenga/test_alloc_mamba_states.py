@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from jenga.allocator import NULL_BLOCK, AllocatorConfig, GroupConfig, JengaAllocator
+from jenga.errors import InvalidInput, InvalidSize, UnknownRequest
 from jenga.specs import Kind
 
 GROUPS = (
@@ -110,4 +111,80 @@ def test_decode_states_are_cached_only_without_prompt_states_only(prompt_only):
     assert alloc.prefix_match([*prompt, 5]).hit == 64
     follow_up = [*prompt, *range(1000, 1032), 5]
     assert alloc.prefix_match(follow_up).hit == (64 if prompt_only else 96)
+    alloc.check_invariants(expensive=True)
+
+
+def make_speculative(num_states: int, units: int = 1024) -> JengaAllocator:
+    groups = (GROUPS[0], GroupConfig("mamba", Kind.MAMBA, 16, 1, 1, speculative_states=num_states))
+    return JengaAllocator(AllocatorConfig(groups, units, mamba_step_end_only=True))
+
+
+def test_speculative_states_follow_the_running_one():
+    """Three scratch states after the running one; lookahead slots hold no state."""
+    alloc = make_speculative(3)
+    alloc.add_request("a", list(range(200)))
+    got = alloc.allocate("a", 40 + 3, lookahead=3)  # running state after 40: index 2
+    assert got is not None and len(got.new_blocks[1]) == 4
+    table = alloc.block_table("a", "mamba")
+    assert table[:2] == [NULL_BLOCK] * 2 and all(b >= 0 for b in table[2:]) and len(table) == 6
+    assert got.appended[1] == tuple(table)  # NULL skips too: what the engine appends
+    assert alloc.blocks_to_hold(43, "a") == [0, 0]
+    alloc.check_invariants(expensive=True)
+
+
+def test_a_step_past_the_scratch_states_moves_them_to_the_end():
+    """A chunk ending at 112 (running index 6): the scratch states at 3..5 sit on
+    checkpoints it skips, so they move after the running one (NULL where they were);
+    the state the step starts from (index 2) stays until released; one block is new."""
+    alloc = make_speculative(3)
+    alloc.add_request("a", list(range(200)))
+    assert alloc.allocate("a", 48) is not None
+    before = alloc.block_table("a", "mamba")  # [N, N, s2, x3, x4, x5]
+    got = alloc.allocate("a", 64)
+    assert got is not None and len(got.new_blocks[1]) == 1
+    after = alloc.block_table("a", "mamba")
+    assert len(after) == 7 + 3
+    assert after[:6] == [NULL_BLOCK, NULL_BLOCK, before[2], *[NULL_BLOCK] * 3]
+    assert after[6:9] == before[3:6] and after[9] == got.new_blocks[1][0]
+    assert got.appended[1] == tuple(after[6:])
+    alloc.cache("a", 112)
+    alloc.free("a")
+    # the moved scratch states were never cached as the checkpoints 64..96
+    assert alloc.prefix_match(list(range(113))).hit == 112
+    assert alloc.prefix_match(list(range(100))).hit == 48
+    alloc.check_invariants(expensive=True)
+
+
+def test_a_hit_table_has_no_scratch_states_until_the_request_grows():
+    alloc = make_speculative(2)
+    prompt = list(range(64))
+    alloc.add_request("a", prompt)
+    assert alloc.allocate("a", 32) is not None and alloc.allocate("a", 32) is not None
+    alloc.cache("a", 64)
+    alloc.free("a")
+    alloc.add_request("b", [*prompt, 1, 2])
+    hit = alloc.block_table("b", "mamba")
+    assert hit[:3] == [NULL_BLOCK] * 3 and hit[3] >= 0 and len(hit) == 4
+    got = alloc.allocate("b", 2)  # the running state after 66 (index 4) and 2 scratch
+    assert got is not None and len(got.new_blocks[1]) == 1 + 2
+    assert alloc.block_table("b", "mamba") == [*hit, *got.new_blocks[1]]
+    alloc.check_invariants(expensive=True)
+
+
+def test_a_negative_lookahead_or_one_past_the_length_is_refused():
+    alloc = make_speculative(1)
+    alloc.add_request("a", list(range(20)))
+    with pytest.raises(InvalidSize, match="lookahead 5 not in"):
+        alloc.allocate("a", 4, lookahead=5)
+    assert alloc.num_tokens("a") == 0
+
+
+def test_a_request_holding_speculative_states_is_not_forked():
+    alloc = make_speculative(2)
+    alloc.add_request("a", list(range(40)))
+    assert alloc.allocate("a", 40) is not None
+    with pytest.raises(InvalidInput, match=r"'a': groups \[1\] hold speculative Mamba states"):
+        alloc.fork("a", ["b"])
+    with pytest.raises(UnknownRequest):  # nothing registered
+        alloc.num_tokens("b")
     alloc.check_invariants(expensive=True)

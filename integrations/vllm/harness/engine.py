@@ -11,7 +11,8 @@ Approach
     `HostWorker` answers the calls vLLM's engine makes (KV specs, available memory,
     layouts, ``initialize_from_config``, ``execute_model``, ``sample_tokens``, and with
     speculative decoding configured ``take_draft_token_ids``: every decoding request gets
-    ``num_speculative_tokens`` drafts, all accepted in the next step). With
+    ``num_speculative_tokens`` drafts, all accepted in the next step; Mamba specs then
+    keep a state per draft token, as vLLM's Mamba layers build them). With
     ``kv_tensors="vmm"`` the worker builds the VMM KV tensors on the host backend
     (`integrations.vllm.plugin.vmm_allocate_kv_cache`) and applies each step's plans,
     as the GPU runner's wrapper does. Each step samples one deterministic token for
@@ -23,6 +24,7 @@ Limitations
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,8 +40,12 @@ class HostWorker:
 
     def __init__(self, vllm_config: Any, case: str, memory_bytes: int) -> None:
         self.vllm_config = vllm_config
-        self.specs = cases.layer_specs(case, block_size=vllm_config.cache_config.block_size)
+        specs = cases.layer_specs(case, block_size=vllm_config.cache_config.block_size)
+        self.specs = _with_speculative_states(specs, vllm_config)
         self.memory_bytes = memory_bytes
+        # request -> per group the block ids the scheduler sent, appended as vLLM's
+        # worker appends a running request's new blocks to its block table
+        self.block_tables: dict[str, list[list[int]]] = {}
         self.kv_cache: VmmKVCache | None = None
         self.lengths: dict[str, int] = {}
         self.steps = 0
@@ -74,8 +80,27 @@ class HostWorker:
     def execute_model(self, scheduler_output: Any) -> None:
         if self.kv_cache is not None:
             self.kv_cache.apply_scheduler_output(scheduler_output)
+        self._update_block_tables(scheduler_output)
         self.pending = scheduler_output
         return None
+
+    def _update_block_tables(self, out: Any) -> None:
+        """A new (or resumed) request's table is the one sent; a running request's
+        grows by the rows ``allocate_slots`` returned."""
+        for rid in getattr(out, "finished_req_ids", ()):
+            self.block_tables.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.block_tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if ids is None:
+                continue
+            if rid in resumed or rid not in self.block_tables:
+                self.block_tables[rid] = [list(row) for row in ids]
+            else:
+                for table, row in zip(self.block_tables[rid], ids, strict=True):
+                    table.extend(row)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out, self.pending = self.pending, None
@@ -110,6 +135,21 @@ class HostWorker:
         k = int(spec.num_speculative_tokens)
         drafts = [[2000 + (self.steps + j) % 1000 for j in range(k)] for _ in self.decoding]
         return compat.draft_token_ids(list(self.decoding), drafts)
+
+
+def _with_speculative_states(specs: dict[str, Any], vllm_config: Any) -> dict[str, Any]:
+    """As vLLM's Mamba layers build their spec: a state per draft token
+    (``num_speculative_blocks``) when speculative decoding is configured."""
+    spec_config = vllm_config.speculative_config
+    k = int(spec_config.num_speculative_tokens) if spec_config is not None else 0
+    if not k:
+        return specs
+    return {
+        name: dataclasses.replace(spec, num_speculative_blocks=k)
+        if type(spec).__name__ == "MambaSpec"
+        else spec
+        for name, spec in specs.items()
+    }
 
 
 def compat_chunk_bytes(vllm_config: Any) -> int:
