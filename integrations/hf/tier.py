@@ -57,7 +57,7 @@ from integrations.kvcache.tier import HostTierConfig
 if TYPE_CHECKING:
     from integrations.hf.cache import RowStore
 
-GPU, HOST, DROPPED = "gpu", "host", "dropped"
+GPU, HOST, RELOADING, DROPPED = "gpu", "host", "reloading", "dropped"
 _COUNTERS = ("tier.offloads", "tier.offload.bytes", "tier.reloads", "tier.reload.bytes",
              "tier.dropped", "tier.dropped.bytes")  # fmt: skip
 _ids = itertools.count(1)
@@ -218,12 +218,14 @@ class ConversationTier:
 
     def reload(self, member: Member) -> None:
         """Register ``member``'s rows again, allocate their tokens (offloading others if
-        the pool needs room) and copy every block back. On failure its rows are freed
-        again and it stays on the host (its copy intact)."""
+        the pool needs room; its own host copy is not a victim meanwhile) and copy every
+        block back. On failure its rows are freed again and it stays on the host (its
+        copy intact)."""
         store, host = member.store, member.host
         assert host is not None and member.state == HOST
         kv = store.kv
         added: list[int] = []
+        member.state = RELOADING  # its host copy is read: not a host victim meanwhile
         try:
             for row in range(store.num_rows):
                 rid = store.request(row)
@@ -243,6 +245,7 @@ class ConversationTier:
         except BaseException:
             for row in added:
                 kv.free(store.request(row))
+            member.state = HOST
             raise
         self.counters["tier.reloads"] += 1
         self.counters["tier.reload.bytes"] += host.numel()
