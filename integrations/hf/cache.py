@@ -182,10 +182,14 @@ class RowStore:
     def resume(self, new_tokens: int = 0) -> None:
         """With a host tier: a forward adding ``new_tokens`` per row begins (a use; this
         store's rows come back from the host first, `ConversationTier.begin`)."""
-        member = self.member
-        if self.tier is not None and member is not None and self.num_rows:
-            if new_tokens > 0 or member.state != "gpu":
-                self.tier.begin(member, new_tokens)
+        tier, member = self.tier, self.member
+        if (
+            tier is not None
+            and member is not None
+            and self.num_rows
+            and (new_tokens > 0 or member.state != "gpu")
+        ):
+            tier.begin(member, new_tokens)
 
     def grow_row(self, row: int, missing: int) -> None:
         """Allocate `missing` more tokens in `row`. On a pool other caches map into too,

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from jenga.requests import NULL_BLOCK
-from jenga.tier import ReplacementOrder, TierRules
+from jenga.tier import ReplacementOrder
 
 import vmm
 from integrations.kvcache.tier import HostTierConfig
@@ -171,9 +171,7 @@ class ConversationTier:
             for i, b in enumerate(store.table(row, g))
             if b != NULL_BLOCK
         ]
-        nbytes = sum(
-            kv.geometries[g].small_page_bytes * len(kv.ranges[g]) for _, g, _ in blocks
-        )
+        nbytes = sum(kv.geometries[g].small_page_bytes * len(kv.ranges[g]) for _, g, _ in blocks)
         if not self._host_room(member, nbytes):
             self._free_rows(member)
             member.state = DROPPED
@@ -282,12 +280,11 @@ class ConversationTier:
 
 
 def _on_cuda(kv: Any) -> bool:
-    return bool(kv.ranges[0][0].tensor((1,), torch.uint8, 0).is_cuda)
+    """Whether the cache's memory is on a CUDA device (host copies then page-locked)."""
+    return bool(kv.layer_view(kv.geometries[0].layer_ids[0]).device.type == "cuda")
 
 
-_TIERS: weakref.WeakKeyDictionary[vmm.ChunkPool, ConversationTier] = (
-    weakref.WeakKeyDictionary()
-)
+_TIERS: weakref.WeakKeyDictionary[vmm.ChunkPool, ConversationTier] = weakref.WeakKeyDictionary()
 
 
 def tier_for(pool: vmm.ChunkPool | None, config: HostTierConfig) -> ConversationTier:
