@@ -38,6 +38,12 @@ Approach
     can go back into positions a window had left, as transformers' own recording layers
     keep their past.
 
+    Caches may share one chunk pool (``pool=``, one conversation each in a chat). A row
+    grows on a pool other caches map into only when the most chunks it can map are free
+    there (`RowStore.grow_row`); with a host tier (``tier_bytes``) the pool's idle caches
+    are first offloaded to host memory, and a cache on the host is reloaded before its next
+    forward (`integrations.hf.tier`).
+
 Limitations
     `crop` only where every layer keeps every position (a window's released blocks and a
     state cannot go back: transformers refuses assisted decoding with a recurrent state
