@@ -17,7 +17,7 @@ Approach
 
         cache A's forward: RowStore.ensure ─► begin(A): A on host? reload it (its rows
             re-registered, their blocks allocated, every block's bytes copied back)
-        RowStore._grow ─► make_room(A, need): while mapped + need > high_water x budget,
+        RowStore.grow_row ─► make_room(A, need): while mapped + need > high_water x budget,
             offload the policy's first idle member on the GPU (not A): copy every live
             block of its rows (all ranges) to one host buffer, free its rows
 
@@ -45,7 +45,7 @@ import math
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from jenga.requests import NULL_BLOCK
@@ -54,8 +54,25 @@ from jenga.tier import ReplacementOrder
 import vmm
 from integrations.kvcache.tier import HostTierConfig
 
-if TYPE_CHECKING:
-    from integrations.hf.cache import RowStore
+
+class Rows(Protocol):
+    """What the tier needs of a cache's rows (`integrations.hf.cache.RowStore`)."""
+
+    num_rows: int
+    row_lengths: list[int]
+
+    @property
+    def is_open(self) -> bool: ...
+
+    @property
+    def kv(self) -> Any: ...
+
+    def request(self, row: int) -> int: ...
+
+    def table(self, row: int, group: int) -> list[int]: ...
+
+    def grow_row(self, row: int, missing: int) -> None: ...
+
 
 GPU, HOST, RELOADING, DROPPED = "gpu", "host", "reloading", "dropped"
 _COUNTERS = ("tier.offloads", "tier.offload.bytes", "tier.reloads", "tier.reload.bytes",
@@ -73,7 +90,7 @@ class Member:
 
     key: int
     name: str
-    store: RowStore
+    store: Rows
     state: str = GPU
     host: torch.Tensor | None = None
     blocks: list[tuple[int, int, int]] = field(default_factory=list)  # (row, group, index)
@@ -97,7 +114,7 @@ class ConversationTier:
         self.counters = dict.fromkeys(_COUNTERS, 0)
 
     # ---- membership ------------------------------------------------------------------
-    def join(self, store: RowStore, name: str | None) -> Member:
+    def join(self, store: Rows, name: str | None) -> Member:
         key = next(_ids)
         member = Member(key, name or f"VmmCache #{key}", store)
         self.members[key] = member
@@ -125,7 +142,8 @@ class ConversationTier:
         self.order.touch(member.key)
 
     def end_turn(self, member: Member) -> None:
-        self._rescore(member, -self.rules.complete_loss)
+        if member.key in self.order:  # not closed, not dropped
+            self._rescore(member, -self.rules.complete_loss)
 
     def _rescore(self, member: Member, delta: int) -> None:
         self.scores[member.key] = self.scores.get(member.key, 0) + delta

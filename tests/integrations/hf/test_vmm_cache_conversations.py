@@ -168,6 +168,30 @@ def test_a_full_host_tier_drops_the_policy_victim_and_its_next_use_names_it():
         pool.close()
 
 
+@pytest.mark.parametrize("policy, victim", [("lru", 0), ("score", 1)])
+def test_the_policy_picks_the_conversation_that_leaves(policy, victim):
+    """Conversation 0's turn runs first and stays open (score 2), conversation 1's turn
+    then completes (`end_turn`: score 0); conversation 2 needs room for one: LRU offloads
+    the least recently used (0), CaR's score policy the smallest score (1)."""
+    model = tiny_model("llama")
+    pool = pool_of(10)
+    caches = [VmmCache(model.config, pool=pool, tier_bytes=1 << 20, tier_policy=policy)
+              for _ in range(3)]  # fmt: skip
+    first, _ = prompts()
+    try:
+        turn(model, first[0], caches[0])
+        turn(model, first[1], caches[1])
+        caches[1].end_turn()
+        turn(model, first[2], caches[2])
+        on_host = [c.tier_stats()["cache.on_host"] for c in caches]
+        assert on_host == [int(i == victim) for i in range(3)]
+        assert caches[0].tier_stats()["tier.offloads"] == 1
+    finally:
+        for cache in caches:
+            cache.close()
+        pool.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.gpu
 def test_offloaded_conversations_continue_exactly_on_cuda():
