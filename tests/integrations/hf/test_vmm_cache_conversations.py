@@ -192,6 +192,43 @@ def test_the_policy_picks_the_conversation_that_leaves(policy, victim):
         pool.close()
 
 
+def test_a_failed_reload_keeps_the_host_copy_and_a_retry_is_exact(monkeypatch):
+    """A copy back to the GPU fails (injected) during conversation 0's second turn: the
+    error reaches the caller, what the reload allocated is freed, the conversation stays
+    on the host, and the retried turn equals the unbounded pool's."""
+    want, _ = run("llama", 256)
+    model = tiny_model("llama")
+    pool = pool_of(10)
+    caches = [VmmCache(model.config, pool=pool, tier_bytes=1 << 20) for _ in PROMPTS]
+    first, second = prompts()
+    try:
+        got = [turn(model, first[i], cache) for i, cache in enumerate(caches)]
+        assert caches[0].tier_stats()["cache.on_host"] == 1
+        tier = caches[0].tier
+        real_copy = tier._copy_block
+
+        def fail_back(*args, to_host, **kwargs):
+            if not to_host:
+                raise OSError("injected copy failure")
+            return real_copy(*args, to_host=to_host, **kwargs)
+
+        monkeypatch.setattr(tier, "_copy_block", fail_back)
+        ids = torch.cat([got[0][0], second[0]], dim=1)
+        with pytest.raises(OSError, match="injected"):
+            turn(model, ids, caches[0])
+        assert caches[0].tier_stats()["cache.on_host"] == 1
+        assert caches[0].kv.allocator.usage().used_units == 0
+        check_shared(pool, caches)
+        monkeypatch.setattr(tier, "_copy_block", real_copy)
+        again = turn(model, ids, caches[0])
+        assert torch.equal(again[0], want[0][1][0]) and torch.equal(again[1], want[0][1][1])
+        assert caches[0].tier_stats()["cache.reloads"] == 1
+    finally:
+        for cache in caches:
+            cache.close()
+        pool.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.gpu
 def test_offloaded_conversations_continue_exactly_on_cuda():
