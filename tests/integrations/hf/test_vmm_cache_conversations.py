@@ -113,7 +113,9 @@ def test_offloaded_conversations_continue_exactly_as_on_an_unbounded_pool(model_
 
 def test_without_a_tier_the_shared_pool_refuses_cleanly():
     """Same chats, no tier: the pool runs out, the forward that needs more chunks raises
-    OutOfMemory before allocating, and the caches that fit are unharmed."""
+    OutOfMemory before allocating (no cache broken, the pool maps exactly what the
+    allocators use), and once a conversation closes the refused turn runs exactly."""
+    want, _ = run("llama", 256)
     model = tiny_model("llama")
     pool = pool_of(10)
     caches = [VmmCache(model.config, pool=pool) for _ in range(3)]
@@ -122,10 +124,14 @@ def test_without_a_tier_the_shared_pool_refuses_cleanly():
         turn(model, first[0], caches[0])
         turn(model, first[1], caches[1])
         mapped = pool.num_mapped
-        with pytest.raises(vmm.OutOfMemory, match="chunks of the shared pool free"):
+        with pytest.raises(vmm.OutOfMemory) as err:
             turn(model, first[2], caches[2])
-        assert pool.num_mapped == mapped
         check_shared(pool, caches)
+        assert pool.num_mapped == mapped
+        assert "chunks of the shared pool free" in str(err.value)
+        caches[0].close()
+        again = turn(model, first[2], caches[2])
+        assert torch.equal(again[0], want[2][0][0]) and torch.equal(again[1], want[2][0][1])
     finally:
         for cache in caches:
             cache.close()
