@@ -38,6 +38,12 @@ Approach
     can go back into positions a window had left, as transformers' own recording layers
     keep their past.
 
+    Caches may share one chunk pool (``pool=``, one conversation each in a chat). A row
+    grows on a pool other caches map into only when the most chunks it can map are free
+    there (`RowStore.grow_row`); with a host tier (``tier_bytes``) the pool's idle caches
+    are first offloaded to host memory, and a cache on the host is reloaded before its next
+    forward (`integrations.hf.tier`).
+
 Limitations
     `crop` only where every layer keeps every position (a window's released blocks and a
     state cannot go back: transformers refuses assisted decoding with a recurrent state
@@ -77,7 +83,9 @@ from integrations.hf.layers import (
     VmmMambaLayer,
     VmmSlidingLayer,
 )
+from integrations.hf.tier import ConversationTier, Member, tier_for
 from integrations.kvcache import KVCache, KVCacheConfig
+from integrations.kvcache.tier import HostTierConfig
 
 LAYER_CLASSES: dict[str, Callable[..., Any]] = {
     "full_attention": VmmLayer,
@@ -148,6 +156,8 @@ class RowStore:
         self.state_blocks: dict[int, list[int]] = {}
         self.state_moves = 0  # rows' state blocks copied to a new checkpoint block
         self.tokens_cropped = 0  # tokens `VmmCache.crop` made the layers forget
+        self.tier: ConversationTier | None = None  # the host tier (`integrations.hf.tier`)
+        self.member: Member | None = None  # this store's entry in it
 
     @property
     def is_open(self) -> bool:
@@ -180,19 +190,53 @@ class RowStore:
             raise ValueError(
                 f"batch has {num_rows} rows, this cache was started with {self.num_rows}"
             )
+        self.resume(length - self.length)
         if length <= self.length:
             return
         for row in range(num_rows):
             missing = length - self.row_lengths[row]
             if missing > 0:
-                self._grow(row, missing)
+                self.grow_row(row, missing)
                 self.row_lengths[row] = length
         self.length = length
         self._maybe_move_states()
 
-    def _grow(self, row: int, missing: int) -> None:
-        if self.kv.allocate(self.row_ids[row], missing) is None:
-            usage = self.kv.allocator.usage()
+    def resume(self, new_tokens: int = 0) -> None:
+        """With a host tier: a forward adding ``new_tokens`` per row begins (a use; this
+        store's rows come back from the host first, `ConversationTier.begin`)."""
+        tier, member = self.tier, self.member
+        if (
+            tier is not None
+            and member is not None
+            and self.num_rows
+            and (new_tokens > 0 or member.state != "gpu")
+        ):
+            tier.begin(member, new_tokens)
+
+    def grow_row(self, row: int, missing: int) -> None:
+        """Allocate `missing` more tokens in `row`. On a pool other caches map into too,
+        the most chunks the allocation can map must be free first (with a host tier, idle
+        caches are offloaded to make them free): else OutOfMemory, nothing allocated."""
+        kv, rid = self.kv, self.row_ids[row]
+        pool = kv.pool
+        shared = pool.num_mapped != kv.allocator.usage().used_units
+        if shared or self.tier is not None:
+            need = kv.allocator.units_needed(rid, missing)
+            if self.tier is not None and self.member is not None:
+                self.tier.make_room(self.member, need)
+            total = pool.budget_bytes // pool.granularity
+            free = total - pool.num_mapped
+            if need > free and pool.num_mapped != kv.allocator.usage().used_units:
+                raise vmm.OutOfMemory(
+                    f"KV cache full: row {row} needs {missing} more tokens (up to {need} "
+                    f"chunks), {free} of {total} chunks of the shared pool free "
+                    "(a larger pool, fewer caches on it, or VmmCache(tier_bytes=...))",
+                    needed=need,
+                    free=free,
+                    total=total,
+                )
+        if kv.allocate(rid, missing) is None:
+            usage = kv.allocator.usage()
             raise vmm.OutOfMemory(
                 f"KV cache full: row {row} needs {missing} more tokens, "
                 f"{usage.free_units} of {usage.total_units} chunks free "
@@ -245,6 +289,7 @@ class RowStore:
         bad = [s for s in sources if not 0 <= s < self.num_rows]
         if bad:
             raise IndexError(f"rows {bad} out of range [0, {self.num_rows})")
+        self.resume()
         new_ids: list[int] = []
         children: dict[int, list[int]] = {}
         for s in sources:
@@ -380,9 +425,12 @@ class VmmCache(Cache):
         checkpoint_interval: tokens per Mamba state block (the state moves to a new
             block every that many tokens).
         tier_bytes / tier_policy / tier_high_water: the host tier's options, as
-            `EngineConfig`'s: bad values are refused (`InvalidSize`, naming them), and a
-            tier (``tier_bytes`` given) is refused with the reason: it keeps blocks for
-            a later request's prefix hit, and this cache has no prefix cache.
+            `EngineConfig`'s (bad values: `InvalidSize`, naming them). With
+            ``tier_bytes``, the caches of one `pool` share a host tier of that many bytes
+            (`integrations.hf.tier`): idle caches are offloaded when a forward needs
+            chunks (above ``tier_high_water`` of the pool) and reloaded before their next
+            forward; policy ``"lru"`` or ``"score"`` (CaR). Attention models only.
+        name: how errors about this cache name it (default ``VmmCache #<n>``).
     """
 
     def __init__(
@@ -402,9 +450,10 @@ class VmmCache(Cache):
         tier_bytes: int | None = None,
         tier_policy: str = "lru",
         tier_high_water: float = 0.9,
+        name: str | None = None,
     ) -> None:
         _check_sizes(max_length=max_length, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes)
-        _refuse_tier(tier_bytes, tier_policy, tier_high_water)
+        tier = _tier_config(tier_bytes, tier_policy, tier_high_water)
         if budget_bytes is not None and budget_bytes % chunk_bytes:
             raise ValueError(
                 f"VmmCache budget_bytes {budget_bytes} is not a multiple of chunk_bytes "
@@ -428,6 +477,10 @@ class VmmCache(Cache):
             state = linear_state(text.to_dict())
             conv = state.conv_channels * state.conv_kernel  # elements; bytes on open
         self.store = RowStore(self._open, image_tokens, conv)
+        if tier is not None:
+            _refuse_tier_groups(structure, image_tokens)
+            self.store.tier = tier_for(pool, tier)
+            self.store.member = self.store.tier.join(self.store, name)
         layer_types, per_layer_kwargs = layer_types_and_kwargs(text)
         layers = [
             self._make_layer(i, kind, kwargs, structure)
@@ -546,8 +599,32 @@ class VmmCache(Cache):
                 layer.cumulative_length = layer.seen
         self.store.tokens_cropped -= tokens_to_remove
 
+    @property
+    def tier(self) -> ConversationTier | None:
+        """The host tier this cache is in (shared by the caches of its pool), or None."""
+        return self.store.tier
+
+    def tier_stats(self) -> dict[str, int]:
+        """The tier's counters (``tier.*``, all its caches) and this cache's own
+        (``cache.offloads``, ``cache.reloads``, ``cache.on_host``); {} without a tier."""
+        tier, member = self.store.tier, self.store.member
+        if tier is None or member is None:
+            return {}
+        out = tier.stats()
+        out["cache.offloads"], out["cache.reloads"] = member.offloads, member.reloads
+        out["cache.on_host"] = int(member.state == "host")
+        return out
+
+    def end_turn(self) -> None:
+        """The conversation's turn completed (CaR's score policy: -``complete_loss``; no
+        effect on LRU's order)."""
+        if self.store.tier is not None and self.store.member is not None:
+            self.store.tier.end_turn(self.store.member)
+
     def close(self) -> None:
         """Unmap everything; closes the pool if this cache created it."""
+        if self.store.tier is not None and self.store.member is not None:
+            self.store.tier.leave(self.store.member)
         if self.store.is_open:
             self.store.kv.close()
         if self._owns_pool and self._pool is not None:
@@ -561,27 +638,30 @@ def _check_sizes(**sizes: int | None) -> None:
             raise ValueError(f"VmmCache {name} must be an int > 0, got {value!r}")
 
 
-def _refuse_tier(size: int | None, policy: str, high_water: float) -> None:
-    """The host tier options: a bad value is refused naming it (`InvalidSize`); a valid
-    tier is refused too (ValueError): a tier keeps blocks for reuse, and a `VmmCache`
-    has no prefix cache, so none of its blocks could be reused (docs/kvcache.md)."""
+def _tier_config(size: int | None, policy: str, high_water: float) -> HostTierConfig | None:
+    """The host tier options (None without ``tier_bytes``): a bad value is refused naming
+    it (`InvalidSize`)."""
     from jenga.errors import InvalidSize
     from jenga.tier import TierRules
-
-    from integrations.kvcache.tier import HostTierConfig
 
     try:
         if size is None:
             TierRules(policy=policy, high_water=high_water)  # type: ignore[arg-type]
-        else:
-            HostTierConfig(size, policy, high_water)
+            return None
+        return HostTierConfig(size, policy, high_water)
     except InvalidSize as e:
         raise InvalidSize(f"VmmCache tier options: {e}") from None
-    if size is not None:
+
+
+def _refuse_tier_groups(spec: ModelSpec, image_tokens: int) -> None:
+    """The host tier moves attention blocks only: state and cross-attention groups (and
+    image tokens) are refused (ValueError naming them)."""
+    odd = [
+        g.name for g in spec.groups
+        if g.spec.kind in (Kind.MAMBA, Kind.CROSS_ATTENTION)
+    ]  # fmt: skip
+    if odd or image_tokens:
         raise ValueError(
-            f"VmmCache(tier_bytes={size}) is refused: a host tier keeps blocks that leave GPU "
-            "memory for a later request with the same prefix, and VmmCache has no prefix "
-            "cache (each generate() call's rows start empty and their blocks are freed with "
-            "the cache), while every block of a live row is read at every decoding step; "
-            "use the mini engine (EngineConfig.tier_bytes) for a host tier"
+            f"VmmCache(tier_bytes=...) keeps attention groups only; groups {odd} "
+            f"(image_tokens={image_tokens}) are not"
         )

@@ -1,5 +1,5 @@
-"""`VmmCache`'s host tier options: bad values are refused naming them, and a valid tier is
-refused with the reason (no prefix cache: nothing it frees could be reused)."""
+"""`VmmCache`'s host tier options: bad values are refused naming them; a valid tier is
+shared by the caches of one pool (multi-turn behaviour: test_vmm_cache_conversations)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,34 @@ def test_bad_tier_options_are_refused_naming_them(options, message):
 
 
 @pytest.mark.parametrize("policy", ["lru", "score"])
-def test_a_valid_tier_is_refused_with_the_reason(policy):
-    with pytest.raises(ValueError, match="VmmCache has no prefix cache") as err:
-        VmmCache(config(), tier_bytes=1 << 20, tier_policy=policy, tier_high_water=0.5)
-    assert not isinstance(err.value, InvalidSize)
-    assert "EngineConfig.tier_bytes" in str(err.value)
+def test_caches_of_one_pool_share_one_tier_and_must_agree_on_it(policy):
+    import vmm
+
+    pool = vmm.ChunkPool(vmm.get_backend("host", granularity=4096), 64 * 4096)
+    try:
+        a = VmmCache(config(), pool=pool, tier_bytes=1 << 20, tier_policy=policy)
+        b = VmmCache(config(), pool=pool, tier_bytes=1 << 20, tier_policy=policy)
+        assert a.tier is b.tier and a.tier is not None
+        assert a.tier.rules.policy.value == policy
+        with pytest.raises(ValueError, match="differ from the tier of this pool"):
+            VmmCache(config(), pool=pool, tier_bytes=2 << 20, tier_policy=policy)
+        own = VmmCache(config(), tier_bytes=1 << 20)  # its own pool: its own tier
+        assert own.tier is not a.tier
+        for cache in (a, b, own):
+            cache.close()
+        assert a.tier.stats()["tier.members.current"] == 0
+    finally:
+        pool.close()
+
+
+def test_a_tier_is_refused_for_state_groups():
+    jamba = transformers.JambaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=100, num_experts=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="keeps attention groups only"):
+        VmmCache(jamba, tier_bytes=1 << 20)
 
 
 def test_without_a_tier_the_defaults_construct():
