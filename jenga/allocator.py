@@ -650,6 +650,7 @@ class JengaAllocator(AllocatorViews):
         salt: int = 0,
         request_id: Hashable = "(prefix match)",
         digests: Sequence[bytes] | None = None,
+        max_hit: int | None = None,
     ) -> PrefixMatch:
         """The one prefix lookup: what a new request with this prompt would hit.
 
@@ -663,19 +664,23 @@ class JengaAllocator(AllocatorViews):
         since, so an engine that looks up and then admits hashes and matches once. No state
         changes; an empty prompt hits nothing. Raises `InvalidInput` / `InvalidSize` as
         `add_request` does (``request_id`` names the request in their messages; ``digests``
-        as there)."""
+        as there). ``max_hit``: the longest hit the caller can use (a shorter prefix valid
+        in every group is taken instead of a longer one; None: no limit)."""
         if len(prompt) == 0:
             return PrefixMatch(0, 0, [], self._epoch, None)
         req = self._new_live(request_id, prompt, images, salt, digests)
-        hit, tables, junction = self._match(req)
+        hit, tables, junction = self._match(req, max_hit)
         return PrefixMatch(hit, junction, tables, self._epoch, req)
 
-    def _match(self, req: LiveRequest) -> tuple[int, list[list[int]], int]:
+    def _match(
+        self, req: LiveRequest, max_hit: int | None = None
+    ) -> tuple[int, list[list[int]], int]:
         """The hit length, per group the block table a request with that hit starts with,
         and the longest prefix valid in any single group (see `prefix_match`).
 
-        The hit is the longest p < len(prompt), a multiple of every text group's block size,
-        valid in every group (`Policy.valid_prefix_mask`, the vectorized `possible_prefix`).
+        The hit is the longest p < len(prompt) (and p <= ``max_hit``), a multiple of every
+        text group's block size, valid in every group (`Policy.valid_prefix_mask`, the
+        vectorized `possible_prefix`).
         """
         n = len(req.tokens)
         step = self._prefix_step
@@ -703,6 +708,8 @@ class JengaAllocator(AllocatorViews):
             if len(alone):
                 junction = max(junction, int(alone[-1] + 1) * step)
             valid &= mask
+        if max_hit is not None:
+            valid[max(max_hit, 0) // step :] = False
         hits = np.flatnonzero(valid)
         hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []

@@ -5,7 +5,9 @@ Rationale
     ``coordinator.single_type_managers`` (each with ``block_size``, ``kv_cache_spec``,
     ``kv_cache_group_id``) for the effective attention block size, the KV-group metadata
     for event consumers and the speculative-step block count; ``enable_partial_hash_hits``;
-    and ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
+    ``get_num_blocks_to_allocate`` for the blocks a request still needs; and, for 0.33's
+    routed-experts connector, ``full_attention_group_id`` and each group's ``block_pool``
+    (`integrations.vllm.connector.CachedBlockLookup`: cached blocks by vLLM hash). Building
     vLLM's own coordinator would allocate its block pool; this view answers the same
     questions from the jenga layout and allocator.
 
@@ -26,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
+from integrations.vllm.compat import FullAttentionSpec
+
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig, KVCacheSpec
 
@@ -37,6 +41,7 @@ class GroupView:
     kv_cache_group_id: int
     kv_cache_spec: KVCacheSpec
     block_size: int
+    block_pool: object = None  # `connector.CachedBlockLookup` (one for all groups)
 
 
 class CoordinatorView:
@@ -45,13 +50,25 @@ class CoordinatorView:
     enable_partial_hash_hits = False  # hits are whole blocks of the scheduler block size
 
     def __init__(
-        self, kv_cache_config: KVCacheConfig, blocks_needed: Callable[[str, int, int], int]
+        self,
+        kv_cache_config: KVCacheConfig,
+        blocks_needed: Callable[[str, int, int], int],
+        block_pool: object = None,
     ) -> None:
         self.single_type_managers = tuple(
-            GroupView(i, g.kv_cache_spec, int(g.kv_cache_spec.block_size))
+            GroupView(i, g.kv_cache_spec, int(g.kv_cache_spec.block_size), block_pool)
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
         self._blocks_needed = blocks_needed
+        # vLLM's hybrid coordinator: its first full-attention group (None: no such group)
+        self.full_attention_group_id = next(
+            (
+                v.kv_cache_group_id
+                for v in self.single_type_managers
+                if isinstance(v.kv_cache_spec, FullAttentionSpec)
+            ),
+            None,
+        )
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, *, total_computed_tokens: int = 0, **_: object

@@ -14,7 +14,8 @@ Approach
     Features the manager does not serve are refused up front with `UnsupportedFeature`;
     a KV connector vLLM built is re-bound to the jenga manager
     (`integrations.vllm.connector.bind_connector`, which refuses the ones that drive
-    vLLM's own block pool).
+    vLLM's own block pool); 0.33's routed-experts connector, which vLLM built on its own
+    manager, is rebuilt on ours.
 
 Limitations
     vLLM's own manager is built once and dropped (its block objects cost memory for
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from integrations.vllm.compat import AsyncScheduler, Scheduler, aux_outputs_read_the_block_pool
+from integrations.vllm.compat import AsyncScheduler, Scheduler, scheduler_aux_output_connector
 from integrations.vllm.connector import bind_connector
 from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
@@ -44,18 +45,14 @@ def check_supported_config(vllm_config: VllmConfig) -> None:
     problems = []
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
         problems.append("decode context parallelism")
-    if aux_outputs_read_the_block_pool(vllm_config):
-        problems.append(
-            "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
-            "auxiliary-output connector reads vLLM's own block pool)"
-        )
     if problems:
         raise UnsupportedFeature(
             "the jenga KV-cache manager does not support "
             + ", ".join(problems)
             + "; supported: models with full, sliding-window, chunked-local attention, "
             "MLA, Mamba and (encoder-decoder) cross-attention layers, prefix caching, "
-            "chunked prefill, preemption, speculative decoding, KV connectors"
+            "chunked prefill, preemption, speculative decoding, KV connectors, "
+            "returned routed experts"
         )
 
 
@@ -76,6 +73,11 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
     kv_connector = getattr(scheduler, "connector", None)
     if kv_connector is not None:  # vLLM bound it to its own manager: bind it to ours
         bind_connector(manager, kv_connector)
+    if getattr(scheduler, "aux_output_connector", None) is not None:
+        # 0.33 built the routed-experts connector on vLLM's manager: rebuild it on ours
+        rebuilt = scheduler_aux_output_connector(manager, kv_connector)
+        if rebuilt is not None:
+            scheduler.aux_output_connector = rebuilt
     # Flags vLLM derived from its own manager's coordinator.
     scheduler.mamba_partial_cache_hit = False
     scheduler.mamba_shared_prefix_checkpoint = False

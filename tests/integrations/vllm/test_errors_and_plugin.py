@@ -69,24 +69,21 @@ def test_unsupported_features_are_named() -> None:
         check_supported_config(config)
 
 
-def test_routed_experts_are_refused_where_vllms_connector_reads_its_block_pool(
-    model_dir: Path,
-) -> None:
+def test_routed_experts_connector_is_rebuilt_on_our_manager(model_dir: Path) -> None:
     """vLLM 0.33 builds its auxiliary-output connector on the manager's ``block_pool``
-    (vLLM's own manager, dropped by the swap); 0.32's connector keeps its own state."""
+    (vLLM's own manager, dropped by the swap): `JengaScheduler` rebuilds it on ours.
+    0.32's connector keeps its own state and stays as vLLM built it."""
     from integrations.vllm import compat
 
     config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=256))
     config.aux_output_config.enable_return_routed_experts = True
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("llama"), 16 << 20)
+    scheduler = replay.make_scheduler(config, kv_config, jenga=True)
+    connector = scheduler.aux_output_connector
+    assert connector is not None
     if compat.AT_LEAST_0_33:
-        with pytest.raises(
-            UnsupportedFeature, match=r"returning routed experts \(enable_return_routed_experts"
-        ):
-            replay.make_scheduler(config, kv_config, jenga=True)
-    else:
-        scheduler = replay.make_scheduler(config, kv_config, jenga=True)
-        assert scheduler.aux_output_connector is not None
+        assert connector._block_pool is scheduler.kv_cache_manager.block_pool
+        assert connector._hash_block_size == 16
 
 
 def test_options_are_checked() -> None:
