@@ -270,6 +270,8 @@ class JengaAllocator(AllocatorViews):
             req.tables[g] = IntBuffer(blocks, np.int32)
             req.first_live[g] = min(policy.first_live_block(hit, req.images), len(blocks))
             req.num_committed[g] = len(blocks)
+        if hit and self.config.hit_proof is not None:
+            self._touch_proof(req, hit, now)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req
@@ -278,6 +280,23 @@ class JengaAllocator(AllocatorViews):
         self._stats["prefix.hit_tokens"] += hit
         self._stats["prefix.query_tokens"] += len(req.tokens)
         return hit
+
+    def _touch_proof(self, req: LiveRequest, hit: int, now: int) -> None:
+        """A proven hit used the cached blocks after it as its proof: each is taken and
+        given back (last used now, and marked as having served a hit), as the hit's own
+        blocks are, so a proof block that left a running request's window is not demoted
+        below them and the next request with this prefix finds the proof still there."""
+        assert self.config.hit_proof is not None
+        stop_tokens = hit + self.config.hit_proof.steps * self._prefix_step
+        for g, policy in enumerate(self.policies):
+            if policy.reads_images or policy.holds_state:
+                continue
+            t = policy.tokens_per_block
+            found = self._core.lookup(g, req.identities(t, hit // t, stop_tokens // t))
+            proof = [int(b) for b in found if b >= 0]
+            if proof:
+                self._core.acquire(g, proof, now)
+                self._core.release(g, proof, now)
 
     def _new_live(
         self,
