@@ -59,7 +59,8 @@ Approach
       tail first would break every long prefix.
     - ``demote_window_releases`` (off): early releases are also cached in a lower tier,
       evicted (steps 3 and 5) before any block released by `free`, unless the block
-      served a prefix hit since it was taken (its prefix is known to be shared). A page
+      served a prefix hit since it was taken (its prefix is known to be shared; with a
+      `HitProof`, the proof blocks after a hit count as serving it). A page
       is demoted only while every cached block on it is.
     - ``reuse_window_releases`` (off; needs demotion): while less than a quarter of the
       pool is free, right after step 4 a group takes its own least recent demoted block on
