@@ -59,7 +59,8 @@ Approach
       tail first would break every long prefix.
     - ``demote_window_releases`` (off): early releases are also cached in a lower tier,
       evicted (steps 3 and 5) before any block released by `free`, unless the block
-      served a prefix hit since it was taken (its prefix is known to be shared). A page
+      served a prefix hit since it was taken (its prefix is known to be shared; with a
+      `HitProof`, the proof blocks after a hit count as serving it). A page
       is demoted only while every cached block on it is.
     - ``reuse_window_releases`` (off; needs demotion): while less than a quarter of the
       pool is free, right after step 4 a group takes its own least recent demoted block on
@@ -271,6 +272,8 @@ class JengaAllocator(AllocatorViews):
             req.tables[g] = IntBuffer(blocks, np.int32)
             req.first_live[g] = min(policy.first_live_block(hit, req.images), len(blocks))
             req.num_committed[g] = len(blocks)
+        if hit and self.config.hit_proof is not None:
+            self._touch_proof(req, hit, now)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req
@@ -279,6 +282,23 @@ class JengaAllocator(AllocatorViews):
         self._stats["prefix.hit_tokens"] += hit
         self._stats["prefix.query_tokens"] += len(req.tokens)
         return hit
+
+    def _touch_proof(self, req: LiveRequest, hit: int, now: int) -> None:
+        """A proven hit used the cached blocks after it as its proof: each is taken and
+        given back (last used now, and marked as having served a hit), as the hit's own
+        blocks are, so a proof block that left a running request's window is not demoted
+        below them and the next request with this prefix finds the proof still there."""
+        assert self.config.hit_proof is not None
+        stop_tokens = hit + self.config.hit_proof.steps * self._prefix_step
+        for g, policy in enumerate(self.policies):
+            if policy.reads_images or policy.holds_state:
+                continue
+            t = policy.tokens_per_block
+            found = self._core.lookup(g, req.identities(t, hit // t, stop_tokens // t))
+            proof = [int(b) for b in found if b >= 0]
+            if proof:
+                self._core.acquire(g, proof, now)
+                self._core.release(g, proof, now)
 
     def _new_live(
         self,
@@ -699,6 +719,7 @@ class JengaAllocator(AllocatorViews):
         salt: int = 0,
         request_id: Hashable = "(prefix match)",
         digests: Sequence[bytes] | None = None,
+        max_hit: int | None = None,
     ) -> PrefixMatch:
         """The one prefix lookup: what a new request with this prompt would hit.
 
@@ -712,19 +733,23 @@ class JengaAllocator(AllocatorViews):
         since, so an engine that looks up and then admits hashes and matches once. No state
         changes; an empty prompt hits nothing. Raises `InvalidInput` / `InvalidSize` as
         `add_request` does (``request_id`` names the request in their messages; ``digests``
-        as there)."""
+        as there). ``max_hit``: the longest hit the caller can use (a shorter prefix valid
+        in every group is taken instead of a longer one; None: no limit)."""
         if len(prompt) == 0:
             return PrefixMatch(0, 0, [], self._epoch, None)
         req = self._new_live(request_id, prompt, images, salt, digests)
-        hit, tables, junction = self._match(req)
+        hit, tables, junction = self._match(req, max_hit)
         return PrefixMatch(hit, junction, tables, self._epoch, req)
 
-    def _match(self, req: LiveRequest) -> tuple[int, list[list[int]], int]:
+    def _match(
+        self, req: LiveRequest, max_hit: int | None = None
+    ) -> tuple[int, list[list[int]], int]:
         """The hit length, per group the block table a request with that hit starts with,
         and the longest prefix valid in any single group (see `prefix_match`).
 
-        The hit is the longest p < len(prompt), a multiple of every text group's block size,
-        valid in every group (`Policy.valid_prefix_mask`, the vectorized `possible_prefix`).
+        The hit is the longest p < len(prompt) (and p <= ``max_hit``), a multiple of every
+        text group's block size, valid in every group (`Policy.valid_prefix_mask`, the
+        vectorized `possible_prefix`).
         """
         n = len(req.tokens)
         step = self._prefix_step
@@ -752,6 +777,8 @@ class JengaAllocator(AllocatorViews):
             if len(alone):
                 junction = max(junction, int(alone[-1] + 1) * step)
             valid &= mask
+        if max_hit is not None:
+            valid[max(max_hit, 0) // step :] = False
         hits = np.flatnonzero(valid)
         hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []

@@ -84,9 +84,10 @@ AT_LEAST_0_33 = tuple(int(p) for p in VLLM_VERSION.split("+")[0].split(".")[:2])
 max_cache_hit_length)`` (the manager takes the bound on both); the output update that
 caches blocks under async scheduling moved from ``AsyncScheduler`` into ``Scheduler``
 (``_update_request_with_output``; `scheduler_owns_output_update`); the scheduler-side
-auxiliary-output (routed experts) connector reads the manager's ``block_pool``
-(`aux_outputs_read_the_block_pool`); `KVCacheManager` takes ``num_hash_lookahead_tokens``
-(EAGLE lookahead block hashes, refused by `integrations.vllm.drop_in`)."""
+auxiliary-output (routed experts) connector is built on the manager and reads its
+``block_pool`` (`scheduler_aux_output_connector`); `KVCacheManager` takes
+``num_hash_lookahead_tokens`` (EAGLE lookahead block hashes, refused by
+`integrations.vllm.drop_in`)."""
 
 __all__ = [
     "AT_LEAST_0_33",
@@ -244,6 +245,13 @@ def model_runner_output(**kwargs: Any) -> ModelRunnerOutput:
     return ModelRunnerOutput(**kwargs)
 
 
+def aux_request_output(token_start: int, rows: Any) -> Any:
+    """One request's routed-experts rows in a model runner's output (from ``token_start``)."""
+    from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+
+    return AuxRequestOutput(token_start, rows)
+
+
 def kv_connector_output(**kwargs: Any) -> Any:
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -276,15 +284,16 @@ def scheduler_owns_output_update() -> bool:
     return AT_LEAST_0_33
 
 
-def aux_outputs_read_the_block_pool(vllm_config: VllmConfig) -> bool:
-    """Whether the scheduler's auxiliary-output connector needs vLLM's own block pool.
+def scheduler_aux_output_connector(manager: object, kv_connector: object) -> object | None:
+    """0.33's scheduler-side auxiliary-output (routed experts) connector built on
+    ``manager`` (it keys the rows it keeps by the manager's ``block_pool`` and its
+    cached blocks); None on 0.32, whose ``AuxOutputSchedulerConnector()`` keeps its own
+    state and needs no rebuilding."""
+    if not AT_LEAST_0_33:
+        return None
+    from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
-    0.32: ``AuxOutputSchedulerConnector()`` keeps its own state. 0.33: it is built with
-    the KV-cache manager and keys the routed-experts rows it caches by that manager's
-    ``block_pool`` (``--enable-return-routed-experts``), which ours does not have.
-    """
-    aux = getattr(vllm_config, "aux_output_config", None)
-    return AT_LEAST_0_33 and aux is not None and bool(aux.enabled)
+    return AuxOutputSchedulerConnector(manager, kv_connector)
 
 
 def kv_connector_base_class() -> type:

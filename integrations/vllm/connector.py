@@ -26,10 +26,15 @@ Approach
           scheduler holds [KVCacheBlock(b) ...] of p  ──free_blocks──▶ free(p)
 
     - `ConnectorBlockPool` is the small ``block_pool`` the scheduler and connectors
-      read: ``free_blocks`` (deferred frees), ``null_block``, ``evict_blocks``. A
-      connector that drives vLLM's own `BlockPool` (its ref counts, free queue, hash
-      map) cannot run on it and is refused at start-up
-      (`bind_connector`).
+      read: ``free_blocks`` (deferred frees), ``null_block``, ``evict_blocks``, and for
+      vLLM 0.33's routed-experts connector (``enable_return_routed_experts``, which keys
+      the rows it keeps by vLLM block hash and keeps them while the KV is cached)
+      ``hash_block_size``; that connector asks each group's ``block_pool`` in the
+      coordinator view, `CachedBlockLookup`, ``get_cached_block`` (is the block a vLLM
+      hash names in the prefix cache of these groups: one index lookup each, as the
+      allocator names text blocks by vLLM's digests). A connector that drives vLLM's
+      own `BlockPool` (its ref counts, free queue, hash map) cannot run on it and is
+      refused at start-up (`bind_connector`).
     - Eviction by block id (`evict_by_id`, vLLM's ``evict_blocks`` after a failed load
       under the "fail" policy): each id is dropped from the prefix cache of every group
       it names a block of (`jenga.allocator.JengaAllocator.uncache_blocks`); on VMM
@@ -52,11 +57,13 @@ Limitations
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jenga.allocator import NULL_BLOCK
+from jenga.errors import InvalidInput
+from jenga.prefix import digest_identities
 from jenga.specs import Kind
 
 from integrations.vllm.compat import KVCacheBlock, KVCacheBlocks, kv_connector_base_class
@@ -157,6 +164,11 @@ class ConnectorBlockPool:
         self._manager = manager
 
     @property
+    def hash_block_size(self) -> int:
+        """Tokens per vLLM block hash (the request's ``block_hashes``)."""
+        return int(self._manager.hash_block_size)
+
+    @property
     def null_block(self) -> KVCacheBlock:
         """Group 0's null block (every group's null on vLLM's shared tensors)."""
         return self._manager._block_ids.null_blocks[0]
@@ -168,6 +180,43 @@ class ConnectorBlockPool:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._manager.evict_blocks(block_ids)
+
+
+class CachedBlockLookup:
+    """The ``block_pool`` of each group in the coordinator view: what vLLM 0.33's
+    routed-experts connector asks of it, whether the block a vLLM hash names is cached.
+
+    Kept apart from `ConnectorBlockPool` so that code reading vLLM's pool internals
+    through ``kv_cache_manager.block_pool`` (its hash map included) still fails by name.
+    """
+
+    def __init__(self, manager: JengaKVCacheManager) -> None:
+        self._manager = manager
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """Per group the cached block whose last hash block is ``block_hash`` (vLLM's
+        rule for a group block spanning several hash blocks), or None when any group
+        has none in its prefix cache (live requests' committed blocks included)."""
+        manager = self._manager
+        try:
+            identity = digest_identities([block_hash], 1, 1, 0, 1)
+        except InvalidInput:  # shorter than the 16 bytes an identity takes: never indexed
+            return None
+        found = []
+        for g in kv_cache_group_ids:
+            if not 0 <= g < manager.num_kv_cache_groups:
+                raise IndexError(
+                    f"KV-cache group {g} out of range [0, {manager.num_kv_cache_groups})"
+                )
+            block = int(manager.allocator.lookup(g, identity)[0])
+            if block < 0:
+                return None
+            tables: list[list[int]] = [[] for _ in range(manager.num_kv_cache_groups)]
+            tables[g] = [block]
+            found.append(manager._block_ids.rows(tables)[g][0])
+        return found
 
 
 def external_then_new(

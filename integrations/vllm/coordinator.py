@@ -5,8 +5,10 @@ Rationale
     ``coordinator.single_type_managers`` (each with ``block_size``, ``kv_cache_spec``,
     ``kv_cache_group_id``, ``dcp_world_size``) and ``group_block_sizes`` for the
     effective attention block size, the KV-group metadata for event consumers and the
-    speculative-step block count; ``enable_partial_hash_hits``; and
-    ``get_num_blocks_to_allocate`` for the blocks a request still needs. Building
+    speculative-step block count; ``enable_partial_hash_hits``;
+    ``get_num_blocks_to_allocate`` for the blocks a request still needs; and, for 0.33's
+    routed-experts connector, ``full_attention_group_id`` and each group's ``block_pool``
+    (`integrations.vllm.connector.CachedBlockLookup`: cached blocks by vLLM hash). Building
     vLLM's own coordinator would allocate its block pool; this view answers the same
     questions from the jenga layout and allocator.
 
@@ -28,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
+from integrations.vllm.compat import FullAttentionSpec
+
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig, KVCacheSpec
     from integrations.vllm.layout import GroupLayout
@@ -41,6 +45,7 @@ class GroupView:
     kv_cache_spec: KVCacheSpec
     block_size: int  # tokens of one block, scaled by decode context parallelism
     dcp_world_size: int = 1  # ranks one block's tokens are spread over (1: replicated)
+    block_pool: object = None  # `connector.CachedBlockLookup` (one for all groups)
 
 
 class CoordinatorView:
@@ -53,13 +58,23 @@ class CoordinatorView:
         kv_cache_config: KVCacheConfig,
         blocks_needed: Callable[[str, int, int], int],
         groups: Sequence[GroupLayout],
+        block_pool: object = None,
     ) -> None:
         self.single_type_managers = tuple(
-            GroupView(i, vg.kv_cache_spec, g.block_size, g.dcp_world_size)
+            GroupView(i, vg.kv_cache_spec, g.block_size, g.dcp_world_size, block_pool)
             for i, (vg, g) in enumerate(zip(kv_cache_config.kv_cache_groups, groups, strict=True))
         )
         self.group_block_sizes = tuple(g.block_size for g in self.single_type_managers)
         self._blocks_needed = blocks_needed
+        # vLLM's hybrid coordinator: its first full-attention group (None: no such group)
+        self.full_attention_group_id = next(
+            (
+                v.kv_cache_group_id
+                for v in self.single_type_managers
+                if isinstance(v.kv_cache_spec, FullAttentionSpec)
+            ),
+            None,
+        )
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, *, total_computed_tokens: int = 0, **_: object

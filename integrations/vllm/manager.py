@@ -139,8 +139,6 @@ class JengaKVCacheManager:
     objects are interned per (group, id) so identity comparisons in the scheduler behave.
     """
 
-    block_pool: connector.ConnectorBlockPool  # set by `bind_connector` only
-
     def __init__(
         self,
         layout: JengaLayout,
@@ -183,6 +181,8 @@ class JengaKVCacheManager:
         self._last_match: tuple[Hashable, PrefixMatch] | None = None
         self.counters = {"requests.admitted": 0, "requests.rejected": 0, "prefix.hit_tokens": 0}
         self._connector = connector.new_state(self)
+        # what vLLM's scheduler, KV connectors and routed-experts connector read
+        self.block_pool = connector.ConnectorBlockPool(self)
 
     @property
     def enable_kv_cache_events(self) -> bool:
@@ -231,7 +231,8 @@ class JengaKVCacheManager:
                 "this JengaKVCacheManager was built without kv_cache_config, so it has no "
                 "coordinator view (install_jenga_manager passes the scheduler's)"
             )
-        return CoordinatorView(self.kv_cache_config, self.blocks_needed, self.layout.groups)
+        lookup = connector.CachedBlockLookup(self)
+        return CoordinatorView(self.kv_cache_config, self.blocks_needed, self.layout.groups, lookup)
 
     def blocks_needed(self, request_id: str, num_tokens: int, num_computed: int = 0) -> int:
         """Blocks (over all groups) the request must still get to hold ``num_tokens``."""
@@ -263,7 +264,9 @@ class JengaKVCacheManager:
         cached when it exceeds the hit — a full-attention prefix whose Mamba state was
         never written. For Mamba models vLLM's scheduler ends the request's chunk there
         (block floored), so the state at the junction is written and cached and the next
-        sibling hits it all.
+        sibling hits it all. ``max_cache_hit_length`` (vLLM's routed-experts connector:
+        the prefix whose rows it still holds) caps the hit at the longest prefix below it
+        valid in every group.
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
@@ -273,12 +276,10 @@ class JengaKVCacheManager:
             salt=request_salt(request),
             request_id=request.request_id,
             digests=_digests(request),
+            max_hit=max_cache_hit_length,  # a shorter hit valid in every group below it
         )
         self._last_match = (request.request_id, match)  # `_admit` adopts it
         hit, junction = match.hit, match.junction
-        if max_cache_hit_length is not None and hit > max_cache_hit_length:
-            # a shorter hit valid in every group is not derived here: compute it all
-            return self.empty_kv_cache_blocks, 0, 0
         blocks = self._blocks_of(match.tables) if hit else self.empty_kv_cache_blocks
         report = self.layout.options.junctions and junction > hit
         return blocks, hit, junction if report else 0
@@ -622,11 +623,9 @@ class JengaKVCacheManager:
         return connector.park_request(self, request)
 
     def bind_connector(self) -> connector.ConnectorBlockPool:
-        """Give this manager the ``block_pool`` vLLM's scheduler and connectors read
-        (deferred frees, the null block); only a manager with a connector has one."""
-        pool = connector.ConnectorBlockPool(self)
-        self.block_pool = pool
-        return pool
+        """The ``block_pool`` vLLM's scheduler and connectors read (deferred frees, the
+        null block, cached-block lookups by vLLM block hash)."""
+        return self.block_pool
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None

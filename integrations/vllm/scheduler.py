@@ -16,7 +16,8 @@ Approach
     asserts on it);
     a KV connector vLLM built is re-bound to the jenga manager
     (`integrations.vllm.connector.bind_connector`, which refuses the ones that drive
-    vLLM's own block pool).
+    vLLM's own block pool); 0.33's routed-experts connector, which vLLM built on its own
+    manager, is rebuilt on ours.
 
 Limitations
     vLLM's own manager is built once and dropped (its block objects cost memory for
@@ -28,9 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from integrations.vllm.compat import AsyncScheduler, Scheduler, aux_outputs_read_the_block_pool
+from integrations.vllm.compat import AsyncScheduler, Scheduler, scheduler_aux_output_connector
 from integrations.vllm.connector import bind_connector
-from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
@@ -39,26 +39,7 @@ from integrations.vllm.speculative import speculative_setup_of
 from integrations.vllm.version import check_vllm_version
 
 if TYPE_CHECKING:
-    from integrations.vllm.compat import SchedulerOutput, VllmConfig
-
-
-def check_supported_config(vllm_config: VllmConfig) -> None:
-    """Raise `UnsupportedFeature` for vLLM features the jenga manager does not serve."""
-    problems = []
-    if aux_outputs_read_the_block_pool(vllm_config):
-        problems.append(
-            "returning routed experts (enable_return_routed_experts: vLLM 0.33's "
-            "auxiliary-output connector reads vLLM's own block pool)"
-        )
-    if problems:
-        raise UnsupportedFeature(
-            "the jenga KV-cache manager does not support "
-            + ", ".join(problems)
-            + "; supported: models with full, sliding-window, chunked-local attention, "
-            "MLA, Mamba and (encoder-decoder) cross-attention layers, prefix caching, "
-            "chunked prefill, preemption, speculative decoding, KV connectors, decode "
-            "context parallelism"
-        )
+    from integrations.vllm.compat import SchedulerOutput
 
 
 def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
@@ -84,6 +65,11 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
     kv_connector = getattr(scheduler, "connector", None)
     if kv_connector is not None:  # vLLM bound it to its own manager: bind it to ours
         bind_connector(manager, kv_connector)
+    if getattr(scheduler, "aux_output_connector", None) is not None:
+        # 0.33 built the routed-experts connector on vLLM's manager: rebuild it on ours
+        rebuilt = scheduler_aux_output_connector(manager, kv_connector)
+        if rebuilt is not None:
+            scheduler.aux_output_connector = rebuilt
     # Flags vLLM derived from its own manager's coordinator.
     scheduler.mamba_partial_cache_hit = False
     scheduler.mamba_shared_prefix_checkpoint = False
@@ -115,7 +101,6 @@ class _JengaManagerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        check_supported_config(vllm_config)
         # before vLLM's own manager, which asserts on the groups decode CP cannot shard
         kv_cache_config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
         if vllm_config is not None and kv_cache_config is not None:

@@ -96,3 +96,25 @@ def test_the_unmap_all_plan_is_the_only_plan_that_resets():
     assert not MappingPlan() and len(MappingPlan()) == 0
     reset = MappingPlan.unmap_all()
     assert reset and reset.reset and len(reset) == 0 and reset != MappingPlan()
+
+
+def test_a_capped_match_takes_the_longest_hit_below_the_cap_valid_in_every_group():
+    """16 tokens cached (full + an 8-token window, 4-token blocks): a cap of 14 hits 12,
+    with the window blocks of 12 (block 1, which a hit of 16 skips); the adopted match
+    claims exactly that."""
+    alloc = _alloc()
+    prompt = [*PROMPT, 99]
+    assert alloc.prefix_match(prompt).hit == 16
+    capped = alloc.prefix_match(prompt, max_hit=14)
+    assert capped.hit == 12
+    assert alloc.prefix_match(prompt, max_hit=3).hit == 0
+    assert alloc.prefix_match(prompt, max_hit=0).hit == 0
+    full = alloc.prefix_match(prompt).tables
+    assert capped.tables[0] == full[0][:3]
+    # the window of 12 reads blocks 1 and 2 (16's: 2 and 3, block 1 released there)
+    assert full[1][1] == -1 and -1 not in capped.tables[1][1:3]
+    assert capped.tables[1][2] == full[1][2]
+    assert alloc.add_request("b", prompt, match=capped) == 12
+    for g in range(2):
+        assert alloc.block_table("b", g) == capped.tables[g]
+    alloc.check_invariants(expensive=True)

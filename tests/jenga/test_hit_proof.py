@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from jenga.allocator import AllocatorConfig, GroupConfig
+from jenga.allocator import AllocationRules, AllocatorConfig, GroupConfig
 from jenga.config import HitProof
 from jenga.specs import SpecError
 
@@ -70,3 +70,37 @@ def test_proof_masks_and_bad_steps():
     assert HitProof().proven(mask.copy(), True, True).tolist() == [*mask[:-1], False]
     with pytest.raises(SpecError, match="hit proof steps must be > 0, got 0"):
         HitProof(steps=0)
+
+
+def test_the_proof_a_hit_used_is_kept_like_the_hit_after_it_leaves_a_window():
+    """A proven hit reads the block after it without holding it. When that proof block
+    later leaves its owner's window, it must not go to the demoted tier (evicted before
+    every finished request's blocks): the next request with the prefix needs it as
+    proof as much as it needs the hit's blocks. Here "c" finished first (its sliding
+    blocks the least recently used), "b" hit a's prefix proven by a's sliding block 7,
+    then "a" decoded past it: c's blocks go first, the proof after them."""
+    groups = (
+        GroupConfig("full", Kind.FULL, 4, 1, 1),
+        GroupConfig("swa", Kind.SLIDING_WINDOW, 4, 1, 1, window=8),
+    )
+    rules = AllocationRules(demote_window_releases=True)
+    config = AllocatorConfig(groups, total_units=64, rules=rules, hit_proof=HitProof())
+    alloc = JengaAllocator(config)
+    alloc.add_request("c", list(range(500, 508)))
+    assert alloc.allocate("c", 8) is not None
+    alloc.cache("c", 8)
+    c_blocks = alloc.block_table("c", 1)
+    alloc.free("c")
+    alloc.add_request("a", PROMPT)
+    assert alloc.allocate("a", 32) is not None
+    alloc.cache("a", 32)
+    proof = alloc.block_table("a", 1)[7]
+    assert alloc.add_request("b", [*PROMPT, 900]) == 28  # proven by a's block 7
+    assert proof not in alloc.block_table("b", 1)
+    for token in range(12):  # a decodes: its window leaves block 7
+        alloc.append_tokens("a", [700 + token])
+        assert alloc.allocate("a", 1) is not None
+    assert alloc.block_table("a", 1)[7] == -1
+    order = alloc.eviction_order("swa")
+    assert max(order.index(b) for b in c_blocks) < order.index(proof)
+    alloc.check_invariants(expensive=True)

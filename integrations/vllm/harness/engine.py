@@ -12,7 +12,11 @@ Approach
     layouts, ``initialize_from_config``, ``execute_model``, ``sample_tokens``, and with
     speculative decoding configured ``take_draft_token_ids``: every decoding request gets
     ``num_speculative_tokens`` drafts, all accepted in the next step; Mamba specs then
-    keep a state per draft token, as vLLM's Mamba layers build them). With
+    keep a state per draft token, as vLLM's Mamba layers build them). With routed experts
+    returned (``enable_return_routed_experts``) each sampling step also returns, per
+    request, one row per token from the request's emit start (the scheduler's
+    auxiliary-output metadata) up to the sampled token: `routed_row` of its position,
+    as a worker that kept every row would. With
     ``kv_tensors="vmm"`` the worker builds the VMM KV tensors on the host backend
     (`integrations.vllm.plugin.vmm_allocate_kv_cache`) and applies each step's plans,
     as the GPU runner's wrapper does. Each step samples one deterministic token for
@@ -27,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 import vmm
 from integrations.vllm import compat
@@ -52,6 +58,7 @@ class HostWorker:
         self.pending: Any = None
         self.decoding: list[str] = []  # requests the last step sampled a token for
         self.accepted_drafts = 0
+        self.emit_start: dict[str, int] = {}  # routed experts: the next row to return
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         return dict(self.specs)
@@ -121,11 +128,27 @@ class HostWorker:
             self.accepted_drafts += len(accepted)
             self.lengths[rid] += len(sampled[-1])
         self.decoding = [rid for rid, got in zip(ids, sampled, strict=True) if got]
+        more = {}
+        if self.vllm_config.aux_output_config.enabled:
+            more["aux_output_connector_output"] = self._routed_experts(out, computed)
         return compat.model_runner_output(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled,
+            **more,
         )
+
+    def _routed_experts(self, out: Any, computed: dict[str, int]) -> dict[str, Any]:
+        """Per request that sampled this step, its rows from its emit start up to the
+        sampled token (the step's last position)."""
+        starts = out.aux_output_connector_metadata.requests
+        rows = {}
+        for rid in self.decoding:
+            start = self.emit_start.get(rid, starts[rid])
+            end = computed[rid] + out.num_scheduled_tokens[rid]
+            rows[rid] = compat.aux_request_output(start, routed_row(np.arange(start, end)))
+            self.emit_start[rid] = end
+        return rows
 
     def take_draft_token_ids(self) -> Any:
         """Drafts for the requests the last step sampled for (None: no speculation)."""
@@ -150,6 +173,12 @@ def _with_speculative_states(specs: dict[str, Any], vllm_config: Any) -> dict[st
         else spec
         for name, spec in specs.items()
     }
+
+
+def routed_row(positions: np.ndarray) -> np.ndarray:
+    """The routed-experts rows the host worker returns for these token positions: one
+    expert id per token, ``(n, 1, 1)`` uint8 (the position modulo 251)."""
+    return (np.asarray(positions) % 251).astype(np.uint8).reshape(-1, 1, 1)
 
 
 def compat_chunk_bytes(vllm_config: Any) -> int:

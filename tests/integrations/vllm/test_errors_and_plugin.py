@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,13 +13,11 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 from integrations.vllm.errors import (
     InvalidOptions,
     JengaVllmError,
-    UnsupportedFeature,
     UnsupportedLayerKind,
 )
 from integrations.vllm.harness import cases, replay
 from integrations.vllm.layout import build_layout
 from integrations.vllm.options import JengaVllmOptions, TensorGeometry
-from integrations.vllm.scheduler import check_supported_config
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
 import vmm
@@ -56,36 +53,21 @@ def test_an_unsupported_spec_is_refused_with_the_supported_list(model_dir: Path)
     )
 
 
-def test_unsupported_features_are_named() -> None:
-    config = SimpleNamespace(
-        kv_transfer_config=object(),
-        speculative_config=object(),
-        model_config=SimpleNamespace(is_encoder_decoder=False),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
-    )
-    check_supported_config(config)  # speculative decoding and KV connectors are served
-    config.parallel_config.decode_context_parallel_size = 2
-    check_supported_config(config)  # and decode context parallelism (its groups checked later)
-
-
-def test_routed_experts_are_refused_where_vllms_connector_reads_its_block_pool(
-    model_dir: Path,
-) -> None:
+def test_routed_experts_connector_is_rebuilt_on_our_manager(model_dir: Path) -> None:
     """vLLM 0.33 builds its auxiliary-output connector on the manager's ``block_pool``
-    (vLLM's own manager, dropped by the swap); 0.32's connector keeps its own state."""
+    (vLLM's own manager, dropped by the swap): `JengaScheduler` rebuilds it on ours.
+    0.32's connector keeps its own state and stays as vLLM built it."""
     from integrations.vllm import compat
 
     config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=256))
     config.aux_output_config.enable_return_routed_experts = True
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("llama"), 16 << 20)
+    scheduler = replay.make_scheduler(config, kv_config, jenga=True)
+    connector = scheduler.aux_output_connector
+    assert connector is not None
     if compat.AT_LEAST_0_33:
-        with pytest.raises(
-            UnsupportedFeature, match=r"returning routed experts \(enable_return_routed_experts"
-        ):
-            replay.make_scheduler(config, kv_config, jenga=True)
-    else:
-        scheduler = replay.make_scheduler(config, kv_config, jenga=True)
-        assert scheduler.aux_output_connector is not None
+        assert connector._block_pool is scheduler.kv_cache_manager.block_pool
+        assert connector._hash_block_size == 16
 
 
 def test_options_are_checked() -> None:

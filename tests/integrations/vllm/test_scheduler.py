@@ -164,9 +164,9 @@ def test_each_admission_looks_its_prefix_up_once(model_dir: Path, case: str) -> 
     allocator_match = manager.allocator._match
     lookup = manager.get_computed_blocks
 
-    def counted_match(req: Any) -> Any:
+    def counted_match(req: Any, *args: Any) -> Any:
         calls["match"] += 1
-        return allocator_match(req)
+        return allocator_match(req, *args)
 
     def counted_lookup(*args: Any, **kwargs: Any) -> Any:
         calls["lookup"] += 1

@@ -15,7 +15,6 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.harness import cases, engine, replay
-from integrations.vllm.scheduler import check_supported_config
 
 import vmm
 from integrations.vllm import compat, identity
@@ -215,16 +214,6 @@ def test_full_sequence_must_fit_gates_admission(model_dir: Path) -> None:
     request = _request("long", [1] * 1800)  # its first chunk fits, its whole prompt not
     assert manager.allocate_slots(request, 256, full_sequence_must_fit=True) is None
     assert manager.allocate_slots(request, 256) is not None
-
-
-def test_a_retention_interval_is_served() -> None:
-    config = SimpleNamespace(
-        kv_transfer_config=None,
-        speculative_config=None,
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
-        cache_config=SimpleNamespace(prefix_cache_retention_interval=64),
-    )
-    check_supported_config(config)  # jenga's dense cache serves every hit vLLM keeps
 
 
 @pytest.mark.parametrize("caching", [True, False])

@@ -40,10 +40,7 @@ def _swap_in_jenga() -> None:
     import vllm.v1.core.kv_cache_manager as kvm
     import vllm.v1.core.sched.scheduler as sched  # binds vLLM's class before the patch
     from integrations.vllm.drop_in import jenga_kv_cache_manager
-    from integrations.vllm.scheduler import (
-        check_supported_config,
-        install_jenga_manager,
-    )
+    from integrations.vllm.scheduler import install_jenga_manager
     from integrations.vllm.version import check_vllm_version
 
     def counted_manager(*args: Any, **kwargs: Any) -> Any:
@@ -56,7 +53,6 @@ def _swap_in_jenga() -> None:
     def jenga_init(self: Any, *args: Any, **kwargs: Any) -> None:
         _BUILT.append(1)
         check_vllm_version()
-        check_supported_config(kwargs.get("vllm_config", args[0] if args else None))
         original(self, *args, **kwargs)
         install_jenga_manager(self)
 
