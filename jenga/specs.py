@@ -49,12 +49,26 @@ class Kind(StrEnum):
     MLA = "mla"  # multi-head latent attention (DeepSeek-V2/V3): one latent vector per token
     SLIDING_WINDOW_MLA = "sliding_window_mla"  # MLA latents read over a sliding window
     SINK_FULL = "sink_full"  # full attention behind `sink_len` engine-held sink tokens
+    # sliding-window MLA never cached: a prefix hit recomputes the hit's last window
+    REPLAY_SLIDING_WINDOW_MLA = "replay_sliding_window_mla"
+    # one block per request, a ring of the last `block_size` rows; never cached
+    CIRCULAR_BUFFER = "circular_buffer"
 
 
 # kinds that slide a window over the tokens (`LayerSpec.window` required)
-WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA})
+WINDOW_KINDS = frozenset(
+    {Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA, Kind.REPLAY_SLIDING_WINDOW_MLA}
+)
 # kinds that store one vector per token, not a K and a V (one tensor per layer)
-ONE_VECTOR_KINDS = frozenset({Kind.VISION_EMBEDDING, Kind.MLA, Kind.SLIDING_WINDOW_MLA})
+ONE_VECTOR_KINDS = frozenset(
+    {
+        Kind.VISION_EMBEDDING,
+        Kind.MLA,
+        Kind.SLIDING_WINDOW_MLA,
+        Kind.REPLAY_SLIDING_WINDOW_MLA,
+        Kind.CIRCULAR_BUFFER,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -66,9 +80,11 @@ class LayerSpec:
     `VISION_EMBEDDING` stores ``num_kv_heads * head_dim * dtype_bytes`` per token (one
     embedding vector; heads x dim is its width), and so do the MLA kinds (one compressed
     latent per token, read as both K and V; ``head_dim`` is the latent width with its rope
-    part, e.g. DeepSeek-V3's 512 + 64). `SINK_FULL` layers keep full attention's per-token
-    cache; their `sink_len` sink tokens are the engine's, written once outside any
-    request's blocks.
+    part, e.g. DeepSeek-V3's 512 + 64; `REPLAY_SLIDING_WINDOW_MLA` too). `SINK_FULL`
+    layers keep full attention's per-token cache; their `sink_len` sink tokens are the
+    engine's, written once outside any request's blocks. A `CIRCULAR_BUFFER` layer holds
+    one block of ``block_size`` rows of ``num_kv_heads * head_dim * dtype_bytes`` per
+    request (a ring the engine overwrites), whatever the request's length.
     """
 
     kind: Kind

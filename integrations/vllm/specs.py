@@ -14,14 +14,17 @@ Approach
     budget is vLLM's single backing allocation (`kv_cache_memory_bytes`). Mamba groups
     follow vLLM's cache mode (`mamba_step_end_only`).
 
-    MLA specs (one latent per token) become `Kind.MLA` / `Kind.SLIDING_WINDOW_MLA`,
-    static-sink specs `Kind.SINK_FULL`; each kind's rules are its jenga policy class.
+    MLA specs (one latent per token) become `Kind.MLA` / `Kind.SLIDING_WINDOW_MLA`
+    (`Kind.REPLAY_SLIDING_WINDOW_MLA` with ``bounded_replay``: never cached, vLLM's
+    scheduler recomputes a hit's last window), static-sink specs `Kind.SINK_FULL`; each
+    kind's rules are its jenga policy class. A `CircularBufferSpec` (one ring block per
+    request, DeepSeek-V4's compressor state) is `Kind.CIRCULAR_BUFFER`.
 
 Limitations
-    Circular-buffer, HiSparse, encoder-only, R-SWA and uniform-type specs, compressed
-    pages (``tokens_per_state != 1``: DeepSeek-V4's compressed MLA) and bounded-replay
-    sliding-window MLA are refused, each with its reason (`REFUSED_SPECS`). A sliding
-    window wider than ``max_model_len`` is clamped to it (it then behaves as full).
+    HiSparse, encoder-only, R-SWA and uniform-type specs and compressed pages
+    (``tokens_per_state != 1``: DeepSeek-V4's compressed MLA) are refused, each with its
+    reason (`REFUSED_SPECS`). A sliding window wider than ``max_model_len`` is clamped to
+    it (it then behaves as full).
 """
 
 from __future__ import annotations
@@ -46,13 +49,12 @@ SUPPORTED_SPECS = (
     "SlidingWindowMLASpec",
     "SinkFullAttentionSpec",
     "HiddenStateCacheSpec",
+    "CircularBufferSpec",
 )
 # specs with one latent vector per token (vLLM's MLA caches: ``head_size_v == 0``)
 MLA_SPECS = {"MLAAttentionSpec": Kind.MLA, "HiddenStateCacheSpec": Kind.MLA}
 # why a spec vLLM defines is refused (the message names it; others get the supported list)
 REFUSED_SPECS = {
-    "CircularBufferSpec": "a per-request ring of the tokens still being compressed (DeepSeek-V4 "
-    "compressors); it needs compressed (tokens_per_state > 1) MLA groups beside it",
     "HiSparseHotSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and DMA "
     "fences, a second memory tier this manager does not drive",
     "HiSparseResidentSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and "
@@ -169,13 +171,12 @@ def _attention_kind(
     if name == "SlidingWindowSpec":
         return Kind.SLIDING_WINDOW, min(int(spec.sliding_window) + retained, max_model_len), None
     if name == "SlidingWindowMLASpec":
-        if spec.bounded_replay:
-            raise UnsupportedLayerKind(
-                f"{where}: bounded_replay=True (a prefix hit re-prefills the last "
-                f"{spec.sliding_window} tokens instead of caching the window) is not supported"
-            )
         window = min(int(spec.sliding_window) + retained, max_model_len)
+        if getattr(spec, "bounded_replay", False):  # a hit recomputes the window
+            return Kind.REPLAY_SLIDING_WINDOW_MLA, window, None
         return Kind.SLIDING_WINDOW_MLA, window, None
+    if name == "CircularBufferSpec":  # one ring block per request, never cached
+        return Kind.CIRCULAR_BUFFER, None, None
     if name == "ChunkedLocalAttentionSpec":
         return Kind.CHUNKED_LOCAL, None, int(spec.attention_chunk_size)
     if name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
