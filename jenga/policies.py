@@ -4,8 +4,10 @@ Rationale
     Layer kinds differ in which tokens they read (paper §5.2): full attention reads every
     token, a sliding window the last ``w``, chunked local attention its current chunk,
     Mamba only its running state, cross attention every image token; MLA reads every
-    token's latent (sliding-window MLA those of its window), sink full attention every
-    token after the engine's sink tokens. The allocator is the
+    token's latent (sliding-window MLA those of its window, compressed MLA one state per
+    ``tokens_per_state`` tokens), sink full attention every token after the engine's
+    sink tokens; replayed sliding-window MLA reads its window but caches nothing (a hit
+    recomputes it), a circular buffer is one ring block per request. The allocator is the
     same for all of them; what differs is captured by four questions, one class per kind,
     picked from `POLICY_BY_KIND` (the paper's customizable interface):
 
@@ -291,6 +293,17 @@ class MLAPolicy(FullAttentionPolicy):
     block stays and the valid prefixes are the leading run of cached blocks."""
 
     kind: ClassVar[Kind] = Kind.MLA
+
+
+@dataclass(frozen=True)
+class CompressedMLAPolicy(MLAPolicy):
+    """MLA whose pages hold one state per ``tokens_per_state`` tokens (DeepSeek-V4's
+    compressed MLA; the spec's `tokens_per_state` divides its block size). Every later
+    token reads every state, so full attention's rules hold; a block's states are all
+    written once its tokens are, and hits are block-aligned, so a hit never ends inside a
+    state. Only the page differs (`jenga.specs.LayerSpec.page_bytes`)."""
+
+    kind: ClassVar[Kind] = Kind.COMPRESSED_MLA
 
 
 @dataclass(frozen=True)
@@ -589,6 +602,7 @@ POLICY_BY_KIND: dict[Kind, type[Policy]] = {
     Kind.SINK_FULL: SinkFullAttentionPolicy,
     Kind.REPLAY_SLIDING_WINDOW_MLA: ReplaySlidingWindowMLAPolicy,
     Kind.CIRCULAR_BUFFER: CircularBufferPolicy,
+    Kind.COMPRESSED_MLA: CompressedMLAPolicy,
 }
 
 

@@ -53,6 +53,8 @@ class Kind(StrEnum):
     REPLAY_SLIDING_WINDOW_MLA = "replay_sliding_window_mla"
     # one block per request, a ring of the last `block_size` rows; never cached
     CIRCULAR_BUFFER = "circular_buffer"
+    # MLA with one stored state per `tokens_per_state` tokens (DeepSeek-V4 compressed MLA)
+    COMPRESSED_MLA = "compressed_mla"
 
 
 # kinds that slide a window over the tokens (`LayerSpec.window` required)
@@ -67,6 +69,7 @@ ONE_VECTOR_KINDS = frozenset(
         Kind.SLIDING_WINDOW_MLA,
         Kind.REPLAY_SLIDING_WINDOW_MLA,
         Kind.CIRCULAR_BUFFER,
+        Kind.COMPRESSED_MLA,
     }
 )
 
@@ -84,7 +87,10 @@ class LayerSpec:
     layers keep full attention's per-token cache; their `sink_len` sink tokens are the
     engine's, written once outside any request's blocks. A `CIRCULAR_BUFFER` layer holds
     one block of ``block_size`` rows of ``num_kv_heads * head_dim * dtype_bytes`` per
-    request (a ring the engine overwrites), whatever the request's length.
+    request (a ring the engine overwrites), whatever the request's length. A
+    `COMPRESSED_MLA` layer stores one ``num_kv_heads * head_dim * dtype_bytes`` state per
+    `tokens_per_state` tokens (a divisor of ``block_size``): its page is
+    ``block_size // tokens_per_state`` states, its `bytes_per_token` a rounded-up average.
     """
 
     kind: Kind
@@ -102,6 +108,7 @@ class LayerSpec:
     # CROSS_ATTENTION / VISION_EMBEDDING: tokens one image contributes (mllama: 4 tiles x 1601).
     tokens_per_image: int | None = None
     sink_len: int | None = None  # SINK_FULL: sink tokens, a multiple of block_size
+    tokens_per_state: int = 1  # COMPRESSED_MLA: tokens one stored state covers (> 1)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -140,6 +147,7 @@ class LayerSpec:
                 )
         elif self.sink_len is not None:
             raise SpecError(f"sink_len={self.sink_len} given for a {self.kind} layer")
+        self._check_tokens_per_state()
         if self.chunk is not None and self.kind is not Kind.CHUNKED_LOCAL:
             raise SpecError(f"chunk={self.chunk} given for a {self.kind} layer")
         if self.state_bytes is not None and self.kind is not Kind.MAMBA:
@@ -159,12 +167,25 @@ class LayerSpec:
             if self.tokens_per_image <= 0:
                 raise SpecError(f"tokens_per_image must be > 0, got {self.tokens_per_image}")
 
+    def _check_tokens_per_state(self) -> None:
+        tps = self.tokens_per_state
+        if self.kind is not Kind.COMPRESSED_MLA:
+            if tps != 1:
+                raise SpecError(f"tokens_per_state={tps} given for a {self.kind} layer")
+        elif tps <= 1 or self.block_size % tps:
+            raise SpecError(
+                f"compressed_mla layer needs tokens_per_state > 1 dividing block_size "
+                f"{self.block_size}, got {tps}"
+            )
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token adds to this layer's cache (0 for Mamba: its state is fixed)."""
         if self.kind is Kind.MAMBA:
             return 0
         width = self.num_kv_heads * self.head_dim * self.dtype_bytes
+        if self.kind is Kind.COMPRESSED_MLA:  # an average: one state per tokens_per_state
+            return -(-width // self.tokens_per_state)
         return width if self.kind in ONE_VECTOR_KINDS else 2 * width
 
     @property
@@ -178,6 +199,9 @@ class LayerSpec:
         if self.kind is Kind.MAMBA:
             assert self.state_bytes is not None
             return self.state_bytes
+        if self.kind is Kind.COMPRESSED_MLA:
+            states = self.block_size // self.tokens_per_state
+            return states * self.num_kv_heads * self.head_dim * self.dtype_bytes
         return self.bytes_per_token * self.block_size
 
 

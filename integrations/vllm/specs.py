@@ -18,13 +18,17 @@ Approach
     (`Kind.REPLAY_SLIDING_WINDOW_MLA` with ``bounded_replay``: never cached, vLLM's
     scheduler recomputes a hit's last window), static-sink specs `Kind.SINK_FULL`; each
     kind's rules are its jenga policy class. A `CircularBufferSpec` (one ring block per
-    request, DeepSeek-V4's compressor state) is `Kind.CIRCULAR_BUFFER`.
+    request, DeepSeek-V4's compressor state) is `Kind.CIRCULAR_BUFFER`; an
+    `MLAAttentionSpec` storing one state per ``tokens_per_state`` tokens (DeepSeek-V4's
+    compressed MLA) is `Kind.COMPRESSED_MLA`, its page ``block_size // tokens_per_state``
+    states.
 
 Limitations
-    HiSparse, encoder-only, R-SWA and uniform-type specs and compressed pages
-    (``tokens_per_state != 1``: DeepSeek-V4's compressed MLA) are refused, each with its
-    reason (`REFUSED_SPECS`). A sliding window wider than ``max_model_len`` is clamped to
-    it (it then behaves as full).
+    HiSparse, encoder-only, R-SWA and uniform-type specs are refused, each with its
+    reason (`REFUSED_SPECS`), and so are compressed pages (``tokens_per_state != 1``)
+    of any spec but `MLAAttentionSpec` (whose compressed form is `Kind.COMPRESSED_MLA`).
+    A sliding window wider than ``max_model_len`` is clamped to it (it then behaves as
+    full).
 """
 
 from __future__ import annotations
@@ -200,12 +204,16 @@ def _attention_kind(
 def _attention_spec(spec: KVCacheSpec, name: str, where: str, max_model_len: int) -> LayerSpec:
     """The `LayerSpec` of an attention spec: K/V kinds split a cell into K and V halves of
     ``head_dim`` bytes; MLA kinds store the cell as one latent of ``head_dim`` bytes."""
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        raise UnsupportedLayerKind(
-            f"{where}: packed or compressed attention pages (tokens_per_state="
-            f"{spec.tokens_per_state}) are not supported"
-        )
     kind, window, chunk = _attention_kind(spec, name, where, max_model_len)
+    tps = getattr(spec, "tokens_per_state", 1)
+    if tps != 1:  # one state per tps tokens: DeepSeek-V4's compressed MLA only
+        if name != "MLAAttentionSpec" or type(tps) is not int or tps < 1 or spec.block_size % tps:
+            raise UnsupportedLayerKind(
+                f"{where}: packed or compressed attention pages (tokens_per_state={tps}) "
+                "are not supported: only MLAAttentionSpec compresses, by an integer "
+                f"dividing block_size {spec.block_size}"
+            )
+        kind = Kind.COMPRESSED_MLA
     cell = int(spec.state_content_size_bytes)
     one_vector = kind in ONE_VECTOR_KINDS
     if not one_vector and cell % 2:
@@ -221,6 +229,7 @@ def _attention_spec(spec: KVCacheSpec, name: str, where: str, max_model_len: int
         window=window,
         chunk=chunk,
         sink_len=int(spec.sink_len) if kind is Kind.SINK_FULL else None,
+        tokens_per_state=int(tps),
     )
 
 

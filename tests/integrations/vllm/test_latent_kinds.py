@@ -151,8 +151,18 @@ def test_specs_no_kind_serves_are_refused_at_start_up_by_name() -> None:
             num_kv_heads=1,
             head_size=576,
             dtype=torch.bfloat16,
-            tokens_per_state=4,
-        ): r"\(MLAAttentionSpec\): packed or compressed attention pages \(tokens_per_state=4\)",
+            tokens_per_state=3,
+        ): r"\(MLAAttentionSpec\): packed or compressed attention pages \(tokens_per_state=3\) "
+        r"are not supported: only MLAAttentionSpec compresses, by an integer dividing "
+        r"block_size 16",
+        kvi.SlidingWindowMLASpec(
+            block_size=BLOCK,
+            num_kv_heads=1,
+            head_size=576,
+            dtype=torch.bfloat16,
+            sliding_window=128,
+            tokens_per_state=2,
+        ): r"\(SlidingWindowMLASpec\): packed or compressed attention pages \(tokens_per_state=2\)",
     }
     for spec, message in refused.items():
         with pytest.raises(UnsupportedLayerKind, match=r"KV-cache group 0 " + message):
@@ -229,3 +239,38 @@ def test_a_circular_buffer_holds_one_ring_block_per_request_as_vllms_manager() -
         shapes.append((len(ring), hit, [len(r) for r in rows], rows[1][0].is_null))
     assert shapes[0] == shapes[1] == (1, 96, [7, 1], False)
     ours.check_invariants(expensive=True)
+
+
+@pytest.mark.parametrize("geometry", list(TensorGeometry))
+def test_compressed_mla_is_its_kind_with_vllms_unpadded_page(geometry: TensorGeometry) -> None:
+    """DeepSeek-V4's compressed MLA (one 584-byte state per 2 tokens, pages padded to 576
+    bytes by vLLM): `Kind.COMPRESSED_MLA` with vLLM's unpadded page, served beside vLLM's
+    manager with the same hit."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    from tests.integrations.vllm.test_conformance_fixes import _config, _managers, _request
+
+    spec = kvi.MLAAttentionSpec(
+        block_size=128,
+        num_kv_heads=1,
+        head_size=584,
+        dtype=torch.uint8,
+        tokens_per_state=2,
+        alignment=576,
+    )
+    config = _config(spec, num_blocks=256)
+    options = GEOMETRY_OPTIONS[geometry]
+    layout = build_layout(config, MAX_LEN, JengaVllmOptions(**options))  # type: ignore[arg-type]
+    assert [g.kind for g in layout.groups] == [Kind.COMPRESSED_MLA]
+    assert layout.groups[0].page_bytes == spec.real_page_size_bytes == 64 * 584
+    theirs, ours = _managers(config, hash_block_size=128)
+    hits = []
+    for manager in (theirs, ours):
+        first = _request("a", list(range(300)))
+        assert manager.allocate_slots(first, 300) is not None
+        first.num_computed_tokens = 300
+        manager.cache_blocks(first, 300)
+        manager.free(first)
+        second = _request("b", list(range(300)))
+        hits.append(manager.get_computed_blocks(second)[1])
+    assert hits == [256, 256]

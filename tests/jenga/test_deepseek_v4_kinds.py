@@ -1,5 +1,7 @@
-"""Replayed sliding-window MLA: a window kind whose blocks are never cached; a prefix hit
-of the other groups leaves its window to be allocated afresh and recomputed."""
+"""DeepSeek-V4's layer kinds: replayed sliding-window MLA (a window kind whose blocks are
+never cached; a prefix hit of the other groups leaves its window to be allocated afresh
+and recomputed), the circular buffer (one ring block per request) and compressed MLA (one
+stored state per ``tokens_per_state`` tokens)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import pytest
 from jenga.allocator import AllocatorConfig, GroupConfig
 from jenga.policies import (
     CircularBufferPolicy,
+    CompressedMLAPolicy,
+    MLAPolicy,
     ReplaySlidingWindowMLAPolicy,
     SlidingWindowMLAPolicy,
     policy_for,
@@ -144,3 +148,35 @@ def test_a_ring_beside_a_full_group_is_claimed_once_and_never_hit():
     got = alloc.allocate("r1", 4)
     assert got is not None and [len(b) for b in got.new_blocks] == [1, 1]
     alloc.check_invariants(expensive=True)
+
+
+# -- compressed MLA ----------------------------------------------------------------------
+def test_a_compressed_mla_page_holds_one_state_per_tokens_per_state_tokens():
+    # DeepSeek-V4: a 584-byte fp8 state per 2 tokens (vLLM: num_states = 128 // 2)
+    spec = LayerSpec(
+        Kind.COMPRESSED_MLA,
+        num_kv_heads=1,
+        head_dim=584,
+        dtype_bytes=1,
+        block_size=128,
+        tokens_per_state=2,
+    )
+    assert spec.page_bytes == 64 * 584 and spec.bytes_per_token == 292
+    assert spec.num_kv_tensors == 1
+    with pytest.raises(SpecError, match="tokens_per_state > 1 dividing block_size 16, got 3"):
+        LayerSpec(Kind.COMPRESSED_MLA, num_kv_heads=1, head_dim=8, tokens_per_state=3)
+    with pytest.raises(SpecError, match="got 1"):
+        LayerSpec(Kind.COMPRESSED_MLA, num_kv_heads=1, head_dim=8)
+    with pytest.raises(SpecError, match="tokens_per_state=4 given for a mla layer"):
+        LayerSpec(Kind.MLA, num_kv_heads=1, head_dim=8, tokens_per_state=4)
+
+
+def test_compressed_mla_follows_mla_token_rules():
+    spec = LayerSpec(Kind.COMPRESSED_MLA, num_kv_heads=1, head_dim=8, tokens_per_state=4)
+    compressed, mla = policy_for(spec), MLAPolicy(16)
+    assert type(compressed) is CompressedMLAPolicy and compressed.caches_blocks
+    hits = [True, True, False, True]
+    assert compressed.possible_prefix(hits) == mla.possible_prefix(hits) == {16, 32}
+    for length in range(70):
+        assert compressed.num_blocks(length) == mla.num_blocks(length)
+        assert compressed.first_live_block(length) == 0
