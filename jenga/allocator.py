@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
@@ -185,8 +186,10 @@ class JengaAllocator(AllocatorViews):
         )
         self._hasher = config.identity.hasher()
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
-        text_blocks = [p.tokens_per_block for p in self.policies if not p.reads_images]
-        # a hit must end on a block boundary of every text group
+        text_blocks = [
+            p.tokens_per_block for p in self.policies if not p.reads_images and p.caches_blocks
+        ]
+        # a hit must end on a block boundary of every text group that caches
         self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
         self._requests: dict[Hashable, LiveRequest] = {}
         # ids freed recently (bounded: an older id's second free reads UnknownRequest)
@@ -534,13 +537,19 @@ class JengaAllocator(AllocatorViews):
             added += self._commit_group(req, g, policy, num_computed_tokens)
         if self._text_only:
             req.next_commit = min(
-                (c + 1) * p.tokens_per_block
-                for c, p in zip(req.num_committed, self.policies, strict=True)
+                (
+                    (c + 1) * p.tokens_per_block
+                    for c, p in zip(req.num_committed, self.policies, strict=True)
+                    if p.caches_blocks
+                ),
+                default=sys.maxsize,
             )
         return added
 
     def _commit_group(self, req: LiveRequest, g: int, policy: Policy, computed: int) -> int:
         """Offer group g's blocks complete within ``computed`` tokens to the hash index."""
+        if not policy.caches_blocks:
+            return 0
         table = req.tables[g]
         start = req.num_committed[g]
         if policy.reads_images:
@@ -759,12 +768,13 @@ class JengaAllocator(AllocatorViews):
         proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
         for g, policy in enumerate(self.policies):
-            if policy.reads_images:
-                hashes = req.image_hashes(policy)
+            t = policy.tokens_per_block
+            if not policy.caches_blocks:  # nothing of it is in the index
+                found = np.full(n // t, -1, dtype=np.int64)
+            elif policy.reads_images:
+                found = self._core.lookup(g, req.image_hashes(policy))
             else:
-                t = policy.tokens_per_block
-                hashes = req.identities(t, 0, n // t)
-            found = self._core.lookup(g, hashes)
+                found = self._core.lookup(g, req.identities(t, 0, n // t))
             if not policy.reads_images and len(found) < n // t:  # the caller's digests end
                 found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
             lookups.append(found)
@@ -774,16 +784,18 @@ class JengaAllocator(AllocatorViews):
             elif whole:
                 mask[-1] = False
             alone = np.flatnonzero(mask)
-            if len(alone):
+            if len(alone) and policy.caches_blocks:
                 junction = max(junction, int(alone[-1] + 1) * step)
             valid &= mask
         if max_hit is not None:
             valid[max(max_hit, 0) // step :] = False
+        if not any(p.caches_blocks for p in self.policies):
+            valid[:] = False  # no group keeps anything a hit could reuse
         hits = np.flatnonzero(valid)
         hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []
         for g, policy in enumerate(self.policies):
-            table = [NULL_BLOCK] * (policy.num_hit_blocks(hit, req.images) if hit else 0)
+            table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
             take = policy.hit_blocks(hit, req.images) if hit else range(0)
             table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
             tables.append(table)

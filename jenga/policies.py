@@ -4,8 +4,10 @@ Rationale
     Layer kinds differ in which tokens they read (paper §5.2): full attention reads every
     token, a sliding window the last ``w``, chunked local attention its current chunk,
     Mamba only its running state, cross attention every image token; MLA reads every
-    token's latent (sliding-window MLA those of its window), sink full attention every
-    token after the engine's sink tokens. The allocator is the
+    token's latent (sliding-window MLA those of its window, compressed MLA one state per
+    ``tokens_per_state`` tokens), sink full attention every token after the engine's
+    sink tokens; replayed sliding-window MLA reads its window but caches nothing (a hit
+    recomputes it), a circular buffer is one ring block per request. The allocator is the
     same for all of them; what differs is captured by four questions, one class per kind,
     picked from `POLICY_BY_KIND` (the paper's customizable interface):
 
@@ -27,8 +29,10 @@ Rationale
     Kind traits other modules branch on are class attributes: `reads_images`,
     `releases_early` (blocks leave a window or chunk while the request runs: the core's
     early releases), `holds_state` (one fixed-size state, not a per-token cache; Mamba),
-    `prefill_only` (read only while the prompt is prefilled; vision embeddings), and
-    `block_tokens(spec)` (tokens one block covers: Mamba's checkpoint interval).
+    `prefill_only` (read only while the prompt is prefilled; vision embeddings),
+    `caches_blocks` (False: the group's blocks never enter the prefix cache; a hit leaves
+    its live blocks to be recomputed, `hit_table_length`), and `block_tokens(spec)`
+    (tokens one block covers: Mamba's checkpoint interval).
     `policy_for(spec)` builds the policy of a `LayerSpec`; `make_policy` of a kind.
 
 Approach
@@ -102,6 +106,9 @@ class Policy:
     holds_state: ClassVar[bool] = False
     # read only while the prompt is prefilled (released once the prompt is done)
     prefill_only: ClassVar[bool] = False
+    # its blocks enter the prefix cache (False: never committed, never hit; a hit of the
+    # other groups leaves this group's live blocks to be allocated and recomputed)
+    caches_blocks: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0:
@@ -124,10 +131,6 @@ class Policy:
     def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
         """Blocks a request of ``length`` tokens has (allocated or released)."""
         return _ceil_div(length, self.tokens_per_block)
-
-    def num_hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> int:
-        """Table entries of a request that starts from a cached ``prefix``."""
-        return self.num_blocks(prefix, images)
 
     def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
         """Lowest block index still read by the token at position ``length``."""
@@ -175,6 +178,12 @@ class Policy:
     def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
         """Block indices a request starting from a cached ``prefix`` takes from the cache."""
         return range(self.first_live_block(prefix, images), prefix // self.tokens_per_block)
+
+    def hit_table_length(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        """Entries of the block table a request starts with after a ``prefix`` hit: every
+        block the prefix covers (NULL below `hit_blocks`); the request's next allocation
+        adds the blocks past them."""
+        return self.num_blocks(prefix, images)
 
     def possible_prefix(
         self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
@@ -302,6 +311,17 @@ class MLAPolicy(FullAttentionPolicy):
 
 
 @dataclass(frozen=True)
+class CompressedMLAPolicy(MLAPolicy):
+    """MLA whose pages hold one state per ``tokens_per_state`` tokens (DeepSeek-V4's
+    compressed MLA; the spec's `tokens_per_state` divides its block size). Every later
+    token reads every state, so full attention's rules hold; a block's states are all
+    written once its tokens are, and hits are block-aligned, so a hit never ends inside a
+    state. Only the page differs (`jenga.specs.LayerSpec.page_bytes`)."""
+
+    kind: ClassVar[Kind] = Kind.COMPRESSED_MLA
+
+
+@dataclass(frozen=True)
 class SinkFullAttentionPolicy(FullAttentionPolicy):
     """Full attention behind static sink tokens (vLLM's ``SinkFullAttentionSpec``).
 
@@ -320,6 +340,86 @@ class SlidingWindowMLAPolicy(SlidingWindowPolicy):
     per token in each block."""
 
     kind: ClassVar[Kind] = Kind.SLIDING_WINDOW_MLA
+
+
+@dataclass(frozen=True)
+class ReplaySlidingWindowMLAPolicy(SlidingWindowMLAPolicy):
+    """Sliding-window MLA rebuilt by recomputation (vLLM's bounded replay): its blocks are
+    never cached, and a prefix hit of the other groups is served by recomputing the hit's
+    last ``w`` tokens into fresh blocks of this group.
+
+    The group takes no block from a hit and so accepts every prefix length; a request
+    with a ``p``-token hit starts with NULL entries below the window of token ``p``
+    (`hit_table_length`), and its next allocation takes the window's blocks with the new
+    ones. The engine recomputes the replayed tokens; how many it replays (the window) is
+    its business, which blocks hold them is this policy's.
+    """
+
+    kind: ClassVar[Kind] = Kind.REPLAY_SLIDING_WINDOW_MLA
+    caches_blocks: ClassVar[bool] = False
+
+    def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
+        first = self.first_live_block(prefix, images)
+        return range(first, first)
+
+    def hit_table_length(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        return self.first_live_block(prefix, images)
+
+    def possible_prefix(
+        self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
+    ) -> set[int]:
+        return {k * self.tokens_per_block for k in range(1, len(is_hit) + 1)}
+
+    def hit_bounds(
+        self, p: np.ndarray, images: Sequence[Image] = ()
+    ) -> tuple[np.ndarray, np.ndarray]:
+        first = np.maximum(0, p - self.window + 1) // self.tokens_per_block
+        return first, first
+
+
+@dataclass(frozen=True)
+class CircularBufferPolicy(Policy):
+    """A ring of ``tokens_per_block`` rows (vLLM's ``CircularBufferSpec``: DeepSeek-V4's
+    compressor state, the rows of the token group still being compressed): one block per
+    request from its first token to its end, overwritten in place, never cached.
+
+    A prefix hit of the other groups takes nothing from this group (every length is
+    valid for it) and the request claims its ring with its next allocation.
+    """
+
+    kind: ClassVar[Kind] = Kind.CIRCULAR_BUFFER
+    caches_blocks: ClassVar[bool] = False
+
+    def kept_tokens(self, length: int) -> int:
+        return min(max(0, length), self.tokens_per_block)
+
+    def num_blocks(self, length: int, images: Sequence[Image] = ()) -> int:
+        return 1 if length > 0 else 0
+
+    def first_live_block(self, length: int, images: Sequence[Image] = ()) -> int:
+        return 0
+
+    def last_length_held(self, num_blocks: int) -> int | None:
+        return sys.maxsize if num_blocks >= 1 else 0
+
+    def last_length_first_live(self, first: int) -> int | None:
+        return sys.maxsize
+
+    def hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> range:
+        return range(0)
+
+    def hit_table_length(self, prefix: int, images: Sequence[Image] = ()) -> int:
+        return 0
+
+    def possible_prefix(
+        self, is_hit: Sequence[bool], num_tokens: int = 0, images: Sequence[Image] = ()
+    ) -> set[int]:
+        return {k * self.tokens_per_block for k in range(1, len(is_hit) + 1)}
+
+    def valid_prefix_mask(
+        self, is_hit: np.ndarray, step: int, num_tokens: int, images: Sequence[Image] = ()
+    ) -> np.ndarray:
+        return np.ones(num_tokens // step, dtype=bool)
 
 
 @dataclass(frozen=True)
@@ -392,7 +492,7 @@ class MambaPolicy(Policy):
             return 0
         return _ceil_div(length, self.tokens_per_block) + self.speculative_states
 
-    def num_hit_blocks(self, prefix: int, images: Sequence[Image] = ()) -> int:
+    def hit_table_length(self, prefix: int, images: Sequence[Image] = ()) -> int:
         return _ceil_div(prefix, self.tokens_per_block)  # a hit holds no scratch states
 
     def last_length_held(self, num_blocks: int) -> int | None:
@@ -560,6 +660,9 @@ POLICY_BY_KIND: dict[Kind, type[Policy]] = {
     Kind.MLA: MLAPolicy,
     Kind.SLIDING_WINDOW_MLA: SlidingWindowMLAPolicy,
     Kind.SINK_FULL: SinkFullAttentionPolicy,
+    Kind.REPLAY_SLIDING_WINDOW_MLA: ReplaySlidingWindowMLAPolicy,
+    Kind.CIRCULAR_BUFFER: CircularBufferPolicy,
+    Kind.COMPRESSED_MLA: CompressedMLAPolicy,
 }
 
 

@@ -49,12 +49,29 @@ class Kind(StrEnum):
     MLA = "mla"  # multi-head latent attention (DeepSeek-V2/V3): one latent vector per token
     SLIDING_WINDOW_MLA = "sliding_window_mla"  # MLA latents read over a sliding window
     SINK_FULL = "sink_full"  # full attention behind `sink_len` engine-held sink tokens
+    # sliding-window MLA never cached: a prefix hit recomputes the hit's last window
+    REPLAY_SLIDING_WINDOW_MLA = "replay_sliding_window_mla"
+    # one block per request, a ring of the last `block_size` rows; never cached
+    CIRCULAR_BUFFER = "circular_buffer"
+    # MLA with one stored state per `tokens_per_state` tokens (DeepSeek-V4 compressed MLA)
+    COMPRESSED_MLA = "compressed_mla"
 
 
 # kinds that slide a window over the tokens (`LayerSpec.window` required)
-WINDOW_KINDS = frozenset({Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA})
+WINDOW_KINDS = frozenset(
+    {Kind.SLIDING_WINDOW, Kind.SLIDING_WINDOW_MLA, Kind.REPLAY_SLIDING_WINDOW_MLA}
+)
 # kinds that store one vector per token, not a K and a V (one tensor per layer)
-ONE_VECTOR_KINDS = frozenset({Kind.VISION_EMBEDDING, Kind.MLA, Kind.SLIDING_WINDOW_MLA})
+ONE_VECTOR_KINDS = frozenset(
+    {
+        Kind.VISION_EMBEDDING,
+        Kind.MLA,
+        Kind.SLIDING_WINDOW_MLA,
+        Kind.REPLAY_SLIDING_WINDOW_MLA,
+        Kind.CIRCULAR_BUFFER,
+        Kind.COMPRESSED_MLA,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -66,9 +83,14 @@ class LayerSpec:
     `VISION_EMBEDDING` stores ``num_kv_heads * head_dim * dtype_bytes`` per token (one
     embedding vector; heads x dim is its width), and so do the MLA kinds (one compressed
     latent per token, read as both K and V; ``head_dim`` is the latent width with its rope
-    part, e.g. DeepSeek-V3's 512 + 64). `SINK_FULL` layers keep full attention's per-token
-    cache; their `sink_len` sink tokens are the engine's, written once outside any
-    request's blocks.
+    part, e.g. DeepSeek-V3's 512 + 64; `REPLAY_SLIDING_WINDOW_MLA` too). `SINK_FULL`
+    layers keep full attention's per-token cache; their `sink_len` sink tokens are the
+    engine's, written once outside any request's blocks. A `CIRCULAR_BUFFER` layer holds
+    one block of ``block_size`` rows of ``num_kv_heads * head_dim * dtype_bytes`` per
+    request (a ring the engine overwrites), whatever the request's length. A
+    `COMPRESSED_MLA` layer stores one ``num_kv_heads * head_dim * dtype_bytes`` state per
+    `tokens_per_state` tokens (a divisor of ``block_size``): its page is
+    ``block_size // tokens_per_state`` states, its `bytes_per_token` a rounded-up average.
     """
 
     kind: Kind
@@ -92,6 +114,7 @@ class LayerSpec:
     # attention kinds: ranks a block's tokens are spread over (vLLM's decode context
     # parallelism); one rank's page holds block_size // token_shards of them
     token_shards: int = 1
+    tokens_per_state: int = 1  # COMPRESSED_MLA: tokens one stored state covers (> 1)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -141,6 +164,7 @@ class LayerSpec:
                 )
         elif self.sink_len is not None:
             raise SpecError(f"sink_len={self.sink_len} given for a {self.kind} layer")
+        self._check_tokens_per_state()
         if self.chunk is not None and self.kind is not Kind.CHUNKED_LOCAL:
             raise SpecError(f"chunk={self.chunk} given for a {self.kind} layer")
         if self.state_bytes is not None and self.kind is not Kind.MAMBA:
@@ -164,12 +188,25 @@ class LayerSpec:
             if self.tokens_per_image <= 0:
                 raise SpecError(f"tokens_per_image must be > 0, got {self.tokens_per_image}")
 
+    def _check_tokens_per_state(self) -> None:
+        tps = self.tokens_per_state
+        if self.kind is not Kind.COMPRESSED_MLA:
+            if tps != 1:
+                raise SpecError(f"tokens_per_state={tps} given for a {self.kind} layer")
+        elif tps <= 1 or self.block_size % tps:
+            raise SpecError(
+                f"compressed_mla layer needs tokens_per_state > 1 dividing block_size "
+                f"{self.block_size}, got {tps}"
+            )
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token adds to this layer's cache (0 for Mamba: its state is fixed)."""
         if self.kind is Kind.MAMBA:
             return 0
         width = self.num_kv_heads * self.head_dim * self.dtype_bytes
+        if self.kind is Kind.COMPRESSED_MLA:  # an average: one state per tokens_per_state
+            return -(-width // self.tokens_per_state)
         return width if self.kind in ONE_VECTOR_KINDS else 2 * width
 
     @property
@@ -184,7 +221,11 @@ class LayerSpec:
         if self.kind is Kind.MAMBA:
             assert self.state_bytes is not None
             return self.state_bytes
-        return self.bytes_per_token * (self.block_size // self.token_shards)
+        tokens = self.block_size // self.token_shards  # one rank's share of a block
+        if self.kind is Kind.COMPRESSED_MLA:
+            states = tokens // self.tokens_per_state
+            return states * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.bytes_per_token * tokens
 
 
 @dataclass(frozen=True)

@@ -308,6 +308,32 @@ def record_for_zeroing(manager: JengaKVCacheManager, request_id: str, start_toke
         manager._connector.to_zero.extend(b for b in row if b != nulls)
 
 
+def record_new_for_zeroing(
+    manager: JengaKVCacheManager,
+    request_id: str,
+    new_blocks: tuple[tuple[int, ...], ...],
+    call: dict[str, Any],
+    loaded_upto: int,
+) -> None:
+    """Queue the attention blocks just allocated to ``request_id`` for zeroing, as vLLM's
+    manager does when the KV cache needs it (mixed precision, Mamba); in the groups of
+    ``call["skip_zeroing_group_ids"]`` (``call``: `allocate_slots`' other arguments) the
+    blocks below ``loaded_upto`` tokens are left alone (an asynchronous load writes
+    them). ``new_blocks``: per group the allocator ids `JengaAllocator.allocate` gave."""
+    config = manager.kv_cache_config
+    if config is None or not getattr(config, "needs_kv_cache_zeroing", False):
+        return
+    skip = set(call.get("skip_zeroing_group_ids", ()))
+    rows = manager._block_ids.rows(new_blocks)
+    for g, group in enumerate(manager.layout.groups):
+        if group.kind is Kind.MAMBA or not rows[g]:
+            continue
+        first = len(manager.allocator.block_table(request_id, g)) - len(rows[g])
+        loaded = -(-loaded_upto // group.block_size) if g in skip else 0
+        row = rows[g][max(0, loaded - first) :]
+        manager._connector.to_zero.extend(b.block_id for b in row if not b.is_null)
+
+
 def truncated(
     manager: JengaKVCacheManager, blocks: KVCacheBlocks, num_computed_tokens: int
 ) -> KVCacheBlocks:

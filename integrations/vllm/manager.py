@@ -332,11 +332,10 @@ class JengaKVCacheManager:
         reserved_blocks: int = 0,
         **_ignored: object,
     ) -> KVCacheBlocks | None:
-        """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room.
-
-        All-or-nothing for the new slots: on None, a request admitted by this call is
-        released again, and a running request keeps what it had except the blocks it no
-        longer reads (out of its window, old Mamba states), released as vLLM does."""
+        """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room:
+        then a request admitted by this call is released again, and a running one keeps
+        what it had but the blocks it no longer reads (released as vLLM does). New blocks
+        are queued for zeroing as vLLM's (``skip_zeroing_group_ids`` in ``_ignored``)."""
         state = self._requests.get(request.request_id)
         extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
         extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
@@ -377,6 +376,7 @@ class JengaKVCacheManager:
             self._cache(request, state, cache_upto)
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
+        connector.record_new_for_zeroing(self, rid, new_blocks, _ignored, computed)
         return self._blocks_of(new_blocks)
 
     def _check_call(self, request: Request, new: int, new_computed: int, encoder: int) -> None:

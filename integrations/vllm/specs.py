@@ -14,8 +14,14 @@ Approach
     budget is vLLM's single backing allocation (`kv_cache_memory_bytes`). Mamba groups
     follow vLLM's cache mode (`mamba_step_end_only`).
 
-    MLA specs (one latent per token) become `Kind.MLA` / `Kind.SLIDING_WINDOW_MLA`,
-    static-sink specs `Kind.SINK_FULL`; each kind's rules are its jenga policy class.
+    MLA specs (one latent per token) become `Kind.MLA` / `Kind.SLIDING_WINDOW_MLA`
+    (`Kind.REPLAY_SLIDING_WINDOW_MLA` with ``bounded_replay``: never cached, vLLM's
+    scheduler recomputes a hit's last window), static-sink specs `Kind.SINK_FULL`; each
+    kind's rules are its jenga policy class. A `CircularBufferSpec` (one ring block per
+    request, DeepSeek-V4's compressor state) is `Kind.CIRCULAR_BUFFER`; an
+    `MLAAttentionSpec` storing one state per ``tokens_per_state`` tokens (DeepSeek-V4's
+    compressed MLA) is `Kind.COMPRESSED_MLA`, its page ``block_size // tokens_per_state``
+    states.
 
     Decode context parallelism follows vLLM's manager: a ``dcp_sharded`` group's block
     spans ``block_size * dcp_world_size`` tokens, spread over the ranks, so its jenga spec
@@ -24,10 +30,11 @@ Approach
     theirs. `check_context_parallel` refuses the groups vLLM's manager refuses.
 
 Limitations
-    Circular-buffer, HiSparse, encoder-only, R-SWA and uniform-type specs, compressed
-    pages (``tokens_per_state != 1``: DeepSeek-V4's compressed MLA) and bounded-replay
-    sliding-window MLA are refused, each with its reason (`REFUSED_SPECS`). A sliding
-    window wider than ``max_model_len`` is clamped to it (it then behaves as full).
+    HiSparse, encoder-only, R-SWA and uniform-type specs are refused, each with its
+    reason (`REFUSED_SPECS`), and so are compressed pages (``tokens_per_state != 1``)
+    of any spec but `MLAAttentionSpec` (whose compressed form is `Kind.COMPRESSED_MLA`).
+    A sliding window wider than ``max_model_len`` is clamped to it (it then behaves as
+    full).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ SUPPORTED_SPECS = (
     "SlidingWindowMLASpec",
     "SinkFullAttentionSpec",
     "HiddenStateCacheSpec",
+    "CircularBufferSpec",
 )
 # vLLM's `FullAttentionSpec` and its subclasses: the groups decode context parallelism shards
 FULL_ATTENTION_FAMILY = (
@@ -67,8 +75,6 @@ ATTENTION_SPECS = tuple(name for name in SUPPORTED_SPECS if name != "MambaSpec")
 MLA_SPECS = {"MLAAttentionSpec": Kind.MLA, "HiddenStateCacheSpec": Kind.MLA}
 # why a spec vLLM defines is refused (the message names it; others get the supported list)
 REFUSED_SPECS = {
-    "CircularBufferSpec": "a per-request ring of the tokens still being compressed (DeepSeek-V4 "
-    "compressors); it needs compressed (tokens_per_state > 1) MLA groups beside it",
     "HiSparseHotSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and DMA "
     "fences, a second memory tier this manager does not drive",
     "HiSparseResidentSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and "
@@ -230,13 +236,12 @@ def _attention_kind(
     if name == "SlidingWindowSpec":
         return Kind.SLIDING_WINDOW, min(int(spec.sliding_window) + retained, max_model_len), None
     if name == "SlidingWindowMLASpec":
-        if spec.bounded_replay:
-            raise UnsupportedLayerKind(
-                f"{where}: bounded_replay=True (a prefix hit re-prefills the last "
-                f"{spec.sliding_window} tokens instead of caching the window) is not supported"
-            )
         window = min(int(spec.sliding_window) + retained, max_model_len)
+        if getattr(spec, "bounded_replay", False):  # a hit recomputes the window
+            return Kind.REPLAY_SLIDING_WINDOW_MLA, window, None
         return Kind.SLIDING_WINDOW_MLA, window, None
+    if name == "CircularBufferSpec":  # one ring block per request, never cached
+        return Kind.CIRCULAR_BUFFER, None, None
     if name == "ChunkedLocalAttentionSpec":
         return Kind.CHUNKED_LOCAL, None, int(spec.attention_chunk_size)
     if name == "CrossAttentionSpec":  # K/V of the encoder input, held for the whole request
@@ -260,12 +265,16 @@ def _attention_kind(
 def _attention_spec(spec: KVCacheSpec, name: str, where: str, max_model_len: int) -> LayerSpec:
     """The `LayerSpec` of an attention spec: K/V kinds split a cell into K and V halves of
     ``head_dim`` bytes; MLA kinds store the cell as one latent of ``head_dim`` bytes."""
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        raise UnsupportedLayerKind(
-            f"{where}: packed or compressed attention pages (tokens_per_state="
-            f"{spec.tokens_per_state}) are not supported"
-        )
     kind, window, chunk = _attention_kind(spec, name, where, max_model_len)
+    tps = getattr(spec, "tokens_per_state", 1)
+    if tps != 1:  # one state per tps tokens: DeepSeek-V4's compressed MLA only
+        if name != "MLAAttentionSpec" or type(tps) is not int or tps < 1 or spec.block_size % tps:
+            raise UnsupportedLayerKind(
+                f"{where}: packed or compressed attention pages (tokens_per_state={tps}) "
+                "are not supported: only MLAAttentionSpec compresses, by an integer "
+                f"dividing block_size {spec.block_size}"
+            )
+        kind = Kind.COMPRESSED_MLA
     cell = int(spec.state_content_size_bytes)
     one_vector = kind in ONE_VECTOR_KINDS
     if not one_vector and cell % 2:
@@ -281,6 +290,7 @@ def _attention_spec(spec: KVCacheSpec, name: str, where: str, max_model_len: int
         window=window,
         chunk=chunk,
         sink_len=int(spec.sink_len) if kind is Kind.SINK_FULL else None,
+        tokens_per_state=int(tps),
     )
 
 

@@ -197,6 +197,9 @@ def test_policy_for_reads_the_spec():
         Kind.MLA: (False, False, False, False),
         Kind.SLIDING_WINDOW_MLA: (True, False, False, False),
         Kind.SINK_FULL: (False, False, False, False),
+        Kind.REPLAY_SLIDING_WINDOW_MLA: (True, False, False, False),
+        Kind.CIRCULAR_BUFFER: (False, False, False, False),
+        Kind.COMPRESSED_MLA: (False, False, False, False),
     }
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 CASES = ("llama", "gemma2", "ministral", "jamba")
-LATENT_CASES = ("deepseek", "deepseek-swa", "sink")
+LATENT_CASES = ("deepseek", "deepseek-swa", "deepseek-replay", "sink")
 """MLA (DeepSeek-V3 style: one 576-wide latent per token), MLA with sliding-window MLA
-layers between its full ones, and static-sink full attention (openPangu style)."""
+layers between its full ones (cached, or rebuilt by bounded replay after a hit: DeepSeek-V4
+style), and static-sink full attention (openPangu style)."""
 REAL_CASES = ("gemma2-9b", "ministral-8b", "jamba-1.5-mini", "gpt-oss-20b", "qwen3-next-80b")
 ALL_CASES = CASES + REAL_CASES
 STATE_CASES = ("jamba", "jamba-1.5-mini", "qwen3-next-80b")
@@ -85,7 +86,8 @@ def layer_specs(
 
 def _latent_specs(case: str, block_size: int, window: int) -> dict[str, Any]:
     """`LATENT_CASES`: MLA layers (DeepSeek-V3's latent: 512 + 64 rope), sliding-window
-    MLA every other layer, or full attention behind two blocks of static sink tokens."""
+    MLA (cached or bounded-replay) every other layer, or full attention behind two blocks
+    of static sink tokens."""
     import torch
 
     from integrations.vllm import compat
@@ -94,8 +96,11 @@ def _latent_specs(case: str, block_size: int, window: int) -> dict[str, Any]:
     mla = compat.MLAAttentionSpec(**latent, dtype=torch.bfloat16)
     if case == "deepseek":
         return {f"model.layers.{i}.self_attn.attn": mla for i in range(6)}
-    if case == "deepseek-swa":
-        swa = compat.SlidingWindowMLASpec(**latent, dtype=torch.bfloat16, sliding_window=window)
+    if case in ("deepseek-swa", "deepseek-replay"):
+        replay = case == "deepseek-replay"  # a hit recomputes the window; never cached
+        swa = compat.SlidingWindowMLASpec(
+            **latent, dtype=torch.bfloat16, sliding_window=window, bounded_replay=replay
+        )
         return {f"model.layers.{i}.self_attn.attn": swa if i % 2 else mla for i in range(6)}
     sink = compat.SinkFullAttentionSpec(
         block_size=block_size,

@@ -120,6 +120,27 @@ def test_a_prefix_cache_reset_waits_for_parked_blocks() -> None:
 
 
 # -- failed loads -----------------------------------------------------------------------
+def test_new_blocks_are_zeroed_unless_an_async_load_writes_them() -> None:
+    """A KV cache that needs zeroing (Mamba, mixed precision) zeroes every new attention
+    block, except those an asynchronous load of that group writes, as vLLM's manager."""
+    config = _config(_full(), _mamba("align"))
+    theirs, ours = _managers(config)
+    for loaded, want_zeroed in (((0,), 1), ((), 5)):
+        for manager in (theirs, ours):
+            request = _request(f"r{loaded}", list(range(6 * BLOCK)))
+            assert (
+                manager.allocate_slots(
+                    request,
+                    BLOCK,
+                    num_external_computed_tokens=4 * BLOCK,
+                    skip_zeroing_group_ids=loaded,
+                )
+                is not None
+            )
+            attention = manager.get_block_ids(request.request_id)[0]
+            assert manager.take_new_block_ids() == attention[5 - want_zeroed :]
+
+
 def test_blocks_a_failed_load_left_unwritten_are_queued_for_zeroing() -> None:
     config = _config(_full(), _mamba("align"))
     assert config.needs_kv_cache_zeroing
@@ -127,6 +148,8 @@ def test_blocks_a_failed_load_left_unwritten_are_queued_for_zeroing() -> None:
     request = _request("r", list(range(5 * BLOCK)))
     assert ours.allocate_slots(request, 0, num_external_computed_tokens=4 * BLOCK) is not None
     attention = _ids(ours, "r")[0]
+    # the load was not asynchronous for any group: its new blocks are zeroed (vLLM's rule)
+    assert ours.take_new_block_ids() == attention
     ours.record_blocks_for_zeroing("r", BLOCK)
     assert ours.take_new_block_ids() == attention[1:]
     assert ours.take_new_block_ids() == []

@@ -141,3 +141,25 @@ def test_an_mla_model_starts_and_serves_prefix_hits(model_dir: Path, kv_tensors:
         assert worker.kv_cache is not None and worker.kv_cache.mapped_bytes() > 0
     manager.check_invariants(expensive=True)
     core.model_executor.shutdown()
+
+
+@pytest.mark.parametrize("kv_tensors", ["torch", "vmm"])
+def test_a_bounded_replay_model_serves_the_hits_vllms_manager_serves(
+    model_dir: Path, kv_tensors: str
+) -> None:
+    """DeepSeek-V4-style MLA with bounded-replay sliding-window MLA layers: the engine
+    recomputes each hit's last window; both managers serve the same hits."""
+    hits = []
+    for jenga in (True, False):
+        core = _core(model_dir, "deepseek-replay", kv_tensors, jenga=jenga)
+        manager = core.scheduler.kv_cache_manager
+        assert core.scheduler.prefix_replay_tokens == 64  # the case's window
+        if jenga:
+            kinds = {g.kind for g in manager.layout.groups}
+            assert kinds == {Kind.MLA, Kind.REPLAY_SLIDING_WINDOW_MLA}
+        assert _serve(core, 3) == {"r0", "r1", "r2"}
+        hits.append(core.hits)
+        if jenga:
+            manager.check_invariants(expensive=True)
+        core.model_executor.shutdown()
+    assert hits[0] == hits[1] >= 2 * 96

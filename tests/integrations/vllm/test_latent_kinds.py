@@ -34,6 +34,7 @@ GEOMETRY_OPTIONS = {
 KINDS = {
     "deepseek": {Kind.MLA},
     "deepseek-swa": {Kind.MLA, Kind.SLIDING_WINDOW_MLA},
+    "deepseek-replay": {Kind.MLA, Kind.REPLAY_SLIDING_WINDOW_MLA},
     "sink": {Kind.SINK_FULL},
 }
 
@@ -60,7 +61,7 @@ def test_each_spec_is_its_kind_with_vllms_unpadded_page(
     for g, vgroup in zip(layout.groups, kv_config.kv_cache_groups, strict=True):
         spec = vgroup.kv_cache_spec
         assert g.page_bytes == spec.real_page_size_bytes
-        if g.kind in (Kind.MLA, Kind.SLIDING_WINDOW_MLA):  # one 576-wide bf16 latent
+        if g.kind in (Kind.MLA, Kind.SLIDING_WINDOW_MLA, Kind.REPLAY_SLIDING_WINDOW_MLA):
             assert g.page_bytes == BLOCK * 576 * 2
 
 
@@ -83,7 +84,7 @@ def _two_waves(model_dir: Path, case: str, *, jenga: bool, options: dict[str, An
 
 
 @pytest.mark.parametrize("geometry", [TensorGeometry.SHARED_SLOTS, TensorGeometry.PER_GROUP])
-@pytest.mark.parametrize("case", ["deepseek", "deepseek-swa"])
+@pytest.mark.parametrize("case", ["deepseek", "deepseek-swa", "deepseek-replay"])
 def test_two_waves_hit_whole_prompts_as_vllms_manager_does(
     model_dir: Path, case: str, geometry: TensorGeometry
 ) -> None:
@@ -139,30 +140,137 @@ def test_specs_no_kind_serves_are_refused_at_start_up_by_name() -> None:
 
     attn = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
     refused = {
-        kvi.CircularBufferSpec(**attn): r"\(CircularBufferSpec\): CircularBufferSpec is not "
-        r"supported: a per-request ring",
         kvi.HiSparseHotSpec(block_size=BLOCK, page_size=4096, blocks_per_request=4): (
             r"\(HiSparseHotSpec\): HiSparseHotSpec is not supported: HiSparse keeps KV in a host"
         ),
         kvi.SinkFullAttentionSpec(**attn, sink_len=4): (
             r"\(SinkFullAttentionSpec\): sink_len 4 must be > 0 and a multiple of block_size 16"
         ),
+        kvi.MLAAttentionSpec(
+            block_size=BLOCK,
+            num_kv_heads=1,
+            head_size=576,
+            dtype=torch.bfloat16,
+            tokens_per_state=3,
+        ): r"\(MLAAttentionSpec\): packed or compressed attention pages \(tokens_per_state=3\) "
+        r"are not supported: only MLAAttentionSpec compresses, by an integer dividing "
+        r"block_size 16",
         kvi.SlidingWindowMLASpec(
             block_size=BLOCK,
             num_kv_heads=1,
             head_size=576,
             dtype=torch.bfloat16,
             sliding_window=128,
-            bounded_replay=True,
-        ): r"\(SlidingWindowMLASpec\): bounded_replay=True .* last 128 tokens",
-        kvi.MLAAttentionSpec(
-            block_size=BLOCK,
-            num_kv_heads=1,
-            head_size=576,
-            dtype=torch.bfloat16,
-            tokens_per_state=4,
-        ): r"\(MLAAttentionSpec\): packed or compressed attention pages \(tokens_per_state=4\)",
+            tokens_per_state=2,
+        ): r"\(SlidingWindowMLASpec\): packed or compressed attention pages \(tokens_per_state=2\)",
     }
     for spec, message in refused.items():
         with pytest.raises(UnsupportedLayerKind, match=r"KV-cache group 0 " + message):
             build_layout(_group(spec), MAX_LEN)
+
+
+@pytest.mark.parametrize("jenga", [True, False], ids=["jenga", "vllm"])
+def test_a_replayed_window_takes_fresh_blocks_beside_the_shared_hit(
+    model_dir: Path, jenga: bool
+) -> None:
+    """Bounded replay on vLLM's scheduler: a 96-token hit of a 100-token prompt is shared
+    in the MLA group, the scheduler recomputes its last window (64 tokens), and the
+    replayed group holds NULL below that window and fresh blocks from it on, on both
+    managers alike."""
+    config, kv_config = _config(model_dir, "deepseek-replay", 48, {})
+    scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
+    kinds = [type(g.kv_cache_spec).__name__ for g in kv_config.kv_cache_groups]
+    full, swa = kinds.index("MLAAttentionSpec"), kinds.index("SlidingWindowMLASpec")
+    window = kv_config.kv_cache_groups[swa].kv_cache_spec.sliding_window
+    first, second = replay.make_requests([list(range(100))] * 2, [4, 4], BLOCK)
+    scheduler.add_request(first)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens[first.request_id] == 100
+    scheduler.update_from_output(out, replay.fake_model_output(out, {"r0": first}, 1))
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    new = next(r for r in out.scheduled_new_reqs if r.req_id == second.request_id)
+    assert new.num_computed_tokens == new.replay_start == 96 - window
+    assert out.num_scheduled_tokens[second.request_id] == 100 - (96 - window)
+    manager = scheduler.kv_cache_manager
+    mine = manager.get_blocks(second.request_id).blocks
+    theirs = manager.get_blocks(first.request_id).blocks
+    assert [b.block_id for b in mine[full][:6]] == [b.block_id for b in theirs[full][:6]]
+    assert len(mine[full]) == 7 and not any(b.is_null for b in mine[full])
+    skipped = (96 - window + 1) // BLOCK
+    assert all(b.is_null for b in mine[swa][:skipped])
+    fresh = {b.block_id for b in mine[swa][skipped:]}
+    assert len(mine[swa]) == 7 and len(fresh) == 7 - skipped
+    assert not any(b.is_null for b in mine[swa][skipped:])
+    assert not fresh & {b.block_id for b in theirs[swa]}
+
+
+def test_a_circular_buffer_holds_one_ring_block_per_request_as_vllms_manager() -> None:
+    """DeepSeek-V4's compressor ring beside a full-attention group: the ring is
+    `Kind.CIRCULAR_BUFFER`, one block per request claimed with its first allocation and
+    kept to its end, never hit; a prefix hit of the full group claims a fresh ring. Both
+    managers give the same table shapes and hit."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    from tests.integrations.vllm.test_conformance_fixes import _config, _full, _managers, _request
+
+    ring_spec = kvi.CircularBufferSpec(
+        block_size=8, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=torch.float32
+    )
+    config = _config(_full(), ring_spec)
+    theirs, ours = _managers(config, hash_block_size=BLOCK)
+    assert [g.kind for g in ours.layout.groups] == [Kind.FULL, Kind.CIRCULAR_BUFFER]
+    assert ours.layout.groups[1].page_bytes == ring_spec.real_page_size_bytes == 8 * 1024 * 4
+    prompt = list(range(100))
+    shapes = []
+    for manager in (theirs, ours):
+        first = _request("a", prompt)
+        assert manager.allocate_slots(first, 40) is not None
+        first.num_computed_tokens = 40
+        assert manager.allocate_slots(first, 60) is not None
+        first.num_computed_tokens = 100
+        manager.cache_blocks(first, 100)
+        ring = manager.get_block_ids("a")[1]
+        manager.free(first)
+        second = _request("b", prompt)
+        blocks, hit = manager.get_computed_blocks(second)[:2]
+        assert manager.allocate_slots(second, 100 - hit, hit, blocks) is not None
+        rows = manager.get_blocks("b").blocks
+        shapes.append((len(ring), hit, [len(r) for r in rows], rows[1][0].is_null))
+    assert shapes[0] == shapes[1] == (1, 96, [7, 1], False)
+    ours.check_invariants(expensive=True)
+
+
+@pytest.mark.parametrize("geometry", list(TensorGeometry))
+def test_compressed_mla_is_its_kind_with_vllms_unpadded_page(geometry: TensorGeometry) -> None:
+    """DeepSeek-V4's compressed MLA (one 584-byte state per 2 tokens, pages padded to 576
+    bytes by vLLM): `Kind.COMPRESSED_MLA` with vLLM's unpadded page, served beside vLLM's
+    manager with the same hit."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    from tests.integrations.vllm.test_conformance_fixes import _config, _managers, _request
+
+    spec = kvi.MLAAttentionSpec(
+        block_size=128,
+        num_kv_heads=1,
+        head_size=584,
+        dtype=torch.uint8,
+        tokens_per_state=2,
+        alignment=576,
+    )
+    config = _config(spec, num_blocks=256)
+    options = GEOMETRY_OPTIONS[geometry]
+    layout = build_layout(config, MAX_LEN, JengaVllmOptions(**options))  # type: ignore[arg-type]
+    assert [g.kind for g in layout.groups] == [Kind.COMPRESSED_MLA]
+    assert layout.groups[0].page_bytes == spec.real_page_size_bytes == 64 * 584
+    theirs, ours = _managers(config, hash_block_size=128)
+    hits = []
+    for manager in (theirs, ours):
+        first = _request("a", list(range(300)))
+        assert manager.allocate_slots(first, 300) is not None
+        first.num_computed_tokens = 300
+        manager.cache_blocks(first, 300)
+        manager.free(first)
+        second = _request("b", list(range(300)))
+        hits.append(manager.get_computed_blocks(second)[1])
+    assert hits == [256, 256]
