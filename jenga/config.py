@@ -64,8 +64,8 @@ class AllocationRules:
     pages; docs/jenga.md). ``pack_window_blocks`` (with demotion): in a sliding-window
     or chunked-local group, the blocks a call allocates that the request keeps (its last
     `Policy.window_blocks`) first take a demoted block on the pinned page holding the most
-    used blocks, so live window blocks gather in few pages and the others drain whole (on
-    for vLLM's per-group VMM pages; docs/vllm.md). Which groups release early, and how
+    used blocks, so live window blocks gather in few pages and the others drain whole (a
+    vLLM option, off by default; docs/vllm-geometry.md). Which groups release early, and how
     many blocks they keep, follows from their policies (`Policy.releases_early`,
     `Policy.window_blocks`), so it is not a rule here.
     """
