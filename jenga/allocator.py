@@ -181,7 +181,10 @@ class JengaAllocator(AllocatorViews):
             [g.blocks_per_large_page for g in config.groups],
             [g.units_per_large_page for g in config.groups],
             config.total_units,
-            config.rules.to_core([p.releases_early for p in self.policies]),
+            config.rules.to_core(
+                [p.releases_early for p in self.policies],
+                [p.window_blocks if p.releases_early else 0 for p in self.policies],
+            ),
             short_key_bits=config.identity.short_key_bits,
         )
         self._hasher = config.identity.hasher()

@@ -61,8 +61,13 @@ class AllocationRules:
     VMM pages; docs/vllm.md). ``pinned_lru_fair`` (pinned order only): the pinned step
     takes a cached block of a page live blocks pin only when no wholly evictable page is
     less recently used, else step 3 evicts that page first (on for vLLM's per-group VMM
-    pages; docs/jenga.md). Which groups release early follows from their policies
-    (`Policy.releases_early`), so it is not a rule here.
+    pages; docs/jenga.md). ``pack_window_blocks`` (with demotion): in a sliding-window
+    or chunked-local group, the blocks a call allocates that the request keeps (its last
+    `Policy.window_blocks`) first take a demoted block on the pinned page holding the most
+    used blocks, so live window blocks gather in few pages and the others drain whole (a
+    vLLM option, off by default; docs/vllm-geometry.md). Which groups release early, and how
+    many blocks they keep, follows from their policies (`Policy.releases_early`,
+    `Policy.window_blocks`), so it is not a rule here.
     """
 
     order: AllocationOrder = AllocationOrder.PAPER
@@ -70,17 +75,24 @@ class AllocationRules:
     demote_window_releases: bool = False
     reuse_window_releases: bool = False
     pinned_lru_fair: bool = False
+    pack_window_blocks: bool = False
 
-    def to_core(self, early_release_groups: Sequence[bool]) -> _core.Rules:
+    def to_core(
+        self, early_release_groups: Sequence[bool], window_blocks: Sequence[int] = ()
+    ) -> _core.Rules:
         """The core's copy: the same fields by name (an enum by its member name), plus
-        each group's early-release flag (from its policy)."""
+        each group's early-release flag and kept window blocks (from its policy)."""
         values: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Enum):
                 value = getattr(getattr(_core, type(value).__name__), value.name)
             values[f.name] = value
-        return _core.Rules(**values, early_release_groups=list(early_release_groups))
+        return _core.Rules(
+            **values,
+            early_release_groups=list(early_release_groups),
+            window_blocks=list(window_blocks),
+        )
 
 
 _DEFAULT_RULES = AllocationRules()

@@ -123,6 +123,18 @@ class Policy:
         """First token position the token at ``position`` reads (full attention: 0)."""
         return 0
 
+    @property
+    def window_blocks(self) -> int:
+        """Blocks a request keeps once its window has passed (the most that a span of
+        `window_span` tokens touches); 0 for a kind that does not release early."""
+        span = self.window_span
+        return (span - 2) // self.tokens_per_block + 2 if span > 0 else 0
+
+    @property
+    def window_span(self) -> int:
+        """Tokens the last token reads at most, for a kind that releases early; else 0."""
+        return 0
+
     def kept_tokens(self, length: int) -> int:
         """How many of a request's first ``length`` tokens this layer still holds once all
         are computed: those the last of them read (0 for a state kind)."""
@@ -290,6 +302,10 @@ class SlidingWindowPolicy(Policy):
         """The last ``window`` tokens, the current one included."""
         return max(0, position - self.window + 1)
 
+    @property
+    def window_span(self) -> int:
+        return self.window
+
     def last_length_first_live(self, first: int) -> int | None:
         # max(0, L - w + 1) // t <= first  <=>  L - w + 1 <= (first + 1) * t - 1
         return (first + 1) * self.tokens_per_block + self.window - 2
@@ -438,6 +454,16 @@ class ChunkedLocalPolicy(Policy):
     def attended_start(self, position: int) -> int:
         """The start of the position's own chunk."""
         return (position // self.chunk) * self.chunk
+
+    @property
+    def window_span(self) -> int:
+        return self.chunk
+
+    @property
+    def window_blocks(self) -> int:
+        """A chunk starts on a chunk boundary: ``chunk / t`` blocks when blocks tile it."""
+        t = self.tokens_per_block
+        return self.chunk // t if self.chunk % t == 0 else super().window_blocks
 
     def last_length_first_live(self, first: int) -> int | None:
         # (L // c) * c // t <= first  <=>  (L // c) * c <= (first + 1) * t - 1

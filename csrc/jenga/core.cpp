@@ -64,9 +64,19 @@ void Core::set_rules(const Rules& rules) {
     throw std::invalid_argument("need one early-release flag per group: got " + str(flags.size()) +
                                 " for " + str(groups_.size()) + " groups");
   }
+  const std::vector<int32_t>& window = rules.window_blocks;
+  if (!window.empty() && window.size() != groups_.size()) {
+    throw std::invalid_argument("need one window block count per group: got " + str(window.size()) +
+                                " for " + str(groups_.size()) + " groups");
+  }
+  for (const int32_t w : window) {
+    if (w < 0) throw std::invalid_argument("window block counts must be >= 0, got " + str(w));
+  }
   rules_ = rules;
   if (flags.empty()) rules_.early_release_groups.assign(groups_.size(), false);
+  if (window.empty()) rules_.window_blocks.assign(groups_.size(), 0);
   order_ = build_order(rules_);
+  pack_order_ = build_pack_order(rules_);
 }
 
 const Group& Core::group(int32_t g) const {
@@ -205,8 +215,15 @@ bool Core::allocate_groups(const StepOrder& order, int64_t owner,
   for (size_t g = 0; g < groups_.size(); ++g) {
     out[g].clear();
     out[g].reserve(static_cast<size_t>(counts[g]));
-    StepCall s{static_cast<int32_t>(g), owner, counts[g], now, c, out[g]};
+    // pack_window_blocks: the blocks the request keeps (the call's last window_blocks[g])
+    // go where live blocks already pin a page; the ones before them leave right after
+    const int32_t kept = rules_.pack_window_blocks && &order == &order_
+                             ? std::min(counts[g], rules_.window_blocks[g])
+                             : 0;
+    StepCall s{static_cast<int32_t>(g), owner, counts[g] - kept, now, c, out[g]};
     if (!allocate_group(order, s)) return false;
+    StepCall k{static_cast<int32_t>(g), owner, kept, now, c, out[g]};
+    if (!allocate_group(pack_order_, k)) return false;
   }
   return true;
 }

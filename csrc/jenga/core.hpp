@@ -198,6 +198,13 @@ enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
   X(bool, pinned_lru_fair, false,                                                         \
     "with PINNED order, the pinned step takes its block only when no wholly evictable "   \
     "page is less recently used (else step 3 evicts that page first)")                    \
+  X(bool, pack_window_blocks, false,                                                      \
+    "a call's last window_blocks[g] blocks (those the request keeps) first take a "       \
+    "demoted cached block on the pinned page with the most used blocks, then steps 1, "   \
+    "4, 2, 5p, 3, 5; the blocks before them (released right after) keep the order")       \
+  X(std::vector<int32_t>, window_blocks, {},                                              \
+    "one count per group (empty: none): blocks a request keeps once its window passed "   \
+    "(0: the group does not release early)")                                              \
   X(std::vector<bool>, early_release_groups, {},                                          \
     "one flag per group (empty: none): blocks cached by allocate()'s release lists of a " \
     "flagged group are early (ties: shortest prefix first)")
@@ -386,6 +393,9 @@ class Core {
   bool step_evict_pinned(StepCall& s);           // 5 on pages not wholly evictable (PINNED)
   bool step_evict_pinned_lru_fair(StepCall& s);  // the same, after older evictable pages
   bool step_reuse_demoted(StepCall& s);          // 5 on own demoted blocks of pinned pages
+  bool step_pack(StepCall& s);                   // 5 on the densest pinned page's demoted block
+  int32_t densest_demoted(const Group& G) const;
+  static StepOrder build_pack_order(const Rules& rules);
   // The tails of the steps: take from a page (counted as `step`), reuse a cached block.
   bool serve_from_page(StepCall& s, int32_t page, int step);
   bool serve_cached_block(StepCall& s, int32_t block);
@@ -477,6 +487,7 @@ class Core {
   bool defer_free_set_ = false;  // release(): free-set membership settled once per run
   Rules rules_;
   StepOrder order_;                                      // built by set_rules()
+  StepOrder pack_order_;                                 // pack_window_blocks' kept blocks
   const StepOrder frugal_order_ = build_frugal_order();  // the frugal retry's order
   std::vector<LruEntry> lru_aside_;      // frugal step 5: entries on evictable pages, set aside
   std::vector<int64_t> frugal_reserve_;  // frugal: units the groups after g need at least

@@ -9,6 +9,9 @@
 //   PAPER    1, 2, 3, 4, 5          COMPACT 1, 4, 2, 3, 5
 //   PINNED   1, 4, 2, 5p, 3, 5      5p: step 5 on pages not wholly evictable (pinned),
 //                                   pinned_lru_fair: 5p yields to an older evictable page
+//   pack_window_blocks: a call's last window_blocks[g] blocks (those the request keeps) in
+//                          their own order P, 1, 4, 2, 5p, 3, 5 (P: a demoted block of the
+//                          pinned page with the most used blocks; counted as 5)
 //   reuse_window_releases: 9 right after step 4 (own demoted blocks on pinned pages,
 //                          under pressure; counted as 5)
 //   frugal retry (any rules): 1u, 2s, 3s, 4u, 5p, 2, 3  (u: not on wholly evictable
@@ -47,6 +50,18 @@ Core::StepOrder Core::build_order(const Rules& rules) {
   }
   StepOrder o;
   for (const StepFn step : steps) o.push(step);
+  return o;
+}
+
+Core::StepOrder Core::build_pack_order(const Rules& rules) {
+  const StepFn pinned =
+      rules.pinned_lru_fair ? &Core::step_evict_pinned_lru_fair : &Core::step_evict_pinned;
+  StepOrder o;
+  for (const StepFn step :
+       {&Core::step_pack, &Core::step_own_free, &Core::step_any_free, &Core::step_new_page, pinned,
+        &Core::step_evict_pages, &Core::step_evict_block}) {
+    o.push(step);
+  }
   return o;
 }
 
@@ -166,6 +181,36 @@ bool Core::step_reuse_demoted(StepCall& s) {
   const int32_t block = frugal_lru_top(G);
   if (block < 0 || !G.blocks[static_cast<size_t>(block)].demoted) return false;
   return serve_cached_block(s, block);
+}
+
+bool Core::step_pack(StepCall& s) {
+  const int32_t block = densest_demoted(grp(s.g));
+  return block >= 0 && serve_cached_block(s, block);
+}
+
+// The demoted cached block on the pinned page (mapped, not wholly evictable) with the most
+// used blocks; ties: the least recently used block, then the lowest id. -1 if none.
+int32_t Core::densest_demoted(const Group& G) const {
+  const int32_t B = G.blocks_per_page;
+  int32_t best = -1, best_used = -1;
+  int64_t best_time = 0;
+  for (size_t p = 0; p < G.pages.size(); ++p) {
+    const Page& P = G.pages[p];
+    if (!P.mapped || P.in_evictable || P.num_cached == 0) continue;
+    const int32_t used = B - P.num_free - P.num_cached;
+    if (used < best_used) continue;
+    for (int32_t j = 0; j < B; ++j) {
+      const int32_t b = static_cast<int32_t>(p) * B + j;
+      const Block& k = G.blocks[static_cast<size_t>(b)];
+      if (k.state != State::kCached || !k.demoted) continue;
+      if (used > best_used || k.last_access < best_time) {
+        best = b;
+        best_used = used;
+        best_time = k.last_access;
+      }
+    }
+  }
+  return best;
 }
 
 int32_t Core::take_from_page(int32_t g, int32_t page, int32_t n, int64_t now,

@@ -236,11 +236,13 @@ def _kv_groups(
 
 def _rules(options: JengaVllmOptions) -> AllocationRules:
     """The allocator's rules: the order, window-release reuse (`window_reuse`) and, on
-    per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only)."""
+    per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only) and,
+    with window-release reuse, the `pack_window_blocks` option."""
     reuse = options.window_reuse
     return AllocationRules(
         order=AllocationOrder(options.allocation_order),
         demote_window_releases=reuse,
         reuse_window_releases=reuse,
         pinned_lru_fair=options.per_group_vmm,
+        pack_window_blocks=reuse and options.pack_window_blocks,
     )

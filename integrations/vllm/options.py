@@ -80,7 +80,11 @@ class JengaVllmOptions:
     ``reuse_window_releases``: blocks that left a sliding window / local chunk are cached
     in a lower tier and the group reuses those stranded in pages it still pins before
     mapping or evicting a page (`jenga.config.AllocationRules`); None: on with per_group
-    VMM pages (a page holds many blocks there), off otherwise.
+    VMM pages (a page holds many blocks there), off otherwise. ``pack_window_blocks``
+    (with window-release reuse): the window blocks a request keeps fill released slots on
+    the pages live blocks pin most (`jenga.config.AllocationRules`); off by default: it
+    lifts the Ministral sweep cells that lost on running but costs second-wave hits on
+    sliding-window MLA and two Ministral 256 MiB cells (docs/vllm-geometry.md).
     ``order``: "compact" (steps 1, 4, 2, 3, 5), "pinned" (compact plus step 5 on pinned
     pages before step 3) or "paper" (`jenga.allocator`); None: "pinned" with per_group VMM
     pages, where its pinned step is LRU-fair (it takes a cached block of a page live
@@ -106,6 +110,7 @@ class JengaVllmOptions:
     kv_tensors: str = "torch"
     pages: str = "auto"
     junctions: bool = True
+    pack_window_blocks: bool = False
     shared_pool: str = ""
     tenant_name: str = ""
     tenant_min_bytes: int = 0

@@ -74,13 +74,15 @@ class MGroup:
 
 # Step ids as in the core: 1-5 the paper's steps; 6: step 5 on pages that are not wholly
 # evictable; 7, 8: steps 2, 3 while their units are spare (frugal); 9: step 5 on the
-# group's own demoted blocks on pinned pages, under pressure (window-release reuse).
+# group's own demoted blocks on pinned pages, under pressure (window-release reuse);
+# 10: a demoted block on the pinned page with the most used blocks (window packing).
 STEP_ORDERS = {
     "PAPER": [1, 2, 3, 4, 5],
     "COMPACT": [1, 4, 2, 3, 5],
     "PINNED": [1, 4, 2, 6, 3, 5],
 }
 FRUGAL_ORDER = [1, 7, 8, 4, 5, 2, 3]
+PACK_ORDER = [10, 1, 4, 2, 6, 3, 5]  # pack_window_blocks: the blocks a request keeps
 REUSE_PRESSURE = 4  # step 9 runs while less than 1/4 of the pool is free
 
 
@@ -102,7 +104,8 @@ class CoreModel:
     Every rule of the core's ``JENGA_RULES`` is modelled: the order (PAPER, COMPACT,
     PINNED), ``frugal_retry``, ``demote_window_releases``, ``reuse_window_releases``
     (step 9 right after step 4), ``pinned_lru_fair`` (step 6 yields to an older wholly
-    evictable page) and ``early_release_groups``.
+    evictable page), ``pack_window_blocks`` with ``window_blocks`` (a call's last kept
+    blocks in `PACK_ORDER`) and ``early_release_groups``.
     """
 
     # False: ``pinned_lru_fair`` is ignored (the model as it was before it knew the rule;
@@ -128,6 +131,7 @@ class CoreModel:
             7: self.step_new_page_spare,
             8: self.step_evict_pages_spare,
             9: self.step_reuse_demoted,
+            10: self.step_pack,
         }
         self.set_rules(bpp, rules)
 
@@ -141,6 +145,8 @@ class CoreModel:
         self.demote_early = getattr(rules, "demote_window_releases", False)
         self.frugal_retry = getattr(rules, "frugal_retry", True)
         self.lru_fair = self.knows_pinned_lru_fair and getattr(rules, "pinned_lru_fair", False)
+        window = list(getattr(rules, "window_blocks", [])) or [0] * len(bpp)
+        self.kept = window if getattr(rules, "pack_window_blocks", False) else [0] * len(bpp)
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -285,21 +291,31 @@ class CoreModel:
         out: list[list[int]] = []
         for g, n in enumerate(counts):
             got: list[int] = []
-            ok = True
-            while ok and n > 0:
-                ok = False
-                for step in order:
-                    k = self.steps[step](Call(g, owner, n, now, got, frugal))
-                    if k is not None:
-                        self.served[step] += 1
-                        n -= k
-                        ok = True
-                        break
-            self.aside.clear()  # the core puts its set-aside heap entries back per group
-            if not ok:
+            kept = 0 if frugal else min(n, self.kept[g])
+            if not (
+                self.serve(g, owner, n - kept, now, got, order, frugal)
+                and self.serve(g, owner, kept, now, got, PACK_ORDER, frugal)
+            ):
                 return None
             out.append(got)
         return out
+
+    def serve(
+        self, g: int, owner: int, n: int, now: int, got: list[int], order: list[int], frugal: bool
+    ) -> bool:
+        """One group's n blocks into got, trying ``order``'s steps first to last."""
+        ok = True
+        while ok and n > 0:
+            ok = False
+            for step in order:
+                k = self.steps[step](Call(g, owner, n, now, got, frugal))
+                if k is not None:
+                    self.served[step] += 1
+                    n -= k
+                    ok = True
+                    break
+        self.aside.clear()  # the core puts its set-aside heap entries back per group
+        return ok
 
     def may_fit_frugally(self, counts: list[int]) -> bool:
         """Frugal retry's bound: pages still short after every free/cached block fit."""
@@ -406,6 +422,21 @@ class CoreModel:
         if b is None or not self.groups[c.g].blocks[b].demoted:
             return None
         return self.reuse_cached(c, b)
+
+    def step_pack(self, c: Call) -> int | None:  # 10: densest pinned page's demoted block
+        G = self.groups[c.g]
+        evictable = self.evictable_page_set(c.g)
+        best: tuple[int, int, int] | None = None  # (-used, last access, block)
+        for p, P in enumerate(G.pages):
+            if not P.mapped or p in evictable:
+                continue
+            blocks = G.blocks[p * G.B : (p + 1) * G.B]
+            used = sum(k.state == USED for k in blocks)
+            for j, k in enumerate(blocks):
+                if k.state == CACHED and k.demoted:
+                    key = (-used, k.last, p * G.B + j)
+                    best = key if best is None or key < best else best
+        return None if best is None else self.reuse_cached(c, best[2])
 
     def lru_top(self, g: int) -> int | None:
         """The least recently used cached block not set aside in this group's call."""

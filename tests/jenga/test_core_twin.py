@@ -38,7 +38,7 @@ ORDERS = J.AllocationOrder.__members__
 
 # Each run fixes these rules (the others are drawn per episode). Every rule appears with
 # every value that differs from its default; "drawn" early_release_groups: one random
-# flag per group, at least one set.
+# flag per group, at least one set; "drawn" window_blocks: 1-4 per early group, else 0.
 RUNS: dict[str, dict[str, Any]] = {
     "paper": {"order": "PAPER"},
     "compact": {"order": "COMPACT"},
@@ -52,7 +52,14 @@ RUNS: dict[str, dict[str, Any]] = {
         "reuse_window_releases": True,
         "early_release_groups": "drawn",
     },
+    "pack_window_blocks": {
+        "demote_window_releases": True,
+        "pack_window_blocks": True,
+        "early_release_groups": "drawn",
+        "window_blocks": "drawn",
+    },
 }
+DRAWN = ("early_release_groups", "window_blocks")
 
 
 def _core_rule_names() -> set[str]:
@@ -73,7 +80,7 @@ def test_runs_cover_every_rule_of_the_core() -> None:
         if name == "order" or value != getattr(default, name)
     }
     expected = {("order", name) for name in ORDERS} | {
-        (name, "drawn" if name == "early_release_groups" else not getattr(default, name))
+        (name, "drawn" if name in DRAWN else not getattr(default, name))
         for name in bound - {"order"}
     }
     assert covered == expected
@@ -86,7 +93,9 @@ def _draw_rules(rng: random.Random, fixed: dict[str, Any], groups: int) -> J.Rul
         "demote_window_releases": rng.random() < 0.5,
         "reuse_window_releases": rng.random() < 0.5,
         "pinned_lru_fair": rng.random() < 0.5,
+        "pack_window_blocks": rng.random() < 0.5,
         "early_release_groups": "drawn" if rng.random() < 0.5 else "none",
+        "window_blocks": "drawn" if rng.random() < 0.5 else "none",
     }
     values.update(fixed)
     flags = [False] * groups
@@ -94,6 +103,8 @@ def _draw_rules(rng: random.Random, fixed: dict[str, Any], groups: int) -> J.Rul
         flags = [rng.random() < 0.5 for _ in range(groups)]
         flags[rng.randrange(groups)] = True
     values["early_release_groups"] = flags
+    drawn = values["window_blocks"] == "drawn"
+    values["window_blocks"] = [rng.randint(1, 4) if f and drawn else 0 for f in flags]
     values["order"] = ORDERS[values["order"]]
     return J.Rules(**values)
 
@@ -285,6 +296,7 @@ MUST_SERVE: dict[str, set[int | str]] = {
     "early_release_groups": {1, 2, 3, 4, 5},
     "demote_window_releases": {1, 2, 3, 4, 5},
     "reuse_window_releases": {1, 2, 3, 4, 5, 9},
+    "pack_window_blocks": {1, 2, 3, 4, 5, 10},
 }
 
 
