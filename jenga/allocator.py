@@ -135,6 +135,28 @@ _CHANGING_CALLS = ("add_request", "allocate", "release_skipped", "append_tokens"
 _FREED_IDS_KEPT = 1 << 16
 
 
+def _check_config(config: AllocatorConfig) -> None:
+    """Refuse a config no allocator can be built from, naming the group and numbers."""
+    if config.total_units <= 0:
+        raise InvalidSize(f"total_units must be > 0, got {config.total_units}")
+    if not config.groups:
+        raise InvalidSize("an allocator needs at least one group, got 0")
+    for g in config.groups:
+        if g.blocks_per_large_page <= 0 or g.units_per_large_page <= 0:
+            raise InvalidSize(
+                f"group {g.name!r}: blocks_per_large_page {g.blocks_per_large_page} and "
+                f"units_per_large_page {g.units_per_large_page} must be > 0"
+            )
+        limit = config.max_model_len
+        if g.window is not None and limit is not None and g.window > limit:
+            raise InvalidSize(f"group {g.name!r}: window {g.window} > max_model_len {limit}")
+        if g.units_per_large_page > config.total_units:
+            raise PageTooLarge(
+                f"group {g.name!r}: a large page costs {g.units_per_large_page} units, "
+                f"the pool holds {config.total_units}"
+            )
+
+
 class JengaAllocator(AllocatorViews):
     """Two-level LCM allocator + prefix cache for one model's groups.
 
@@ -144,24 +166,7 @@ class JengaAllocator(AllocatorViews):
     """
 
     def __init__(self, config: AllocatorConfig, *, guard_threads: bool = True) -> None:
-        if config.total_units <= 0:
-            raise InvalidSize(f"total_units must be > 0, got {config.total_units}")
-        if not config.groups:
-            raise InvalidSize("an allocator needs at least one group, got 0")
-        for g in config.groups:
-            if g.blocks_per_large_page <= 0 or g.units_per_large_page <= 0:
-                raise InvalidSize(
-                    f"group {g.name!r}: blocks_per_large_page {g.blocks_per_large_page} and "
-                    f"units_per_large_page {g.units_per_large_page} must be > 0"
-                )
-            limit = config.max_model_len
-            if g.window is not None and limit is not None and g.window > limit:
-                raise InvalidSize(f"group {g.name!r}: window {g.window} > max_model_len {limit}")
-            if g.units_per_large_page > config.total_units:
-                raise PageTooLarge(
-                    f"group {g.name!r}: a large page costs {g.units_per_large_page} units, "
-                    f"the pool holds {config.total_units}"
-                )
+        _check_config(config)
         self.config = config
         self.policies: tuple[Policy, ...] = tuple(
             make_policy(
@@ -752,57 +757,6 @@ class JengaAllocator(AllocatorViews):
         req = self._new_live(request_id, prompt, images, salt, digests)
         hit, tables, junction = self._match(req, max_hit)
         return PrefixMatch(hit, junction, tables, self._epoch, req)
-
-    def _match(
-        self, req: LiveRequest, max_hit: int | None = None
-    ) -> tuple[int, list[list[int]], int]:
-        """The hit length, per group the block table a request with that hit starts with,
-        and the longest prefix valid in any single group (see `prefix_match`).
-
-        The hit is the longest p < len(prompt) (and p <= ``max_hit``), a multiple of every
-        text group's block size, valid in every group (`Policy.valid_prefix_mask`, the
-        vectorized `possible_prefix`).
-        """
-        n = len(req.tokens)
-        step = self._prefix_step
-        valid = np.ones(n // step, dtype=bool)
-        whole = len(valid) > 0 and len(valid) * step == n  # one token is always computed
-        junction = 0
-        proof = self.config.hit_proof
-        lookups: list[np.ndarray] = []
-        for g, policy in enumerate(self.policies):
-            t = policy.tokens_per_block
-            if not policy.caches_blocks:  # nothing of it is in the index
-                found = np.full(n // t, -1, dtype=np.int64)
-            elif policy.reads_images:
-                found = self._core.lookup(g, req.image_hashes(policy))
-            else:
-                found = self._core.lookup(g, req.identities(t, 0, n // t))
-            if not policy.reads_images and len(found) < n // t:  # the caller's digests end
-                found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
-            lookups.append(found)
-            mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
-            if proof is not None:  # speculative decoding: hits followed by cached steps
-                mask = proof.proven(mask, policy.holds_state, whole)
-            elif whole:
-                mask[-1] = False
-            alone = np.flatnonzero(mask)
-            if len(alone) and policy.caches_blocks:
-                junction = max(junction, int(alone[-1] + 1) * step)
-            valid &= mask
-        if max_hit is not None:
-            valid[max(max_hit, 0) // step :] = False
-        if not any(p.caches_blocks for p in self.policies):
-            valid[:] = False  # no group keeps anything a hit could reuse
-        hits = np.flatnonzero(valid)
-        hit = int(hits[-1] + 1) * step if len(hits) else 0
-        tables: list[list[int]] = []
-        for g, policy in enumerate(self.policies):
-            table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
-            take = policy.hit_blocks(hit, req.images) if hit else range(0)
-            table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
-            tables.append(table)
-        return hit, tables, junction
 
     # -- queries ----------------------------------------------------------------------
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:

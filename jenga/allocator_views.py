@@ -5,11 +5,14 @@ anything."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jenga.requests import check_live_tables
+from jenga.requests import NULL_BLOCK, check_live_tables
+
+if TYPE_CHECKING:
+    from jenga.requests import LiveRequest
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,9 @@ class AllocatorViews:
     _stats: dict[str, int]
     _requests: Any
     _group_index: dict[str, int]
+    _prefix_step: int
     policies: Any
+    config: Any
 
     @property
     def num_groups(self) -> int:
@@ -111,3 +116,55 @@ class AllocatorViews:
             raise AssertionError(str(exc)) from exc
         if expensive:
             check_live_tables(self._requests, self.policies, self._core)
+
+    # -- prefix matching (the lookup side of `JengaAllocator.prefix_match`) ----------
+    def _match(
+        self, req: LiveRequest, max_hit: int | None = None
+    ) -> tuple[int, list[list[int]], int]:
+        """The hit length, per group the block table a request with that hit starts with,
+        and the longest prefix valid in any single group (see `prefix_match`).
+
+        The hit is the longest p < len(prompt) (and p <= ``max_hit``), a multiple of every
+        text group's block size, valid in every group (`Policy.valid_prefix_mask`, the
+        vectorized `possible_prefix`).
+        """
+        n = len(req.tokens)
+        step = self._prefix_step
+        valid = np.ones(n // step, dtype=bool)
+        whole = len(valid) > 0 and len(valid) * step == n  # one token is always computed
+        junction = 0
+        proof = self.config.hit_proof
+        lookups: list[np.ndarray] = []
+        for g, policy in enumerate(self.policies):
+            t = policy.tokens_per_block
+            if not policy.caches_blocks:  # nothing of it is in the index
+                found = np.full(n // t, -1, dtype=np.int64)
+            elif policy.reads_images:
+                found = self._core.lookup(g, req.image_hashes(policy))
+            else:
+                found = self._core.lookup(g, req.identities(t, 0, n // t))
+            if not policy.reads_images and len(found) < n // t:  # the caller's digests end
+                found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
+            lookups.append(found)
+            mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
+            if proof is not None:  # speculative decoding: hits followed by cached steps
+                mask = proof.proven(mask, policy.holds_state, whole)
+            elif whole:
+                mask[-1] = False
+            alone = np.flatnonzero(mask)
+            if len(alone) and policy.caches_blocks:
+                junction = max(junction, int(alone[-1] + 1) * step)
+            valid &= mask
+        if max_hit is not None:
+            valid[max(max_hit, 0) // step :] = False
+        if not any(p.caches_blocks for p in self.policies):
+            valid[:] = False  # no group keeps anything a hit could reuse
+        hits = np.flatnonzero(valid)
+        hit = int(hits[-1] + 1) * step if len(hits) else 0
+        tables: list[list[int]] = []
+        for g, policy in enumerate(self.policies):
+            table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
+            take = policy.hit_blocks(hit, req.images) if hit else range(0)
+            table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
+            tables.append(table)
+        return hit, tables, junction
