@@ -147,13 +147,33 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any, *, jenga: bool) -> An
     else:
         cls = compat.AsyncScheduler if is_async else compat.Scheduler
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return cls(
+    scheduler = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=compat.structured_output_manager(vllm_config),
         block_size=vllm_config.cache_config.block_size,
         log_stats=True,
     )
+    expect_manager(scheduler, jenga=jenga)
+    return scheduler
+
+
+def expect_manager(scheduler: Any, *, jenga: bool) -> None:
+    """Raise unless ``scheduler`` runs our manager (``jenga``) or exactly vLLM's own
+    `KVCacheManager`. A comparison with vLLM's manager must not run ours twice: with the
+    ``jenga_vmm`` key in ``additional_config`` the plugin makes vLLM's engine build our
+    scheduler, so a baseline engine must be configured without the key."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from integrations.vllm.manager import JengaKVCacheManager
+
+    wanted = JengaKVCacheManager if jenga else KVCacheManager
+    got = type(scheduler.kv_cache_manager)
+    if got is not wanted:
+        raise RuntimeError(
+            f"{type(scheduler).__qualname__} runs {got.__module__}.{got.__qualname__}; "
+            f"expected {wanted.__module__}.{wanted.__qualname__} (jenga={jenga})"
+        )
 
 
 def make_requests(

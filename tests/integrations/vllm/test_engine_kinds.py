@@ -23,14 +23,18 @@ NGRAM["prompt_lookup_min"] = 1
 
 
 def _core(model_dir: Path, case: str, kv_tensors: str, *, jenga: bool = True, **setup: Any) -> Any:
-    options = {"kv_tensors": kv_tensors}
+    """vLLM's `EngineCore` on our manager, or (``jenga=False``) on vLLM's own: then the
+    config holds no ``jenga_vmm`` key, which would make the loaded plugin build ours."""
+    options = {"kv_tensors": kv_tensors} if jenga else None
     config = replay.make_vllm_config(
         model_dir, replay.SchedulerSetup(max_model_len=1024, jenga_options=options, **setup)
     )
     if jenga:
         config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
     executor = engine.host_executor_class(case, 48 << 20)
-    return compat.engine_core_class()(config, executor, log_stats=True)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    replay.expect_manager(core.scheduler, jenga=jenga)
+    return core
 
 
 def _serve(core: Any, n: int, after_step: Any = None) -> set[str]:
