@@ -15,6 +15,8 @@ Approach
       CPU platforms, where it would run on a GPU).
     - `kv_cache_config_for`: vLLM's own `get_kv_cache_configs` on per-layer specs and a
       byte budget, so both managers see the grouping and memory vLLM would use.
+    - `make_scheduler` / `expect_manager`: vLLM's scheduler or ours, each checked to run
+      the manager it claims (vLLM's own `KVCacheManager` for a baseline).
     - `replay`: steps until every request finishes; a request gets one sampled token
       per step once its prompt (and any recomputation) is done. After every step it
       checks that no block id is held by two running requests of one group.
