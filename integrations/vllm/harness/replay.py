@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from integrations.vllm import compat
+from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.scheduler import JengaAsyncScheduler, JengaScheduler
 
 _TINY_LLAMA = {
@@ -165,11 +166,7 @@ def expect_manager(scheduler: Any, *, jenga: bool) -> None:
     `KVCacheManager`. A comparison with vLLM's manager must not run ours twice: with the
     ``jenga_vmm`` key in ``additional_config`` the plugin makes vLLM's engine build our
     scheduler, so a baseline engine must be configured without the key."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-    from integrations.vllm.manager import JengaKVCacheManager
-
-    wanted = JengaKVCacheManager if jenga else KVCacheManager
+    wanted = JengaKVCacheManager if jenga else compat.KVCacheManager
     got = type(scheduler.kv_cache_manager)
     if got is not wanted:
         raise RuntimeError(
