@@ -46,7 +46,9 @@ def _core(model_dir: Path, jenga: bool, gpu_mb: int, cpu_mb: int, max_len: int) 
     if jenga:
         config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
     executor = offload.offload_executor_class("llama", gpu_mb << 20)
-    return compat.engine_core_class()(config, executor, log_stats=True)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    replay.expect_manager(core.scheduler, jenga=jenga)
+    return core
 
 
 def workload(docs: int, doc_tokens: int, rounds: int, suffix: int, seed: int) -> list[list[int]]:

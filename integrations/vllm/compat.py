@@ -37,7 +37,7 @@ from vllm.distributed.kv_events import (
     BlockStored,
     KVCacheEvent,
 )
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -106,6 +106,7 @@ __all__ = [
     "KVCacheEvent",
     "KVCacheGroupSpec",
     "KVCacheLayout",
+    "KVCacheManager",
     "KVCacheSpec",
     "KVCacheTensor",
     "MLAAttentionSpec",

@@ -15,6 +15,8 @@ Approach
       CPU platforms, where it would run on a GPU).
     - `kv_cache_config_for`: vLLM's own `get_kv_cache_configs` on per-layer specs and a
       byte budget, so both managers see the grouping and memory vLLM would use.
+    - `make_scheduler` / `expect_manager`: vLLM's scheduler or ours, each checked to run
+      the manager it claims (vLLM's own `KVCacheManager` for a baseline).
     - `replay`: steps until every request finishes; a request gets one sampled token
       per step once its prompt (and any recomputation) is done. After every step it
       checks that no block id is held by two running requests of one group.
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from integrations.vllm import compat
+from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.scheduler import JengaAsyncScheduler, JengaScheduler
 
 _TINY_LLAMA = {
@@ -147,13 +150,29 @@ def make_scheduler(vllm_config: Any, kv_cache_config: Any, *, jenga: bool) -> An
     else:
         cls = compat.AsyncScheduler if is_async else compat.Scheduler
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    return cls(
+    scheduler = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=compat.structured_output_manager(vllm_config),
         block_size=vllm_config.cache_config.block_size,
         log_stats=True,
     )
+    expect_manager(scheduler, jenga=jenga)
+    return scheduler
+
+
+def expect_manager(scheduler: Any, *, jenga: bool) -> None:
+    """Raise unless ``scheduler`` runs our manager (``jenga``) or exactly vLLM's own
+    `KVCacheManager`. A comparison with vLLM's manager must not run ours twice: with the
+    ``jenga_vmm`` key in ``additional_config`` the plugin makes vLLM's engine build our
+    scheduler, so a baseline engine must be configured without the key."""
+    wanted = JengaKVCacheManager if jenga else compat.KVCacheManager
+    got = type(scheduler.kv_cache_manager)
+    if got is not wanted:
+        raise RuntimeError(
+            f"{type(scheduler).__qualname__} runs {got.__module__}.{got.__qualname__}; "
+            f"expected {wanted.__module__}.{wanted.__qualname__} (jenga={jenga})"
+        )
 
 
 def make_requests(

@@ -30,7 +30,9 @@ def _core(model_dir: Path, *, jenga: bool, cpu_bytes: int = CPU_BYTES) -> Any:
     if jenga:
         config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
     executor = offload.offload_executor_class("llama", GPU_BYTES)
-    return compat.engine_core_class()(config, executor, log_stats=True)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    replay.expect_manager(core.scheduler, jenga=jenga)
+    return core
 
 
 def _prompts() -> list[list[int]]:

@@ -38,7 +38,9 @@ def _core(model_dir: Path, case: str, kv_tensors: str, dcp: int, *, jenga: bool 
     if jenga:
         config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
     executor = engine.host_executor_class(case, 48 << 20)
-    return compat.engine_core_class()(config, executor, log_stats=True)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    replay.expect_manager(core.scheduler, jenga=jenga)
+    return core
 
 
 def _serve(core: Any, n: int) -> tuple[set[str], int, dict[str, tuple[tuple[int, ...], int]]]:
@@ -211,8 +213,8 @@ def test_offloading_connector_under_dcp_loads_whole_sharded_blocks(
     executor = offload.offload_executor_class("llama", 7 << 19)
     core = compat.engine_core_class()(config, executor, log_stats=True)
     try:
+        replay.expect_manager(core.scheduler, jenga=jenga)
         manager = core.scheduler.kv_cache_manager
-        assert (type(manager).__name__ == "JengaKVCacheManager") is jenga
         docs = [[100 + d] * 16 + list(range(1000 * d, 1000 * d + 250)) for d in range(3)]
         cached = offload.run_prefix_workload(core, docs + docs, max_steps=200)
         assert cached == [(0, 0)] * 3 + [(0, 256)] * 3  # (GPU hit, CPU load) per request

@@ -23,14 +23,36 @@ NGRAM["prompt_lookup_min"] = 1
 
 
 def _core(model_dir: Path, case: str, kv_tensors: str, *, jenga: bool = True, **setup: Any) -> Any:
-    options = {"kv_tensors": kv_tensors}
+    """vLLM's `EngineCore` on our manager, or (``jenga=False``) on vLLM's own: then the
+    config holds no ``jenga_vmm`` key, which would make the loaded plugin build ours."""
+    options = {"kv_tensors": kv_tensors} if jenga else None
     config = replay.make_vllm_config(
         model_dir, replay.SchedulerSetup(max_model_len=1024, jenga_options=options, **setup)
     )
     if jenga:
         config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
     executor = engine.host_executor_class(case, 48 << 20)
-    return compat.engine_core_class()(config, executor, log_stats=True)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    replay.expect_manager(core.scheduler, jenga=jenga)
+    return core
+
+
+def test_a_baseline_engine_given_the_key_is_refused(model_dir: Path) -> None:
+    """With the plugin loaded, the ``jenga_vmm`` key alone makes vLLM's engine build our
+    scheduler: `expect_manager` refuses such an engine as a vLLM baseline, so a
+    comparison with vLLM's manager cannot run ours twice."""
+    compat.load_general_plugins()  # as vLLM's EngineArgs and EngineCore do
+    config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=1024))
+    assert "jenga_vmm" in config.additional_config
+    executor = engine.host_executor_class("llama", 48 << 20)
+    core = compat.engine_core_class()(config, executor, log_stats=True)
+    try:
+        refused = r"manager\.JengaKVCacheManager; expected vllm\.v1\.core\.kv_cache_manager\."
+        with pytest.raises(RuntimeError, match=refused + r"KVCacheManager \(jenga=False\)"):
+            replay.expect_manager(core.scheduler, jenga=False)
+        replay.expect_manager(core.scheduler, jenga=True)
+    finally:
+        core.model_executor.shutdown()
 
 
 def _serve(core: Any, n: int, after_step: Any = None) -> set[str]:
