@@ -195,7 +195,8 @@ def engine_core(
     if configure is not None:
         configure(config)
     if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+        name = "JengaAsyncScheduler" if setup.get("async_scheduling") else "JengaScheduler"
+        config.scheduler_config.scheduler_cls = f"integrations.vllm.scheduler.{name}"
     core = compat.engine_core_class()(config, executor_class, log_stats=True)
     expect_manager(core.scheduler, jenga=jenga)
     return core
