@@ -30,25 +30,22 @@ from typing import Any
 
 from integrations.vllm.harness import offload, replay
 
-from integrations.vllm import compat
-
 BLOCK = 16
 
 
 def _core(model_dir: Path, jenga: bool, gpu_mb: int, cpu_mb: int, max_len: int) -> Any:
-    setup = replay.SchedulerSetup(
+    def configure(config: Any) -> None:
+        config.kv_transfer_config = offload.offloading_config(cpu_mb << 20, BLOCK)
+
+    executor = offload.offload_executor_class("llama", gpu_mb << 20)
+    return replay.engine_core(
+        model_dir,
+        executor,
+        jenga=jenga,
+        configure=configure,
         max_model_len=max_len,
         max_num_batched_tokens=max(max_len, 512),
-        jenga_options={} if jenga else None,
     )
-    config = replay.make_vllm_config(model_dir, setup)
-    config.kv_transfer_config = offload.offloading_config(cpu_mb << 20, BLOCK)
-    if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
-    executor = offload.offload_executor_class("llama", gpu_mb << 20)
-    core = compat.engine_core_class()(config, executor, log_stats=True)
-    replay.expect_manager(core.scheduler, jenga=jenga)
-    return core
 
 
 def workload(docs: int, doc_tokens: int, rounds: int, suffix: int, seed: int) -> list[list[int]]:

@@ -175,6 +175,33 @@ def expect_manager(scheduler: Any, *, jenga: bool) -> None:
         )
 
 
+def engine_core(
+    model_dir: Path,
+    executor_class: type,
+    *,
+    jenga: bool,
+    options: Mapping[str, Any] | None = None,
+    configure: Callable[[Any], None] | None = None,
+    **setup: Any,
+) -> Any:
+    """vLLM's `EngineCore` over ``executor_class`` (a host executor from
+    `integrations.vllm.harness`) on our manager (``options``: the ``jenga_vmm`` key, {} when
+    None) or, ``jenga=False``, on vLLM's own: that config holds no key, which would make a
+    loaded plugin build ours; `expect_manager` checks either way. ``setup``:
+    `SchedulerSetup` fields; ``configure(config)`` edits the vLLM config before the core is
+    built (a KV connector, decode context parallelism, routed experts)."""
+    jenga_options = (dict(options) if options is not None else {}) if jenga else None
+    config = make_vllm_config(model_dir, SchedulerSetup(jenga_options=jenga_options, **setup))
+    if configure is not None:
+        configure(config)
+    if jenga:
+        name = "JengaAsyncScheduler" if setup.get("async_scheduling") else "JengaScheduler"
+        config.scheduler_config.scheduler_cls = f"integrations.vllm.scheduler.{name}"
+    core = compat.engine_core_class()(config, executor_class, log_stats=True)
+    expect_manager(core.scheduler, jenga=jenga)
+    return core
+
+
 def make_requests(
     prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], block_size: int, prefix: str = "r"
 ) -> list[Any]:

@@ -14,25 +14,24 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.harness import offload, replay
 
-from integrations.vllm import compat
-
 BLOCK = 16
 GPU_BYTES = 7 << 20  # llama case: about 25 blocks of 16 tokens (1.4 documents)
 CPU_BYTES = 64 << 20
 
 
 def _core(model_dir: Path, *, jenga: bool, cpu_bytes: int = CPU_BYTES) -> Any:
-    setup = replay.SchedulerSetup(
-        max_model_len=400, max_num_batched_tokens=512, jenga_options={} if jenga else None
-    )
-    config = replay.make_vllm_config(model_dir, setup)
-    config.kv_transfer_config = offload.offloading_config(cpu_bytes, BLOCK)
-    if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+    def configure(config: Any) -> None:
+        config.kv_transfer_config = offload.offloading_config(cpu_bytes, BLOCK)
+
     executor = offload.offload_executor_class("llama", GPU_BYTES)
-    core = compat.engine_core_class()(config, executor, log_stats=True)
-    replay.expect_manager(core.scheduler, jenga=jenga)
-    return core
+    return replay.engine_core(
+        model_dir,
+        executor,
+        jenga=jenga,
+        configure=configure,
+        max_model_len=400,
+        max_num_batched_tokens=512,
+    )
 
 
 def _prompts() -> list[list[int]]:

@@ -31,16 +31,18 @@ PREFIX = 112  # 7 blocks of 16 tokens, 3 blocks (96 tokens) of 16 x 2
 
 
 def _core(model_dir: Path, case: str, kv_tensors: str, dcp: int, *, jenga: bool = True) -> Any:
-    options = {"kv_tensors": kv_tensors} if jenga else None  # None: vLLM's own manager
-    setup = replay.SchedulerSetup(max_model_len=1024, jenga_options=options)
-    config = replay.make_vllm_config(model_dir, setup)
-    config.parallel_config.decode_context_parallel_size = dcp  # as vLLM's own DCP tests set it
-    if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+    def configure(config: Any) -> None:  # as vLLM's own DCP tests set it
+        config.parallel_config.decode_context_parallel_size = dcp
+
     executor = engine.host_executor_class(case, 48 << 20)
-    core = compat.engine_core_class()(config, executor, log_stats=True)
-    replay.expect_manager(core.scheduler, jenga=jenga)
-    return core
+    return replay.engine_core(
+        model_dir,
+        executor,
+        jenga=jenga,
+        options={"kv_tensors": kv_tensors},
+        configure=configure,
+        max_model_len=1024,
+    )
 
 
 def _serve(core: Any, n: int) -> tuple[set[str], int, dict[str, tuple[tuple[int, ...], int]]]:
@@ -201,19 +203,22 @@ def test_offloading_connector_under_dcp_loads_whole_sharded_blocks(
     """vLLM's CPU offloading connector with dcp=2 (32-token blocks, offloaded 32 at a
     time): three documents that no longer fit on the GPU come back from the CPU tier,
     every whole 32-token block of each 266-token prompt (256 tokens), as on vLLM's manager."""
-    setup = replay.SchedulerSetup(
-        max_model_len=400, max_num_batched_tokens=512, jenga_options={} if jenga else None
-    )
-    config = replay.make_vllm_config(model_dir, setup)
-    config.parallel_config.decode_context_parallel_size = 2
-    config.kv_transfer_config = offload.offloading_config(64 << 20, 32)
-    if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+
+    def configure(config: Any) -> None:
+        config.parallel_config.decode_context_parallel_size = 2
+        config.kv_transfer_config = offload.offloading_config(64 << 20, 32)
+
     # about 25 blocks of 32 tokens (each rank's page holds 16): 3 documents do not fit
     executor = offload.offload_executor_class("llama", 7 << 19)
-    core = compat.engine_core_class()(config, executor, log_stats=True)
+    core = replay.engine_core(
+        model_dir,
+        executor,
+        jenga=jenga,
+        configure=configure,
+        max_model_len=400,
+        max_num_batched_tokens=512,
+    )
     try:
-        replay.expect_manager(core.scheduler, jenga=jenga)
         manager = core.scheduler.kv_cache_manager
         docs = [[100 + d] * 16 + list(range(1000 * d, 1000 * d + 250)) for d in range(3)]
         cached = offload.run_prefix_workload(core, docs + docs, max_steps=200)

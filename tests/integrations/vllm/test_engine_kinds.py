@@ -23,18 +23,16 @@ NGRAM["prompt_lookup_min"] = 1
 
 
 def _core(model_dir: Path, case: str, kv_tensors: str, *, jenga: bool = True, **setup: Any) -> Any:
-    """vLLM's `EngineCore` on our manager, or (``jenga=False``) on vLLM's own: then the
-    config holds no ``jenga_vmm`` key, which would make the loaded plugin build ours."""
-    options = {"kv_tensors": kv_tensors} if jenga else None
-    config = replay.make_vllm_config(
-        model_dir, replay.SchedulerSetup(max_model_len=1024, jenga_options=options, **setup)
-    )
-    if jenga:
-        config.scheduler_config.scheduler_cls = "integrations.vllm.scheduler.JengaScheduler"
+    """vLLM's `EngineCore` on our manager, or (``jenga=False``) on vLLM's own."""
     executor = engine.host_executor_class(case, 48 << 20)
-    core = compat.engine_core_class()(config, executor, log_stats=True)
-    replay.expect_manager(core.scheduler, jenga=jenga)
-    return core
+    return replay.engine_core(
+        model_dir,
+        executor,
+        jenga=jenga,
+        options={"kv_tensors": kv_tensors},
+        max_model_len=1024,
+        **setup,
+    )
 
 
 def test_a_baseline_engine_given_the_key_is_refused(model_dir: Path) -> None:

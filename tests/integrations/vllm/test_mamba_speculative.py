@@ -183,19 +183,16 @@ def _jamba_core(
 ) -> Any:
     """vLLM's `EngineCore` on the Jamba-style case with 128 MiB of KV memory (the
     speculative states take more than one state per request)."""
-    options = {"kv_tensors": kv_tensors} if jenga else None  # None: vLLM's own manager
-    setup = replay.SchedulerSetup(
+    executor = engine.host_executor_class("jamba", 128 << 20)
+    return replay.engine_core(
+        model_dir,
+        executor,
+        jenga=jenga,
+        options={"kv_tensors": kv_tensors},
         max_model_len=1024,
-        jenga_options=options,
         speculative=speculative,
         async_scheduling=asynchronous,
     )
-    config = replay.make_vllm_config(model_dir, setup)
-    if jenga:
-        name = "JengaAsyncScheduler" if asynchronous else "JengaScheduler"
-        config.scheduler_config.scheduler_cls = f"integrations.vllm.scheduler.{name}"
-    executor = engine.host_executor_class("jamba", 128 << 20)
-    return compat.engine_core_class()(config, executor, log_stats=True)
 
 
 def _worker_tables_match(core: Any) -> None:
