@@ -76,6 +76,11 @@ class Rules:
         step order: PAPER 1, 2, 3, 4, 5; COMPACT 1, 4, 2, 3, 5; PINNED 1, 4, 2, then 5 on pages not wholly evictable, 3, 5
         """
     @property
+    def pack_window_blocks(self) -> bool:
+        """
+        a call's last window_blocks[g] blocks (those the request keeps) first take a demoted cached block on the pinned page with the most used blocks, then steps 1, 4, 2, 5p, 3, 5; the blocks before them (released right after) keep the order
+        """
+    @property
     def pinned_lru_fair(self) -> bool:
         """
         with PINNED order, the pinned step takes its block only when no wholly evictable page is less recently used (else step 3 evicts that page first)
@@ -84,6 +89,11 @@ class Rules:
     def reuse_window_releases(self) -> bool:
         """
         with demote_window_releases, while under 1/4 of the pool is free: right after step 4, a group reuses its own demoted (window-released) cached blocks on pages it pins before mapping or evicting a page (counted as 5)
+        """
+    @property
+    def window_blocks(self) -> list[int]:
+        """
+        one count per group (empty: none): blocks a request keeps once its window passed (0: the group does not release early)
         """
 
 class BlockHasher:
