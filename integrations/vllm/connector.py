@@ -311,7 +311,7 @@ def record_for_zeroing(manager: JengaKVCacheManager, request_id: str, start_toke
 def record_new_for_zeroing(
     manager: JengaKVCacheManager,
     request_id: str,
-    new_blocks: tuple[tuple[int, ...], ...],
+    rows: Sequence[Sequence[KVCacheBlock]],
     call: dict[str, Any],
     loaded_upto: int,
 ) -> None:
@@ -319,18 +319,19 @@ def record_new_for_zeroing(
     manager does when the KV cache needs it (mixed precision, Mamba); in the groups of
     ``call["skip_zeroing_group_ids"]`` (``call``: `allocate_slots`' other arguments) the
     blocks below ``loaded_upto`` tokens are left alone (an asynchronous load writes
-    them). ``new_blocks``: per group the allocator ids `JengaAllocator.allocate` gave."""
+    them). ``rows``: per group the new blocks `allocate_slots` returns."""
     config = manager.kv_cache_config
     if config is None or not getattr(config, "needs_kv_cache_zeroing", False):
         return
     skip = set(call.get("skip_zeroing_group_ids", ()))
-    rows = manager._block_ids.rows(new_blocks)
     for g, group in enumerate(manager.layout.groups):
-        if group.kind is Kind.MAMBA or not rows[g]:
+        row = rows[g]
+        if group.kind is Kind.MAMBA or not row:
             continue
-        first = len(manager.allocator.block_table(request_id, g)) - len(rows[g])
-        loaded = -(-loaded_upto // group.block_size) if g in skip else 0
-        row = rows[g][max(0, loaded - first) :]
+        if g in skip:  # the new blocks end the request's table
+            first = len(manager.allocator.block_table(request_id, g)) - len(row)
+            loaded = -(-loaded_upto // group.block_size)
+            row = row[max(0, loaded - first) :]
         manager._connector.to_zero.extend(b.block_id for b in row if not b.is_null)
 
 

@@ -376,8 +376,9 @@ class JengaKVCacheManager:
             self._cache(request, state, cache_upto)
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
-        connector.record_new_for_zeroing(self, rid, new_blocks, _ignored, computed)
-        return self._blocks_of(new_blocks)
+        blocks = self._blocks_of(new_blocks)
+        connector.record_new_for_zeroing(self, rid, blocks.blocks, _ignored, computed)
+        return blocks
 
     def _check_call(self, request: Request, new: int, new_computed: int, encoder: int) -> None:
         """`allocate_slots`' refusals: encoder tokens without a cross-attention group, a
