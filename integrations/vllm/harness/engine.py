@@ -36,7 +36,7 @@ import numpy as np
 
 import vmm
 from integrations.vllm import compat
-from integrations.vllm.harness import cases
+from integrations.vllm.harness import cases, replay
 from integrations.vllm.kv_tensors import VmmKVCache
 from integrations.vllm.plugin import vmm_allocate_kv_cache, wants_vmm_tensors
 
@@ -185,6 +185,32 @@ def compat_chunk_bytes(vllm_config: Any) -> int:
     from integrations.vllm.options import JengaVllmOptions
 
     return JengaVllmOptions.from_vllm_config(vllm_config).chunk_bytes
+
+
+def host_engine_core(
+    model_dir: Any,
+    case: str,
+    *,
+    jenga: bool,
+    kv_tensors: str = "torch",
+    kv_bytes: int = 48 << 20,
+    configure: Any = None,
+    max_model_len: int = 1024,
+    **setup: Any,
+) -> Any:
+    """vLLM's `EngineCore` over a `HostWorker` for ``case`` with ``kv_bytes`` of KV memory,
+    on our manager (``kv_tensors``: the one jenga setting) or, ``jenga=False``, on vLLM's
+    own (`replay.engine_core`, which also takes ``configure`` and the `SchedulerSetup`
+    fields in ``setup``)."""
+    return replay.engine_core(
+        model_dir,
+        host_executor_class(case, kv_bytes),
+        jenga=jenga,
+        options={"kv_tensors": kv_tensors},
+        configure=configure,
+        max_model_len=max_model_len,
+        **setup,
+    )
 
 
 def host_executor_class(case: str, memory_bytes: int) -> type:

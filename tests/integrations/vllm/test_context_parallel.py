@@ -34,14 +34,8 @@ def _core(model_dir: Path, case: str, kv_tensors: str, dcp: int, *, jenga: bool 
     def configure(config: Any) -> None:  # as vLLM's own DCP tests set it
         config.parallel_config.decode_context_parallel_size = dcp
 
-    executor = engine.host_executor_class(case, 48 << 20)
-    return replay.engine_core(
-        model_dir,
-        executor,
-        jenga=jenga,
-        options={"kv_tensors": kv_tensors},
-        configure=configure,
-        max_model_len=1024,
+    return engine.host_engine_core(
+        model_dir, case, jenga=jenga, kv_tensors=kv_tensors, configure=configure
     )
 
 

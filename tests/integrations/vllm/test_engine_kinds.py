@@ -24,15 +24,7 @@ NGRAM["prompt_lookup_min"] = 1
 
 def _core(model_dir: Path, case: str, kv_tensors: str, *, jenga: bool = True, **setup: Any) -> Any:
     """vLLM's `EngineCore` on our manager, or (``jenga=False``) on vLLM's own."""
-    executor = engine.host_executor_class(case, 48 << 20)
-    return replay.engine_core(
-        model_dir,
-        executor,
-        jenga=jenga,
-        options={"kv_tensors": kv_tensors},
-        max_model_len=1024,
-        **setup,
-    )
+    return engine.host_engine_core(model_dir, case, jenga=jenga, kv_tensors=kv_tensors, **setup)
 
 
 def test_a_baseline_engine_given_the_key_is_refused(model_dir: Path) -> None:

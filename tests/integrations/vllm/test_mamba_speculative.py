@@ -183,13 +183,12 @@ def _jamba_core(
 ) -> Any:
     """vLLM's `EngineCore` on the Jamba-style case with 128 MiB of KV memory (the
     speculative states take more than one state per request)."""
-    executor = engine.host_executor_class("jamba", 128 << 20)
-    return replay.engine_core(
+    return engine.host_engine_core(
         model_dir,
-        executor,
+        "jamba",
         jenga=jenga,
-        options={"kv_tensors": kv_tensors},
-        max_model_len=1024,
+        kv_tensors=kv_tensors,
+        kv_bytes=128 << 20,
         speculative=speculative,
         async_scheduling=asynchronous,
     )

@@ -18,7 +18,7 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from integrations.vllm.harness import engine, replay
+from integrations.vllm.harness import engine
 
 from integrations.vllm import compat
 from tests.integrations.vllm.test_activation import engine_request
@@ -32,14 +32,8 @@ def _core(model_dir: Path, case: str, kv_tensors: str, *, jenga: bool) -> Any:
         # runner, and the executor here is ours
         config.aux_output_config.enable_return_routed_experts = True
 
-    executor = engine.host_executor_class(case, 48 << 20)
-    return replay.engine_core(
-        model_dir,
-        executor,
-        jenga=jenga,
-        options={"kv_tensors": kv_tensors},
-        configure=configure,
-        max_model_len=1024,
+    return engine.host_engine_core(
+        model_dir, case, jenga=jenga, kv_tensors=kv_tensors, configure=configure
     )
 
 
