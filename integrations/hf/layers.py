@@ -106,17 +106,28 @@ class AttentionPart:
         stop = past + q
         self.store.ensure(rows, stop, key_states.dtype)
         kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
+        self._check(key_states, value_states, group)
         keys, values = [], []
         for row in range(rows):
             rid, table = self.store.request(row), self.store.table(row, group)
             new = token_slots(kv, rid, group, past, stop, table)
-            write_kv(kv, self.layer_idx, new, key_states[row].transpose(0, 1),
-                     value_states[row].transpose(0, 1))  # fmt: skip
+            self._write(new, key_states[row].transpose(0, 1), value_states[row].transpose(0, 1))
             k, v = self._read(row, group, self._window_start(past), stop)
             keys.append(k.transpose(0, 1))
             values.append(v.transpose(0, 1))
         self.seen = stop
         return torch.stack(keys), torch.stack(values)
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor, group: int) -> None:
+        """Refuse K/V the group cannot store (the group's spec matched the model's)."""
+
+    def _write(self, slots: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``[tokens, heads, dim]`` keys and values at ``slots``."""
+        write_kv(self.store.kv, self.layer_idx, slots, keys, values)
+
+    def _load(self, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[tokens, heads, dim]`` at ``slots``."""
+        return read_kv(self.store.kv, self.layer_idx, slots)
 
     def _read(self, row: int, group: int, start: int, stop: int) -> tuple[torch.Tensor, ...]:
         """Positions [start, stop); those whose block jenga released read as zeros."""
@@ -128,7 +139,7 @@ class AttentionPart:
             first += 1
         live = max(start, first * t)
         slots = token_slots(kv, self.store.request(row), group, live, stop, table)
-        k, v = read_kv(kv, self.layer_idx, slots)
+        k, v = self._load(slots)
         if live == start:
             return k, v
         pad = k.new_zeros((live - start, *k.shape[1:]))
@@ -190,16 +201,12 @@ class VmmLatentLayer(VmmLayer):
     """Full attention over an MLA group: the latent pair transformers caches (``kv_nope``
     as keys, ``k_rot`` as values, one head each) stored as one vector per token."""
 
-    def _attend(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        past = self.seen
-        rows, heads, q, split = key_states.shape
-        stop = past + q
-        self.store.ensure(rows, stop, key_states.dtype)
-        kv, group = self.store.kv, self.store.attention_group(self.layer_idx)
-        spec = kv.model.groups[group].spec
-        got = (heads, split + value_states.shape[-1])
+    key_width: int = 0  # of the pair's keys (the rest of a stored vector is its values)
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor, group: int) -> None:
+        spec = self.store.kv.model.groups[group].spec
+        heads, self.key_width = key_states.shape[1], key_states.shape[-1]
+        got = (heads, self.key_width + value_states.shape[-1])
         if value_states.shape[:3] != key_states.shape[:3] or got != (
             spec.num_kv_heads, spec.head_dim
         ):  # fmt: skip
@@ -208,17 +215,13 @@ class VmmLatentLayer(VmmLayer):
                 f"{tuple(value_states.shape)} values, the {spec.kind} group stores "
                 f"{spec.num_kv_heads} x {spec.head_dim} per token"
             )
-        latents = torch.cat([key_states, value_states], dim=-1)
-        out = []
-        for row in range(rows):
-            rid, table = self.store.request(row), self.store.table(row, group)
-            new = token_slots(kv, rid, group, past, stop, table)
-            write_latent(kv, self.layer_idx, new, latents[row].transpose(0, 1))
-            every = token_slots(kv, rid, group, 0, stop, table)
-            out.append(read_latent(kv, self.layer_idx, every).transpose(0, 1))
-        self.seen = stop
-        whole = torch.stack(out)
-        return whole[..., :split].contiguous(), whole[..., split:].contiguous()
+
+    def _write(self, slots: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        write_latent(self.store.kv, self.layer_idx, slots, torch.cat([keys, values], dim=-1))
+
+    def _load(self, slots: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        whole = read_latent(self.store.kv, self.layer_idx, slots)
+        return whole[..., : self.key_width], whole[..., self.key_width :]
 
 
 class VmmSlidingLayer(SlidingAttentionPart, DynamicSlidingWindowLayer):
