@@ -311,21 +311,21 @@ def record_for_zeroing(manager: JengaKVCacheManager, request_id: str, start_toke
 def record_new_for_zeroing(
     manager: JengaKVCacheManager,
     request_id: str,
-    rows: Sequence[Sequence[KVCacheBlock]],
+    blocks: KVCacheBlocks,
     call: dict[str, Any],
     loaded_upto: int,
-) -> None:
+) -> KVCacheBlocks:
     """Queue the attention blocks just allocated to ``request_id`` for zeroing, as vLLM's
     manager does when the KV cache needs it (mixed precision, Mamba); in the groups of
     ``call["skip_zeroing_group_ids"]`` (``call``: `allocate_slots`' other arguments) the
     blocks below ``loaded_upto`` tokens are left alone (an asynchronous load writes
-    them). ``rows``: per group the new blocks `allocate_slots` returns."""
+    them). ``blocks``: the new blocks `allocate_slots` returns; returned as they are."""
     config = manager.kv_cache_config
     if config is None or not getattr(config, "needs_kv_cache_zeroing", False):
-        return
+        return blocks
     skip = set(call.get("skip_zeroing_group_ids", ()))
     for g, group in enumerate(manager.layout.groups):
-        row = rows[g]
+        row = blocks.blocks[g]
         if group.kind is Kind.MAMBA or not row:
             continue
         if g in skip:  # the new blocks end the request's table
@@ -333,6 +333,7 @@ def record_new_for_zeroing(
             loaded = -(-loaded_upto // group.block_size)
             row = row[max(0, loaded - first) :]
         manager._connector.to_zero.extend(b.block_id for b in row if not b.is_null)
+    return blocks
 
 
 def truncated(

@@ -377,8 +377,7 @@ class JengaKVCacheManager:
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         blocks = self._blocks_of(new_blocks)
-        connector.record_new_for_zeroing(self, rid, blocks.blocks, _ignored, computed)
-        return blocks
+        return connector.record_new_for_zeroing(self, rid, blocks, _ignored, computed)
 
     def _check_call(self, request: Request, new: int, new_computed: int, encoder: int) -> None:
         """`allocate_slots`' refusals: encoder tokens without a cross-attention group, a
