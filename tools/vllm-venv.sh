@@ -5,7 +5,7 @@
 # core tests import, at the bounds its wheel metadata (Requires-Dist) gives for that version.
 #   0.32.0 pins torch==2.13.0: the CPU wheel these machines hold locally (~2.1 GB venv).
 #   0.33.0 pins torch==2.14.0: only its CUDA build exists; pip takes torch and most NVIDIA
-#          libraries from local disk (~5 GB venv, a few minutes). vLLM's scheduler runs on CPU.
+#          libraries from local disk (~5.7 GB venv, a few minutes). vLLM's scheduler runs on CPU.
 # Usage: bash tools/vllm-venv.sh VERSION DIR
 # Known: pip prints "vllm requires X, which is not installed" for the GPU-only packages: harmless.
 set -euo pipefail
@@ -19,7 +19,15 @@ esac
 python3 -m venv "$DIR"
 PIP=("$DIR/bin/python" -m pip)
 "${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q "torch==$TORCH"
+# torch without triton (~0.9 GB): vLLM disables triton on a machine without a GPU anyway
+# (vllm.triton_utils.HAS_TRITON is False here), and nothing the scheduler runs compiles kernels.
+"${PIP[@]}" install -q --no-deps "torch==$TORCH"
+mapfile -t TORCH_DEPS < <("$DIR/bin/python" -c "
+from importlib.metadata import requires
+for r in requires('torch') or []:
+    if not r.startswith('triton') and 'extra ==' not in r:
+        print(r)")
+"${PIP[@]}" install -q "${TORCH_DEPS[@]}"
 "${PIP[@]}" install -q --no-deps "vllm==$VERSION"
 "${PIP[@]}" install -q numpy psutil regex "pyzmq>=25.0.0" "transformers>=5.16.1,$TRANSFORMERS" \
   "tokenizers>=0.23.2" "huggingface_hub>=1.31.0" "aiohttp>=$AIOHTTP" "requests>=2.33.0" \
