@@ -50,8 +50,9 @@ Approach
 Limitations
     Supported vLLM specs: `FullAttentionSpec` (plain), `SlidingWindowSpec`,
     `ChunkedLocalAttentionSpec`, `MambaSpec`, `CrossAttentionSpec` (encoder-decoder
-    models). Encoder-only, MLA, sink, R-SWA, uniform-type and HiSparse specs raise
-    `UnsupportedLayerKind`. A sliding
+    models). Encoder-only, R-SWA, uniform-type and HiSparse specs raise
+    `UnsupportedLayerKind` (a HiSparse config as a whole, host-resident and
+    HiSparse-role groups included). A sliding
     window wider than ``max_model_len`` is clamped to it (it then behaves as full).
 """
 
@@ -78,6 +79,7 @@ from integrations.vllm.page_tables import (
 from integrations.vllm.placement import GroupPlacement
 from integrations.vllm.specs import (
     check_context_parallel,
+    check_host_tier,
     check_spec_kind,
     kv_cache_memory_bytes,
     layer_spec_from_vllm,
@@ -168,6 +170,7 @@ def build_layout(
     vgroups = list(kv_cache_config.kv_cache_groups)
     if not vgroups:
         raise JengaVllmError("the KV-cache config has no groups (attention-free model)")
+    check_host_tier(kv_cache_config)
     for i, g in enumerate(vgroups):
         check_spec_kind(g.kv_cache_spec, i)
     check_context_parallel(vgroups, dcp_world_size, pcp_world_size)

@@ -13,7 +13,8 @@ Approach
     (`integrations.vllm.activation`); ``--scheduler-cls`` naming either class also works.
     Features the manager does not serve are refused up front with `UnsupportedFeature`
     (decode context parallelism over a group vLLM cannot shard, before vLLM's own manager
-    asserts on it);
+    asserts on it), and so is a HiSparse config (`UnsupportedLayerKind`, before vLLM's
+    own manager binds its host pool);
     a KV connector vLLM built is re-bound to the jenga manager
     (`integrations.vllm.connector.bind_connector`, which refuses the ones that drive
     vLLM's own block pool); 0.33's routed-experts connector, which vLLM built on its own
@@ -34,7 +35,7 @@ from integrations.vllm.connector import bind_connector
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions
-from integrations.vllm.specs import check_context_parallel
+from integrations.vllm.specs import check_context_parallel, check_host_tier
 from integrations.vllm.speculative import speculative_setup_of
 from integrations.vllm.version import check_vllm_version
 
@@ -103,6 +104,8 @@ class _JengaManagerMixin:
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
         # before vLLM's own manager, which asserts on the groups decode CP cannot shard
         kv_cache_config = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
+        if kv_cache_config is not None:  # before vLLM's manager builds the HiSparse host pool
+            check_host_tier(kv_cache_config)
         if vllm_config is not None and kv_cache_config is not None:
             dcp = vllm_config.parallel_config.decode_context_parallel_size
             check_context_parallel(kv_cache_config.kv_cache_groups, dcp, 1)

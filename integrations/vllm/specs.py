@@ -33,6 +33,9 @@ Limitations
     HiSparse, encoder-only, R-SWA and uniform-type specs are refused, each with its
     reason (`REFUSED_SPECS`), and so are compressed pages (``tokens_per_state != 1``)
     of any spec but `MLAAttentionSpec` (whose compressed form is `Kind.COMPRESSED_MLA`).
+    A HiSparse config is refused as a whole (`check_host_tier`): besides its resident and
+    hot specs it has a host-resident source group and an indexer group whose specs are
+    ordinary attention specs, told apart only by their role and ``host_resident``.
     A sliding window wider than ``max_model_len`` is clamped to it (it then behaves as
     full).
 """
@@ -74,11 +77,17 @@ ATTENTION_SPECS = tuple(name for name in SUPPORTED_SPECS if name != "MambaSpec")
 # specs with one latent vector per token (vLLM's MLA caches: ``head_size_v == 0``)
 MLA_SPECS = {"MLAAttentionSpec": Kind.MLA, "HiddenStateCacheSpec": Kind.MLA}
 # why a spec vLLM defines is refused (the message names it; others get the supported list)
+HISPARSE_REASON = (
+    "HiSparse keeps the sparse-MLA source KV in a host block pool and GPU resident/hot pages "
+    "as a write-back cache of it, a second memory tier that vLLM's HiSparseConnector drives "
+    "through vLLM's own HiSparseCoordinator, single-type managers and block pool (pages "
+    "released but read until the pool reuses them, host pages published once their DMA "
+    "completes); this manager does not build that tier"
+)
+HISPARSE_SPECS = ("HiSparseHotSpec", "HiSparseResidentSpec")
 REFUSED_SPECS = {
-    "HiSparseHotSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and DMA "
-    "fences, a second memory tier this manager does not drive",
-    "HiSparseResidentSpec": "HiSparse keeps KV in a host tier with GPU hot/resident pages and "
-    "DMA fences, a second memory tier this manager does not drive",
+    "HiSparseHotSpec": HISPARSE_REASON,
+    "HiSparseResidentSpec": HISPARSE_REASON,
     "EncoderOnlyAttentionSpec": "encoder-only attention keeps no KV cache between steps; vLLM's "
     "worker builds it outside the KV-cache config, so a group of it is a misconfiguration",
     "RSWASpec": "reference sliding-window attention frees the gap between the prompt and the "
@@ -150,6 +159,42 @@ def check_spec_kind(spec: KVCacheSpec, group_index: int) -> None:
             f"KV-cache group {group_index} ({name}): jenga-vmm's vLLM manager supports "
             f"{', '.join(SUPPORTED_SPECS)}; {name} is not supported"
         )
+
+
+def _hisparse_group(group: KVCacheGroupSpec, index: int) -> str | None:
+    """How a HiSparse group is named in a refusal (None: not part of HiSparse's tier).
+
+    A group belongs to HiSparse's tier when its spec is a HiSparse spec, it lives in host
+    memory (``host_resident``) or vLLM gives it a HiSparse role (``hisparse_source``,
+    ``hisparse_indexer``; vLLM 0.32/0.33's `KVCacheGroupRole`, "default" otherwise).
+    """
+    name = type(group.kv_cache_spec).__name__
+    role = getattr(group, "role", None)
+    role = str(getattr(role, "value", role) or "default")
+    host = bool(getattr(group, "host_resident", False))
+    if name not in HISPARSE_SPECS and role == "default" and not host:
+        return None
+    notes = [name] + ([f"role {role}"] if role != "default" else [])
+    return f"{index} ({', '.join(notes + (['host-resident'] if host else []))})"
+
+
+def check_host_tier(kv_cache_config: KVCacheConfig) -> None:
+    """Raise `UnsupportedLayerKind` naming every HiSparse group of the config.
+
+    Checked for the whole config, before any group is translated: a host-resident source
+    group is a `FullAttentionSpec` (or an MLA spec) that would otherwise pass as an
+    ordinary GPU group, its blocks numbered in the GPU pool while vLLM's worker reads them
+    from the host pool of ``hisparse_host_num_blocks`` blocks.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    named = [d for i, g in enumerate(groups) if (d := _hisparse_group(g, i)) is not None]
+    host_blocks = getattr(kv_cache_config, "hisparse_host_num_blocks", None)
+    if not named and host_blocks is None:
+        return
+    raise UnsupportedLayerKind(
+        f"HiSparse KV-cache groups [{', '.join(named)}] "
+        f"(hisparse_host_num_blocks={host_blocks}) are not supported: {HISPARSE_REASON}"
+    )
 
 
 def dcp_shards(spec: KVCacheSpec, dcp_world_size: int) -> int:
