@@ -140,9 +140,6 @@ def test_specs_no_kind_serves_are_refused_at_start_up_by_name() -> None:
 
     attn = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
     refused = {
-        kvi.HiSparseHotSpec(block_size=BLOCK, page_size=4096, blocks_per_request=4): (
-            r"\(HiSparseHotSpec\): HiSparseHotSpec is not supported: HiSparse keeps KV in a host"
-        ),
         kvi.SinkFullAttentionSpec(**attn, sink_len=4): (
             r"\(SinkFullAttentionSpec\): sink_len 4 must be > 0 and a multiple of block_size 16"
         ),
