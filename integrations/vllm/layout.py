@@ -79,8 +79,7 @@ from integrations.vllm.page_tables import (
 from integrations.vllm.placement import GroupPlacement
 from integrations.vllm.specs import (
     check_context_parallel,
-    check_host_tier,
-    check_spec_kind,
+    check_kinds,
     kv_cache_memory_bytes,
     layer_spec_from_vllm,
     mamba_step_end_only,
@@ -170,9 +169,7 @@ def build_layout(
     vgroups = list(kv_cache_config.kv_cache_groups)
     if not vgroups:
         raise JengaVllmError("the KV-cache config has no groups (attention-free model)")
-    check_host_tier(kv_cache_config)
-    for i, g in enumerate(vgroups):
-        check_spec_kind(g.kv_cache_spec, i)
+    check_kinds(kv_cache_config)
     check_context_parallel(vgroups, dcp_world_size, pcp_world_size)
     memory = kv_cache_memory_bytes(kv_cache_config)
     geometry = options.tensor_geometry

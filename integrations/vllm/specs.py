@@ -197,6 +197,14 @@ def check_host_tier(kv_cache_config: KVCacheConfig) -> None:
     )
 
 
+def check_kinds(kv_cache_config: KVCacheConfig) -> None:
+    """Refuse a HiSparse config as a whole (`check_host_tier`), then any group whose spec
+    no jenga kind serves (`check_spec_kind`), before a group is translated."""
+    check_host_tier(kv_cache_config)
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        check_spec_kind(g.kv_cache_spec, i)
+
+
 def dcp_shards(spec: KVCacheSpec, dcp_world_size: int) -> int:
     """Ranks decode context parallelism spreads one block of ``spec`` over (vLLM's rule:
     the world size for a ``dcp_sharded`` spec, 1 for a replicated one such as Mamba's or
