@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -156,10 +157,12 @@ def run_case(
     window: int = 64,
     trace: list[dict[str, Any]] | None = None,
     checked: bool = True,
+    observer: Callable[[Any, Any], None] | None = None,
 ) -> Row:
     """One run. ``checked``: after every step check that no live block is shared and
     measure chunk pinning (outside the timed calls); False runs the scheduler with only
-    the committed-bytes reading after each step (the pinning columns are then 0)."""
+    the committed-bytes reading after each step (the pinning columns are then 0).
+    ``observer``: also called after every step, with the scheduler and its output."""
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
     start = time.perf_counter()
@@ -182,8 +185,15 @@ def run_case(
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
     peak = PeakCommitted(scheduler, manager, trace, pinning=checked)
     waves, expected = _waves(workload, setup.block_size)
+
+    def after_step(sched: Any, out: Any) -> None:
+        peak(sched, out)
+        if observer is not None:
+            observer(sched, out)
+
     reports = [
-        replay.replay(scheduler, wave, after_step=peak, check_blocks=checked) for wave in waves
+        replay.replay(scheduler, wave, after_step=after_step, check_blocks=checked)
+        for wave in waves
     ]
     for report in reports:
         wrong = {k: v for k, v in report.output_tokens.items() if v != expected[k]}
