@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -156,10 +157,12 @@ def run_case(
     window: int = 64,
     trace: list[dict[str, Any]] | None = None,
     checked: bool = True,
+    observer: Callable[[Any, Any], None] | None = None,
 ) -> Row:
     """One run. ``checked``: after every step check that no live block is shared and
     measure chunk pinning (outside the timed calls); False runs the scheduler with only
-    the committed-bytes reading after each step (the pinning columns are then 0)."""
+    the committed-bytes reading after each step (the pinning columns are then 0);
+    ``observer`` is called after every step too (scheduler, output)."""
     if manager not in MANAGERS:
         raise ValueError(f"unknown manager {manager!r}; choose from {MANAGERS}")
     start = time.perf_counter()
@@ -180,7 +183,7 @@ def run_case(
     )
     kv_config = replay.kv_cache_config_for(config, specs, memory_mb << 20)
     scheduler = replay.make_scheduler(config, kv_config, jenga=jenga)
-    peak = PeakCommitted(scheduler, manager, trace, pinning=checked)
+    peak = PeakCommitted(scheduler, manager, trace, pinning=checked, observer=observer)
     waves, expected = _waves(workload, setup.block_size)
     reports = [
         replay.replay(scheduler, wave, after_step=peak, check_blocks=checked) for wave in waves
@@ -230,7 +233,7 @@ class PeakCommitted:
     after each step, at its peak, and the chunk pinning of every step (`pinning`).
     vLLM's manager and ours on vLLM's tensors: the whole KV buffer vLLM allocates up
     front (no pinning figures). ``pinning`` False: the mapped units alone (no per-block
-    walk).
+    walk). ``observer``: called last after every step, with the scheduler and its output.
     """
 
     def __init__(
@@ -240,8 +243,10 @@ class PeakCommitted:
         trace: list[dict[str, Any]] | None = None,
         *,
         pinning: bool = True,
+        observer: Callable[[Any, Any], None] | None = None,
     ) -> None:
         self.kv = scheduler.kv_cache_manager
+        self.observer = observer
         self.trace = trace
         self.measure_pinning = pinning
         self.pinning = PinningTally()
@@ -266,6 +271,8 @@ class PeakCommitted:
             step = {"mapped_chunks": mapped, "single_pinned": single, "packable": packable}
         if self.trace is not None:
             self.trace.append(_trace_step(scheduler, out) | step)
+        if self.observer is not None:
+            self.observer(scheduler, out)
 
 
 def _trace_step(scheduler: Any, out: Any) -> dict[str, Any]:
