@@ -61,7 +61,7 @@ def _hits(alloc: JengaAllocator) -> list[int]:
         (32, [0, 1, 2, 3, 4, 5, 8, 9, 6, 7, 15, 14, 13, 12, 11, 10]),
     ],
 )
-def test_early_blocks_no_boundary_reads_are_evicted_first(interval: int, order: list[int]):
+def test_early_blocks_no_boundary_reads_are_evicted_first(interval: int, order: list[int]) -> None:
     alloc = _alloc(total=64, interval=interval)
     _fill(alloc, "a", A_PROMPT)
     assert alloc.eviction_order("swa") == order
@@ -78,7 +78,9 @@ def test_early_blocks_no_boundary_reads_are_evicted_first(interval: int, order: 
         (32, [0, 32, 48]),  # boundary 16 is no retention boundary: its window is demoted
     ],
 )
-def test_boundary_hits_survive_a_later_request_under_pressure(interval: int, hits: list[int]):
+def test_boundary_hits_survive_a_later_request_under_pressure(
+    interval: int, hits: list[int]
+) -> None:
     alloc = _alloc(total=40, interval=interval)
     _fill(alloc, "a", A_PROMPT)
     assert _hits(alloc) == [16, 32, 48]
@@ -88,12 +90,12 @@ def test_boundary_hits_survive_a_later_request_under_pressure(interval: int, hit
     alloc.check_invariants(expensive=True)
 
 
-def test_a_negative_interval_is_refused():
+def test_a_negative_interval_is_refused() -> None:
     with pytest.raises(SpecError, match="retention_interval must be >= 0, got -16"):
         AllocationRules(retention_interval=-16)
 
 
-def test_the_core_refuses_bad_retention_rules_and_keeps_its_own():
+def test_the_core_refuses_bad_retention_rules_and_keeps_its_own() -> None:
     core = J.Core([1, 1], [1, 1], 8)
     with pytest.raises(ValueError, match="need one retention reach per group: got 1 for 2"):
         core.rules = J.Rules(retention_interval=16, retention_reach=[7])
