@@ -86,6 +86,16 @@ class Rules:
         with PINNED order, the pinned step takes its block only when no wholly evictable page is less recently used (else step 3 evicts that page first)
         """
     @property
+    def retention_interval(self) -> int:
+        """
+        positive: retention boundaries every this many tokens; an early block of a group with a retention reach is demoted unless a hit at the next boundary at or after its prefix reads it, or it served a prefix hit (0: off)
+        """
+    @property
+    def retention_reach(self) -> list[int]:
+        """
+        one per group (empty: none): a block is read by a hit at boundary R iff its prefix length p has R - reach < p <= R (-1: the group is not thinned)
+        """
+    @property
     def reuse_window_releases(self) -> bool:
         """
         with demote_window_releases, while under 1/4 of the pool is free: right after step 4, a group reuses its own demoted (window-released) cached blocks on pages it pins before mapping or evicting a page (counted as 5)

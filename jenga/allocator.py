@@ -68,6 +68,12 @@ Approach
       blocks per large page (VMM per-group pages), a live window pins a page whose
       out-of-window blocks stay cached; reusing them keeps the group's pages few, so
       whole pages become evictable for other groups.
+    - ``retention_interval`` (0: off): every multiple of a positive interval is a
+      retention boundary (vLLM's ``prefix_cache_retention_interval``). An early release
+      of a sliding-window group is demoted (as above) unless a hit at the first boundary
+      at or after its prefix reads it (`Policy.retention_reach` tokens before the
+      boundary) or it served a prefix hit, so under pressure the window blocks of
+      boundary hits, in every group, outlive those no boundary reads.
 
     On "no room" `allocate` returns None and the core rolls back every step it took (releases and
     evictions included): every primitive mutation is logged and undone last-first, which restores
@@ -189,6 +195,7 @@ class JengaAllocator(AllocatorViews):
             config.rules.to_core(
                 [p.releases_early for p in self.policies],
                 [p.window_blocks if p.releases_early else 0 for p in self.policies],
+                [p.retention_reach for p in self.policies],
             ),
             short_key_bits=config.identity.short_key_bits,
         )

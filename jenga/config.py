@@ -67,7 +67,13 @@ class AllocationRules:
     used blocks, so live window blocks gather in few pages and the others drain whole (a
     vLLM option, off by default; docs/vllm-geometry.md). Which groups release early, and how
     many blocks they keep, follows from their policies (`Policy.releases_early`,
-    `Policy.window_blocks`), so it is not a rule here.
+    `Policy.window_blocks`), so it is not a rule here. ``retention_interval`` (0: off): a
+    positive one makes every multiple of it a retention boundary (vLLM's
+    ``prefix_cache_retention_interval``); a block a running request releases from a group
+    a retention interval thins (`Policy.retention_reach`: sliding window) is demoted, as
+    with ``demote_window_releases``, unless a prefix hit at the next boundary at or after
+    the block reads it or it served a prefix hit. Blocks a finished request releases (its
+    last window, read by a hit at its end) are never demoted.
     """
 
     order: AllocationOrder = AllocationOrder.PAPER
@@ -76,12 +82,21 @@ class AllocationRules:
     reuse_window_releases: bool = False
     pinned_lru_fair: bool = False
     pack_window_blocks: bool = False
+    retention_interval: int = 0
+
+    def __post_init__(self) -> None:
+        if self.retention_interval < 0:
+            raise SpecError(f"retention_interval must be >= 0, got {self.retention_interval}")
 
     def to_core(
-        self, early_release_groups: Sequence[bool], window_blocks: Sequence[int] = ()
+        self,
+        early_release_groups: Sequence[bool],
+        window_blocks: Sequence[int] = (),
+        retention_reach: Sequence[int] = (),
     ) -> _core.Rules:
         """The core's copy: the same fields by name (an enum by its member name), plus
-        each group's early-release flag and kept window blocks (from its policy)."""
+        each group's early-release flag, kept window blocks and retention reach (from its
+        policy)."""
         values: dict[str, object] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -92,6 +107,7 @@ class AllocationRules:
             **values,
             early_release_groups=list(early_release_groups),
             window_blocks=list(window_blocks),
+            retention_reach=list(retention_reach),
         )
 
 

@@ -135,6 +135,13 @@ class Policy:
         """Tokens the last token reads at most, for a kind that releases early; else 0."""
         return 0
 
+    @property
+    def retention_reach(self) -> int:
+        """Tokens before a retention boundary that a prefix hit there reads, for a kind a
+        positive retention interval thins (`jenga.config.AllocationRules`); -1 for every
+        other kind (its blocks are never demoted by retention)."""
+        return -1
+
     def kept_tokens(self, length: int) -> int:
         """How many of a request's first ``length`` tokens this layer still holds once all
         are computed: those the last of them read (0 for a state kind)."""
@@ -305,6 +312,11 @@ class SlidingWindowPolicy(Policy):
     @property
     def window_span(self) -> int:
         return self.window
+
+    @property
+    def retention_reach(self) -> int:
+        """A hit at length R reads tokens from `attended_start` (R) = R - window + 1."""
+        return self.window - 1
 
     def last_length_first_live(self, first: int) -> int | None:
         # max(0, L - w + 1) // t <= first  <=>  L - w + 1 <= (first + 1) * t - 1

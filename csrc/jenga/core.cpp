@@ -72,9 +72,22 @@ void Core::set_rules(const Rules& rules) {
   for (const int32_t w : window) {
     if (w < 0) throw std::invalid_argument("window block counts must be >= 0, got " + str(w));
   }
+  const std::vector<int64_t>& reach = rules.retention_reach;
+  if (!reach.empty() && reach.size() != groups_.size()) {
+    throw std::invalid_argument("need one retention reach per group: got " + str(reach.size()) +
+                                " for " + str(groups_.size()) + " groups");
+  }
+  for (const int64_t r : reach) {
+    if (r < -1) throw std::invalid_argument("retention reaches must be >= -1, got " + str(r));
+  }
+  if (rules.retention_interval < 0) {
+    throw std::invalid_argument("retention_interval must be >= 0, got " +
+                                str(rules.retention_interval));
+  }
   rules_ = rules;
   if (flags.empty()) rules_.early_release_groups.assign(groups_.size(), false);
   if (window.empty()) rules_.window_blocks.assign(groups_.size(), 0);
+  if (reach.empty()) rules_.retention_reach.assign(groups_.size(), -1);
   order_ = build_order(rules_);
   pack_order_ = build_pack_order(rules_);
 }

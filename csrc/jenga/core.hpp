@@ -120,6 +120,17 @@ inline int64_t evict_time(const Block& k) {
 // at the request's prompt end with the blocks the request released after them.
 inline int64_t evict_tie(const Block& k) { return k.early ? k.prefix_len : -k.prefix_len; }
 
+// Retention (rules retention_interval, retention_reach): whether a hit at a retention
+// boundary reads a block of a group with that reach whose prefix is prefix_len tokens (the
+// boundary is the first multiple of interval at or after prefix_len). True when the rule
+// is off (interval 0) or the group is not thinned (reach < 0).
+inline bool retained(int64_t interval, int64_t reach, int64_t prefix_len) {
+  if (interval <= 0 || reach < 0) return true;
+  const int64_t below = ((prefix_len % interval) + interval) % interval;  // p mod interval
+  const int64_t to_boundary = below == 0 ? 0 : interval - below;
+  return to_boundary < reach;
+}
+
 struct LruEntry {
   int64_t last_access;  // evict_time() of the block when pushed
   int64_t tie;          // evict_tie() of the block when pushed
@@ -207,7 +218,14 @@ enum class AllocationOrder : int32_t { kPaper = 0, kCompact = 1, kPinned = 2 };
     "(0: the group does not release early)")                                              \
   X(std::vector<bool>, early_release_groups, {},                                          \
     "one flag per group (empty: none): blocks cached by allocate()'s release lists of a " \
-    "flagged group are early (ties: shortest prefix first)")
+    "flagged group are early (ties: shortest prefix first)")                              \
+  X(int64_t, retention_interval, 0,                                                       \
+    "positive: retention boundaries every this many tokens; an early block of a group "   \
+    "with a retention reach is demoted unless a hit at the next boundary at or after "    \
+    "its prefix reads it, or it served a prefix hit (0: off)")                            \
+  X(std::vector<int64_t>, retention_reach, {},                                            \
+    "one per group (empty: none): a block is read by a hit at boundary R iff its prefix " \
+    "length p has R - reach < p <= R (-1: the group is not thinned)")
 
 struct Rules {
 #define JENGA_RULE_FIELD(type, name, init, doc) type name = init;

@@ -136,7 +136,10 @@ void Core::prim_release(int32_t g, int32_t block, int64_t now, bool early) {
   Page& P = G.pages[static_cast<size_t>(page)];
   k.last_access = now;
   k.early = early;
-  k.demoted = early && rules_.demote_window_releases && !k.shared;
+  k.demoted = early && !k.shared &&
+              (rules_.demote_window_releases ||
+               !retained(rules_.retention_interval, rules_.retention_reach[static_cast<size_t>(g)],
+                         k.prefix_len));
   counters_.blocks_released += 1;
   if (k.hashed) {
     if (logging_) log_undo(UndoKind::kToCached, g, block, 0, 0);

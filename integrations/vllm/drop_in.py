@@ -19,13 +19,14 @@ Approach
     (or the ones given).
 
 Limitations
-    Every retention interval (``None``: dense, 0: vLLM's default, a positive one) gives
-    the same manager: jenga caches sliding-window and Mamba entries densely and evicts by
-    prefix-subset LRU. While the pool has room that keeps every hit vLLM's sparse
-    retention keeps, and more; under pressure with a positive interval vLLM's retained
-    checkpoints can outlive jenga's LRU, which evicts the earliest-released windows (the
-    shortest prefixes) first (vLLM's retention-recycling test: 800 blocks, 1024 hit tokens
-    on vLLM's manager, 0 on ours; 3000 blocks, 1792 on both).
+    Every retention interval (``None``: dense, 0: vLLM's default, a positive one) is
+    served: jenga caches sliding-window and Mamba entries densely and evicts by
+    prefix-subset LRU, which keeps every hit vLLM's sparse retention keeps while the pool
+    has room. A positive interval becomes the allocator's retention rule
+    (`jenga.config.AllocationRules.retention_interval`, set by `build_layout`): the window
+    blocks no retention-boundary hit reads are evicted first, so under pressure the
+    boundaries' windows outlive them as vLLM's retained checkpoints do. Mamba states are
+    not thinned by it.
     Arguments that only tune vLLM's own manager (``max_in_flight_tokens``,
     ``metrics_collector``, ``watermark``, ...) are accepted and not used.
 """
@@ -54,8 +55,8 @@ def check_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_siz
 
     As vLLM's coordinator: ``None`` (dense) and 0 always pass; a value on a model with no
     sliding-window or Mamba group, a negative value or one not a multiple of the
-    scheduler block size is a `ValueError`. A valid positive interval is served as 0
-    and ``None`` are (see the module's limitations).
+    scheduler block size is a `ValueError`. A valid positive interval becomes the
+    allocator's retention rule (see the module's limitations).
     """
     interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
     if interval is None or interval == 0:

@@ -188,7 +188,7 @@ def build_layout(
         table, total_units = layer_pages(model, memory, options)
     align = mamba_step_end_only(vgroups)
     config = AllocatorConfig.from_page_table(
-        model, table, total_units, _rules(options), mamba_step_end_only=align
+        model, table, total_units, _rules(options, kv_cache_config), mamba_step_end_only=align
     )
     # vLLM's "align" mode caches the states prefill steps write, none a decode step
     # writes; on VMM pages ours does the same (each cached state holds part of a mapped
@@ -234,12 +234,15 @@ def _kv_groups(
     return tuple(kv_groups)
 
 
-def _rules(options: JengaVllmOptions) -> AllocationRules:
+def _rules(options: JengaVllmOptions, kv_cache_config: KVCacheConfig) -> AllocationRules:
     """The allocator's rules: the order, window-release reuse (`window_reuse`) and, on
-    per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only) and,
-    with window-release reuse, the `pack_window_blocks` option."""
+    per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only),
+    with window-release reuse the `pack_window_blocks` option, and the config's
+    ``prefix_cache_retention_interval`` (None and 0: no retention boundaries)."""
     reuse = options.window_reuse
+    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0
     return AllocationRules(
+        retention_interval=int(interval),
         order=AllocationOrder(options.allocation_order),
         demote_window_releases=reuse,
         reuse_window_releases=reuse,

@@ -105,12 +105,15 @@ class CoreModel:
     PINNED), ``frugal_retry``, ``demote_window_releases``, ``reuse_window_releases``
     (step 9 right after step 4), ``pinned_lru_fair`` (step 6 yields to an older wholly
     evictable page), ``pack_window_blocks`` with ``window_blocks`` (a call's last kept
-    blocks in `PACK_ORDER`) and ``early_release_groups``.
+    blocks in `PACK_ORDER`), ``early_release_groups`` and ``retention_interval`` with
+    ``retention_reach`` (an early block no retention boundary reads is demoted).
     """
 
     # False: ``pinned_lru_fair`` is ignored (the model as it was before it knew the rule;
     # a test shows that this model diverges from the core)
     knows_pinned_lru_fair = True
+    # False: the retention rule is ignored (a test shows that this model diverges)
+    knows_retention = True
 
     def __init__(self, bpp: list[int], upp: list[int], total: int, rules: Any = None):
         self.groups = [MGroup(b, u) for b, u in zip(bpp, upp, strict=True)]
@@ -147,6 +150,15 @@ class CoreModel:
         self.lru_fair = self.knows_pinned_lru_fair and getattr(rules, "pinned_lru_fair", False)
         window = list(getattr(rules, "window_blocks", [])) or [0] * len(bpp)
         self.kept = window if getattr(rules, "pack_window_blocks", False) else [0] * len(bpp)
+        self.interval = getattr(rules, "retention_interval", 0)
+        self.reach = list(getattr(rules, "retention_reach", [])) or [-1] * len(bpp)
+
+    def retained(self, g: int, prefix: int) -> bool:
+        """A hit at the first multiple of the retention interval at or after ``prefix``
+        reads the block (always, with retention off or for a group it does not thin)."""
+        if not self.knows_retention or self.interval <= 0 or self.reach[g] < 0:
+            return True
+        return -prefix % self.interval < self.reach[g]
 
     # -- derived views -----------------------------------------------------------------
     def num_cached(self, g: int, p: int) -> int:
@@ -233,7 +245,8 @@ class CoreModel:
             return
         k.last = now
         k.early = early
-        k.demoted = early and self.demote_early and not k.shared
+        thinned = not self.retained(g, k.prefix)
+        k.demoted = early and not k.shared and (self.demote_early or thinned)
         if k.hashed:
             k.state = CACHED
             return

@@ -25,7 +25,8 @@ GROUPS = (
 def test_python_rules_and_core_rules_have_the_same_fields():
     python = {f.name for f in dataclasses.fields(AllocationRules)}
     core = {name for name in dir(J.Rules) if not name.startswith("_")}
-    assert core - python == {"early_release_groups", "window_blocks"}  # from the policies
+    # from the policies
+    assert core - python == {"early_release_groups", "window_blocks", "retention_reach"}
     assert python <= core
 
 
@@ -40,6 +41,10 @@ def test_every_rule_reaches_the_core():
     default = JengaAllocator(AllocatorConfig(GROUPS, 4))._core.rules
     assert default.order == J.AllocationOrder.PAPER
     assert (default.frugal_retry, default.demote_window_releases) == (True, False)
+    assert (default.retention_interval, default.retention_reach) == (0, [-1, 7])
+    retained = AllocationRules(retention_interval=16)
+    core_rules = JengaAllocator(AllocatorConfig(GROUPS, 4, retained))._core.rules
+    assert (core_rules.retention_interval, core_rules.retention_reach) == (16, [-1, 7])
 
 
 def test_core_rules_are_one_value():

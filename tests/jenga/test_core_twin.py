@@ -58,8 +58,13 @@ RUNS: dict[str, dict[str, Any]] = {
         "early_release_groups": "drawn",
         "window_blocks": "drawn",
     },
+    "retention": {
+        "retention_interval": "drawn",
+        "retention_reach": "drawn",
+        "early_release_groups": "drawn",
+    },
 }
-DRAWN = ("early_release_groups", "window_blocks")
+DRAWN = ("early_release_groups", "window_blocks", "retention_interval", "retention_reach")
 
 
 def _core_rule_names() -> set[str]:
@@ -96,6 +101,8 @@ def _draw_rules(rng: random.Random, fixed: dict[str, Any], groups: int) -> J.Rul
         "pack_window_blocks": rng.random() < 0.5,
         "early_release_groups": "drawn" if rng.random() < 0.5 else "none",
         "window_blocks": "drawn" if rng.random() < 0.5 else "none",
+        "retention_interval": "drawn" if rng.random() < 0.5 else "none",
+        "retention_reach": "drawn" if rng.random() < 0.5 else "none",
     }
     values.update(fixed)
     flags = [False] * groups
@@ -105,6 +112,11 @@ def _draw_rules(rng: random.Random, fixed: dict[str, Any], groups: int) -> J.Rul
     values["early_release_groups"] = flags
     drawn = values["window_blocks"] == "drawn"
     values["window_blocks"] = [rng.randint(1, 4) if f and drawn else 0 for f in flags]
+    # retention: boundaries every 2-4 prefix steps; a reach of -1 (not thinned) to 3 each
+    drawn = values["retention_interval"] == "drawn"
+    values["retention_interval"] = rng.randint(2, 4) if drawn else 0
+    drawn = values["retention_reach"] == "drawn"
+    values["retention_reach"] = [rng.randint(-1, 3) if drawn else -1 for _ in flags]
     values["order"] = ORDERS[values["order"]]
     return J.Rules(**values)
 
@@ -297,6 +309,7 @@ MUST_SERVE: dict[str, set[int | str]] = {
     "demote_window_releases": {1, 2, 3, 4, 5},
     "reuse_window_releases": {1, 2, 3, 4, 5, 9},
     "pack_window_blocks": {1, 2, 3, 4, 5, 10},
+    "retention": {1, 2, 3, 4, 5},
 }
 
 
@@ -320,3 +333,15 @@ def test_twin_without_pinned_lru_fair_diverges() -> None:
     fixed = RUNS["pinned_lru_fair"]
     with pytest.raises(Divergence):
         replay(fixed, seed=1, steps=STEPS_PER_RUN, model_type=TwinWithoutPinnedLruFair)
+
+
+class TwinWithoutRetention(CoreModel):
+    """The twin as it was before it knew ``retention_interval`` (no early block demoted
+    for lying away from a retention boundary)."""
+
+    knows_retention = False
+
+
+def test_twin_without_retention_diverges() -> None:
+    with pytest.raises(Divergence):
+        replay(RUNS["retention"], seed=1, steps=STEPS_PER_RUN, model_type=TwinWithoutRetention)
