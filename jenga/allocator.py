@@ -118,6 +118,13 @@ from jenga.guard import Entry, guard_methods
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, StateExtension, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
+from jenga.substates import (
+    SubBlockStates,
+    SubStateCalls,
+    check_state_unit,
+    hit_unit,
+    mark_state_tail,
+)
 from jenga.requests import (
     NULL_BLOCK,
     Allocation,
@@ -131,7 +138,8 @@ from jenga.requests import (
 _EMPTY_PLAN = MappingPlan()
 # calls that change the request tables: one thread at a time (`jenga.guard`)
 _CHANGING_CALLS = ("add_request", "allocate", "release_skipped", "append_tokens", "cache",
-                   "free", "evict_cached", "set_total_units", "fork", "uncache_blocks")  # fmt: skip
+                   "free", "evict_cached", "set_total_units", "fork", "uncache_blocks",
+                   "cache_state", "move_state", "release_retained")  # fmt: skip
 _FREED_IDS_KEPT = 1 << 16
 
 
@@ -157,7 +165,7 @@ def _check_config(config: AllocatorConfig) -> None:
             )
 
 
-class JengaAllocator(AllocatorViews):
+class JengaAllocator(AllocatorViews, SubStateCalls):
     """Two-level LCM allocator + prefix cache for one model's groups.
 
     Request ids are any hashable the engine likes. Block ids are per group:
@@ -194,8 +202,12 @@ class JengaAllocator(AllocatorViews):
         )
         self._hasher = config.identity.hasher()
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
+        unit = config.state_unit  # Mamba states inside an interval (`jenga.substates`)
+        if unit is not None:
+            check_state_unit(unit, self.policies, config.identity.digest_block_size)
+        self._states = SubBlockStates(self._core, self.policies, unit) if unit else None
         text_blocks = [
-            p.tokens_per_block for p in self.policies if not p.reads_images and p.caches_blocks
+            hit_unit(p, unit) for p in self.policies if not p.reads_images and p.caches_blocks
         ]
         # a hit must end on a block boundary of every text group that caches
         self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
@@ -285,6 +297,8 @@ class JengaAllocator(AllocatorViews):
             req.num_committed[g] = len(blocks)
         if hit and self.config.hit_proof is not None:
             self._touch_proof(req, hit, now)
+        if hit and self._states is not None:  # a state hit inside an interval
+            mark_state_tail(req, hit, self.policies)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req
@@ -438,6 +452,8 @@ class JengaAllocator(AllocatorViews):
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         got, copies = cow.apply(req, got) if cow else (got, ())
+        if copies and self._states is not None:
+            self._states.note(copies)
         appended = self._extend_tables(req, got, firsts, skips, moves)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
@@ -627,6 +643,8 @@ class JengaAllocator(AllocatorViews):
                 live = live[live != NULL_BLOCK]
             self._core.release(g, live, now)
         del self._requests[request_id]
+        if self._states is not None:
+            self._states.entries.pop(request_id, None)
         self._freed[request_id] = None
         if len(self._freed) > _FREED_IDS_KEPT:
             self._freed.popitem(last=False)
