@@ -118,13 +118,6 @@ from jenga.guard import Entry, guard_methods
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.policies import Policy, StateExtension, make_policy
 from jenga.prefix import IntBuffer, TokenBuffer, TokenCount
-from jenga.substates import (
-    SubBlockStates,
-    SubStateCalls,
-    check_state_unit,
-    hit_unit,
-    mark_state_tail,
-)
 from jenga.requests import (
     NULL_BLOCK,
     Allocation,
@@ -133,6 +126,13 @@ from jenga.requests import (
     PrefixMatch,
     checked_images,
     release_length,
+)
+from jenga.substates import (
+    SubBlockStates,
+    SubStateCalls,
+    check_state_unit,
+    hit_unit,
+    mark_state_tail,
 )
 
 _EMPTY_PLAN = MappingPlan()

@@ -49,8 +49,8 @@ import numpy as np
 
 from jenga import _core
 from jenga.errors import InvalidSize
-from jenga.policies import Policy
 from jenga.plan import MappingPlan
+from jenga.policies import Policy
 from jenga.requests import NULL_BLOCK, BlockCopy, LiveRequest
 
 

@@ -10,8 +10,8 @@ Rationale
 
 Approach
     `enabled` decides it as vLLM does where jenga can serve it: a Mamba group whose block
-    is a multiple of ``hash_block_size`` larger than it, every other group on the hash
-    grid (their blocks are ``hash_block_size``: jenga hits them whole), vLLM's own KV
+    is a multiple of ``hash_block_size`` larger than it, every other group that caches
+    on the hash grid (their blocks are ``hash_block_size``: jenga hits them whole), vLLM's own KV
     tensors (the worker runs vLLM's block copies), no EAGLE block drop. The allocator then
     keeps Mamba states at hash boundaries (`jenga.substates`, ``state_unit``).
     `PartialHits` is the manager's side:
@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from jenga.policies import POLICY_BY_KIND
 from jenga.requests import BlockCopy
 from jenga.specs import Kind
 
@@ -64,7 +65,12 @@ def enabled(
         return False
     if any(g.block_size % hash_block_size or g.dcp_world_size != 1 for g in mamba):
         return False
-    return all(g.kind is Kind.MAMBA or g.block_size == hash_block_size for g in groups)
+    return all(
+        g.kind is Kind.MAMBA
+        or not POLICY_BY_KIND[g.kind].caches_blocks  # never hit (a circular buffer)
+        or g.block_size == hash_block_size
+        for g in groups
+    )
 
 
 def tail_checkpoint(num_prompt_tokens: int, hash_block_size: int, lookahead: int) -> int:
@@ -88,7 +94,9 @@ class PartialHits:
         tail checkpoint (inside a Mamba block)."""
         manager = self._manager
         lookahead = manager.speculative.num_hash_lookahead_tokens
-        if computed != tail_checkpoint(request.num_prompt_tokens, manager.hash_block_size, lookahead):
+        if computed != tail_checkpoint(
+            request.num_prompt_tokens, manager.hash_block_size, lookahead
+        ):
             return
         rid = request.request_id
         named = manager.allocator.cache_state(rid, computed)
@@ -148,7 +156,7 @@ class PartialHits:
         ids = self._manager._block_ids
         pairs, kept = [], []
         for c in copies:
-            rows = [[] for _ in self._manager.layout.groups]
+            rows: list[list[int]] = [[] for _ in self._manager.layout.groups]
             rows[c.group] = [c.src, c.dst]
             src, dst = ids.rows(rows)[c.group]
             pairs.append(KVCacheBlockCopy(src.block_id, dst.block_id))

@@ -104,7 +104,9 @@ class _Worker:
         self.state[mamba[(computed + n - 1) // MAMBA_BLOCK]] = tuple(tokens[: computed + n])
 
 
-def _serve(scheduler: Any, worker: _Worker, by_id: dict[str, Any], add: list[Any], steps: int) -> None:
+def _serve(
+    scheduler: Any, worker: _Worker, by_id: dict[str, Any], add: list[Any], steps: int
+) -> None:
     """Add ``add``, then step until no request is left or ``steps`` steps ran."""
     for req in add:
         scheduler.add_request(req)
