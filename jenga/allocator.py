@@ -408,19 +408,18 @@ class JengaAllocator(AllocatorViews, SubStateCalls):
     ) -> Allocation | None:
         """Give the request slots for ``num_new_tokens`` more tokens in every group.
 
-        In one all-or-nothing core call: blocks the policies no longer need
-        (window/chunk/old Mamba state) are released to the cache, then each group gets
-        what it needs. ``release_upto`` bounds the release: only blocks no longer read at
-        that many tokens go (default: the request's current length). An engine whose
-        earlier step may still be running (asynchronous scheduling) passes the tokens
-        whose step has finished, so a block that step still reads is not handed out; a
-        later call (or `free`) releases it. ``lookahead``: how many of the request's
-        tokens after this call are a draft's lookahead slots, which Mamba groups in
-        step-end mode do not count (no state is written for them; vLLM's
-        ``num_tokens_main_model``). Returns None ("no room") with nothing changed
-        when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
-        (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
-        """
+        In one all-or-nothing core call: blocks the policies no longer need (window/chunk/
+        old Mamba state) are released to the cache, then each group gets what it needs.
+        ``release_upto`` bounds the release: only blocks no longer read at that many
+        tokens go (default: the request's current length). An engine whose earlier step
+        may still be running (asynchronous scheduling) passes the tokens whose step has
+        finished, so a block that step still reads is not handed out; a later call (or
+        `free`) releases it. ``lookahead``: how many of the request's tokens after this
+        call are a draft's lookahead slots, which Mamba groups in step-end mode do not
+        count (no state is written for them; vLLM's ``num_tokens_main_model``). Returns
+        None ("no room") with nothing changed when any group cannot be satisfied. Raises
+        `UnknownRequest`, `InvalidSize` (``num_new_tokens <= 0`` or beyond
+        ``max_model_len``, ``release_upto < 0``)."""
         req = self._request(request_id)
         if type(num_new_tokens) is not int:  # the message is built only when needed
             num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")

@@ -340,13 +340,13 @@ class JengaKVCacheManager:
         reserved_blocks: int = 0,
         **_ignored: object,
     ) -> KVCacheBlocks | None:
-        """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room:
-        then a request admitted by this call is released again, and a running one keeps
-        what it had but the blocks it no longer reads (released as vLLM does). New blocks
-        are queued for zeroing as vLLM's (``skip_zeroing_group_ids`` in ``_ignored``)."""
+        """New blocks for ``num_new_tokens`` (+ lookahead), or None (no room, or `partial_hits`
+        defers the hit): a request admitted by this call is released again, a running one
+        keeps what it had but the blocks it no longer reads (released as vLLM does). New
+        blocks are queued for zeroing as vLLM's (``skip_zeroing_group_ids`` in ``_ignored``)."""
         state = self._requests.get(request.request_id)
         if self._partial is not None and not self._partial.step_starts(request, state):
-            return None  # its hit holds a state this step only fills: the next step
+            return None
         extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
         extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
         if not extra and self._step_within_held(
@@ -358,9 +358,8 @@ class JengaKVCacheManager:
         rid = request.request_id
         admitted = state is None
         state = state or self._admit(request, num_new_computed_tokens)
-        if full_sequence_must_fit and not self._fits(
-            rid, min(request.num_tokens, self.max_model_len)
-        ):  # checked with the hit claimed, as vLLM counts its hit blocks as held
+        whole = min(request.num_tokens, self.max_model_len)  # checked with the hit claimed
+        if full_sequence_must_fit and not self._fits(rid, whole):
             if admitted:
                 self._release(rid)
             self.counters["requests.rejected"] += 1
@@ -369,8 +368,7 @@ class JengaKVCacheManager:
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
-        # as vLLM: release on the processed basis (an in-flight step reads below it)
-        processed = max(0, computed - request.num_in_flight_tokens)
+        processed = max(0, computed - request.num_in_flight_tokens)  # as vLLM: in flight
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
         ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
@@ -639,6 +637,8 @@ class JengaKVCacheManager:
         """Free the request for the scheduler, but keep its blocks until they come back
         through ``block_pool.free_blocks`` (an in-flight step may still write them); its
         live blocks in allocation order (`integrations.vllm.connector`)."""
+        if self._partial is not None and request.request_id in self._requests:
+            self._partial.forget(request)
         return connector.park_request(self, request)
 
     def bind_connector(self) -> connector.ConnectorBlockPool:

@@ -10,8 +10,8 @@ Rationale
 
 Approach
     `enabled` decides it as vLLM does where jenga can serve it: a Mamba group whose block
-    is a multiple of ``hash_block_size`` larger than it, every other group that caches
-    on the hash grid (their blocks are ``hash_block_size``: jenga hits them whole), vLLM's own KV
+    is a multiple of ``hash_block_size`` larger than it, every other group that caches on
+    the hash grid (blocks of ``hash_block_size``: jenga hits them whole), vLLM's own KV
     tensors (the worker runs vLLM's block copies), no EAGLE block drop. The allocator then
     keeps Mamba states at hash boundaries (`jenga.substates`, ``state_unit``).
     `PartialHits` is the manager's side:
@@ -31,14 +31,15 @@ Approach
 
 Limitations
     No shared-prefix (junction) checkpoint inside a block, no internal prefill checkpoint
-    blocks; with larger attention blocks, sliding windows off the hash grid, VMM tensors
-    or EAGLE the manager says ``enable_partial_hash_hits = False`` and hits whole blocks.
+    blocks, no KV events or connector offloads for states inside a block. With larger
+    attention blocks, sliding windows off the hash grid, VMM tensors or EAGLE the manager
+    says ``enable_partial_hash_hits = False`` and hits whole blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jenga.policies import POLICY_BY_KIND
 from jenga.requests import BlockCopy
@@ -49,8 +50,11 @@ from integrations.vllm.compat import KVCacheBlock, KVCacheBlockCopy, RequestStat
 if TYPE_CHECKING:
     from integrations.vllm.compat import Request
     from integrations.vllm.layout import JengaLayout
-    from integrations.vllm.manager import JengaKVCacheManager, _RequestState
     from integrations.vllm.speculative import SpeculativeSetup
+
+JengaKVCacheManager = Any
+"""The `integrations.vllm.manager.JengaKVCacheManager` served (not imported: it imports
+this module)."""
 
 
 def enabled(
@@ -86,7 +90,8 @@ class PartialHits:
     def __init__(self, manager: JengaKVCacheManager) -> None:
         self._manager = manager
         self._copies: list[BlockCopy] = []
-        self._retained: dict[int, tuple[KVCacheBlock, int, int]] = {}  # id(obj) -> group, block
+        # id(block object) -> (object, group, allocator block, the allocator then)
+        self._retained: dict[int, tuple[KVCacheBlock, int, int, Any]] = {}
         self._fresh: set[tuple[int, int]] = set()  # (group, block) named this step
 
     def cache(self, request: Request, computed: int) -> None:
@@ -102,7 +107,7 @@ class PartialHits:
         named = manager.allocator.cache_state(rid, computed)
         self._fresh.update(named)
 
-    def step_starts(self, request: Request, state: _RequestState | None) -> bool:
+    def step_starts(self, request: Request, state: object) -> bool:
         """Before a request's allocation: a running request's named state moves off the
         block its step writes; a request admitted on a hit that holds a state named in
         this step waits for the next (False)."""
@@ -163,25 +168,26 @@ class PartialHits:
             for b in c.retained:
                 obj = KVCacheBlock(src.block_id if b == c.src else dst.block_id)
                 obj.ref_cnt = 1
-                self._retained[id(obj)] = (obj, c.group, b)
+                self._retained[id(obj)] = (obj, c.group, b, self._manager.allocator)
                 kept.append(obj)
         return pairs, kept
 
     def release(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
         """Drop the references kept for copies that ran; the other blocks are returned."""
         rest = []
-        allocator = self._manager.allocator
+        allocator: Any = self._manager.allocator
         for obj in blocks:
             entry = self._retained.pop(id(obj), None)
             if entry is None:
                 rest.append(obj)
                 continue
             obj.ref_cnt = 0
-            self._manager._apply_plan(allocator.release_retained(entry[1], [entry[2]]))
+            if entry[3] is allocator:  # else the prefix cache was reset since: gone
+                self._manager._apply_plan(allocator.release_retained(entry[1], [entry[2]]))
         return rest
 
     def reset(self) -> None:
-        """The allocator was rebuilt: nothing pending refers to it."""
+        """The allocator was rebuilt: no pending copy or name refers to it (blocks kept
+        for copies still come back through `release`, and are let go)."""
         self._copies.clear()
-        self._retained.clear()
         self._fresh.clear()

@@ -59,7 +59,7 @@ def test_a_named_state_is_hit_inside_the_interval_and_copied_by_the_hitter() -> 
     alloc = _allocator()
     x = _produce(alloc)
     alloc.free("p")  # finished: its named state stays cached in place
-    prompt = PROMPT[:6] + [50, 51, 52]
+    prompt = [*PROMPT[:6], 50, 51, 52]
     match = alloc.prefix_match(prompt, digests=_digests(prompt))
     assert match.hit == 6 and match.tables[MAMBA] == [x]
     assert alloc.add_request("h", prompt, digests=_digests(prompt)) == 6
@@ -87,7 +87,7 @@ def test_the_producers_next_step_moves_the_name_off_its_running_block() -> None:
     assert alloc.block_table("p", MAMBA) == [x]  # the producer keeps writing x
     assert not alloc.has_named_state("p")
     alloc.check_invariants(True)
-    match = alloc.prefix_match(PROMPT[:6] + [9, 9], digests=_digests(PROMPT[:6] + [9, 9]))
+    match = alloc.prefix_match([*PROMPT[:6], 9, 9], digests=_digests([*PROMPT[:6], 9, 9]))
     assert match.hit == 6 and match.tables[MAMBA] == [copy.dst]
     alloc.release_retained(MAMBA, [x, copy.dst])
     assert alloc.allocate("p", 1) is not None  # writes x in place: no longer named
@@ -104,7 +104,7 @@ def test_without_state_unit_the_hit_stops_at_the_checkpoint_below() -> None:
     with pytest.raises(InvalidSize, match="state_unit"):
         alloc.cache_state("p", 6)
     alloc.free("p")
-    prompt = PROMPT[:6] + [50]
+    prompt = [*PROMPT[:6], 50]
     assert alloc.prefix_match(prompt, digests=_digests(prompt)).hit == 0
 
 
