@@ -153,3 +153,47 @@ def test_partial_hits_serve_the_states_recompute_gives(model_dir: Path, overlap:
     ours = dict(worker.resumed_at)
     theirs = _run(model_dir, jenga=False, overlap=overlap)[0].resumed_at
     assert ours == theirs
+
+
+def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
+    from integrations.vllm.drop_in import jenga_kv_cache_manager
+
+    full = compat.FullAttentionSpec(
+        block_size=attn_block, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    mamba = compat.MambaSpec(
+        block_size=mamba_block, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    kwargs.setdefault("hash_block_size", HASH)
+    return jenga_kv_cache_manager(config, 1024, enable_caching=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("attn_block", "mamba_block", "kwargs", "served"),
+    [
+        (HASH, MAMBA_BLOCK, {}, True),
+        (MAMBA_BLOCK, MAMBA_BLOCK, {}, False),  # a partial attention block: not served
+        (HASH, HASH, {}, False),  # Mamba blocks on the hash grid: nothing finer to hit
+        (HASH, MAMBA_BLOCK, {"use_eagle": True}, False),
+    ],
+)
+def test_partial_hits_are_announced_only_where_served(
+    attn_block: int, mamba_block: int, kwargs: dict[str, Any], served: bool
+) -> None:
+    manager = _manager(attn_block, mamba_block, **kwargs)
+    assert manager.coordinator.enable_partial_hash_hits is served
+    # the prompt's last hash boundary (96) lies inside a 64-token Mamba block
+    prompt = list(range(1, PROMPT + 1))
+    first = replay.make_requests([prompt], [1], HASH, prefix="a")[0]
+    blocks, hit, _ = manager.get_computed_blocks(first)
+    assert manager.allocate_slots(first, 96, hit, blocks) is not None
+    first.num_computed_tokens = 96
+    manager.free(first)
+    manager.new_step_starts()
+    second = replay.make_requests([[*prompt[:96], 7, 7, 7]], [1], HASH, prefix="b")[0]
+    # one 96-token step writes the Mamba state at 96 only: a whole-block manager hits it
+    # only where 96 is a Mamba block boundary
+    hit = manager.get_computed_blocks(second)[1]
+    assert hit == (96 if served or 96 % mamba_block == 0 else 0)
