@@ -150,6 +150,8 @@ def test_partial_hits_serve_the_states_recompute_gives(model_dir: Path, overlap:
     assert [worker.resumed_at[f"s{i}"] for i in range(3)] == [96, 96, 0]
     assert worker.copies >= 2  # the producer's move and each hitter's own copy
     manager.check_invariants(expensive=True)
+    # every block kept for a copy came back through vLLM's scheduler once it ran
+    assert manager.allocator.usage().used_blocks == (0, 0)
     ours = dict(worker.resumed_at)
     theirs = _run(model_dir, jenga=False, overlap=overlap)[0].resumed_at
     assert ours == theirs
