@@ -199,3 +199,26 @@ def test_partial_hits_are_announced_only_where_served(
     # only where 96 is a Mamba block boundary
     hit = manager.get_computed_blocks(second)[1]
     assert hit == (96 if served or 96 % mamba_block == 0 else 0)
+
+
+@pytest.mark.parametrize("preempted", [False, True])
+def test_a_state_named_in_a_step_that_never_ran_is_not_hit(preempted: bool) -> None:
+    """A running request freed in the step that named its state (vLLM preempts it and
+    drops that step) leaves no name: its block never received the state."""
+    manager = _manager(HASH, MAMBA_BLOCK)
+    prompt = list(range(1, PROMPT + 1))
+    first = replay.make_requests([prompt], [1], HASH, prefix="a")[0]
+    assert manager.allocate_slots(first, 64) is not None
+    first.num_computed_tokens = 64
+    manager.new_step_starts()
+    assert manager.allocate_slots(first, 32) is not None  # names the state at 96
+    if preempted:
+        first.status = compat.RequestStatus.RUNNING
+    else:  # the step ran: the request is done with it
+        first.num_computed_tokens = 96
+        manager.new_step_starts()
+    manager.free(first)
+    manager.new_step_starts()
+    second = replay.make_requests([[*prompt[:96], 7, 7, 7]], [1], HASH, prefix="b")[0]
+    assert manager.get_computed_blocks(second)[1] == (64 if preempted else 96)
+    manager.check_invariants(expensive=True)
