@@ -133,11 +133,19 @@ from jenga.requests import (
     checked_images,
     release_length,
 )
+from jenga.substates import (
+    SubBlockStates,
+    SubStateCalls,
+    check_state_unit,
+    hit_unit,
+    mark_state_tail,
+)
 
 _EMPTY_PLAN = MappingPlan()
 # calls that change the request tables: one thread at a time (`jenga.guard`)
 _CHANGING_CALLS = ("add_request", "allocate", "release_skipped", "append_tokens", "cache",
-                   "free", "evict_cached", "set_total_units", "fork", "uncache_blocks")  # fmt: skip
+                   "free", "evict_cached", "set_total_units", "fork", "uncache_blocks",
+                   "cache_state", "move_state", "release_retained")  # fmt: skip
 _FREED_IDS_KEPT = 1 << 16
 
 
@@ -163,7 +171,7 @@ def _check_config(config: AllocatorConfig) -> None:
             )
 
 
-class JengaAllocator(AllocatorViews):
+class JengaAllocator(AllocatorViews, SubStateCalls):
     """Two-level LCM allocator + prefix cache for one model's groups.
 
     Request ids are any hashable the engine likes. Block ids are per group:
@@ -201,8 +209,12 @@ class JengaAllocator(AllocatorViews):
         )
         self._hasher = config.identity.hasher()
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
+        unit = config.state_unit  # Mamba states inside an interval (`jenga.substates`)
+        if unit is not None:
+            check_state_unit(unit, self.policies, config.identity.digest_block_size)
+        self._states = SubBlockStates(self._core, self.policies, unit) if unit else None
         text_blocks = [
-            p.tokens_per_block for p in self.policies if not p.reads_images and p.caches_blocks
+            hit_unit(p, unit) for p in self.policies if not p.reads_images and p.caches_blocks
         ]
         # a hit must end on a block boundary of every text group that caches
         self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
@@ -292,6 +304,8 @@ class JengaAllocator(AllocatorViews):
             req.num_committed[g] = len(blocks)
         if hit and self.config.hit_proof is not None:
             self._touch_proof(req, hit, now)
+        if hit and self._states is not None:  # a state hit inside an interval
+            mark_state_tail(req, hit, self.policies)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req
@@ -401,19 +415,18 @@ class JengaAllocator(AllocatorViews):
     ) -> Allocation | None:
         """Give the request slots for ``num_new_tokens`` more tokens in every group.
 
-        In one all-or-nothing core call: blocks the policies no longer need
-        (window/chunk/old Mamba state) are released to the cache, then each group gets
-        what it needs. ``release_upto`` bounds the release: only blocks no longer read at
-        that many tokens go (default: the request's current length). An engine whose
-        earlier step may still be running (asynchronous scheduling) passes the tokens
-        whose step has finished, so a block that step still reads is not handed out; a
-        later call (or `free`) releases it. ``lookahead``: how many of the request's
-        tokens after this call are a draft's lookahead slots, which Mamba groups in
-        step-end mode do not count (no state is written for them; vLLM's
-        ``num_tokens_main_model``). Returns None ("no room") with nothing changed
-        when any group cannot be satisfied. Raises `UnknownRequest`, `InvalidSize`
-        (``num_new_tokens <= 0`` or beyond ``max_model_len``, ``release_upto < 0``).
-        """
+        In one all-or-nothing core call: blocks the policies no longer need (window/chunk/
+        old Mamba state) are released to the cache, then each group gets what it needs.
+        ``release_upto`` bounds the release: only blocks no longer read at that many
+        tokens go (default: the request's current length). An engine whose earlier step
+        may still be running (asynchronous scheduling) passes the tokens whose step has
+        finished, so a block that step still reads is not handed out; a later call (or
+        `free`) releases it. ``lookahead``: how many of the request's tokens after this
+        call are a draft's lookahead slots, which Mamba groups in step-end mode do not
+        count (no state is written for them; vLLM's ``num_tokens_main_model``). Returns
+        None ("no room") with nothing changed when any group cannot be satisfied. Raises
+        `UnknownRequest`, `InvalidSize` (``num_new_tokens <= 0`` or beyond
+        ``max_model_len``, ``release_upto < 0``)."""
         req = self._request(request_id)
         if type(num_new_tokens) is not int:  # the message is built only when needed
             num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
@@ -445,6 +458,8 @@ class JengaAllocator(AllocatorViews):
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         got, copies = cow.apply(req, got) if cow else (got, ())
+        if copies and self._states is not None:
+            self._states.note(copies)
         appended = self._extend_tables(req, got, firsts, skips, moves)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
@@ -634,6 +649,8 @@ class JengaAllocator(AllocatorViews):
                 live = live[live != NULL_BLOCK]
             self._core.release(g, live, now)
         del self._requests[request_id]
+        if self._states is not None:
+            self._states.entries.pop(request_id, None)
         self._freed[request_id] = None
         if len(self._freed) > _FREED_IDS_KEPT:
             self._freed.popitem(last=False)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jenga.requests import NULL_BLOCK, check_live_tables
+from jenga.substates import fine_lookup, fine_mask, fine_table
 
 if TYPE_CHECKING:
     from jenga.requests import LiveRequest
@@ -42,6 +43,7 @@ class AllocatorViews:
     _requests: Any
     _group_index: dict[str, int]
     _prefix_step: int
+    _states: Any  # `jenga.substates.SubBlockStates` or None
     policies: Any
     config: Any
 
@@ -115,9 +117,23 @@ class AllocatorViews:
         except RuntimeError as exc:
             raise AssertionError(str(exc)) from exc
         if expensive:
-            check_live_tables(self._requests, self.policies, self._core)
+            states = self._states
+            retained = states.retained if states is not None else None
+            check_live_tables(self._requests, self.policies, self._core, retained)
 
     # -- prefix matching (the lookup side of `JengaAllocator.prefix_match`) ----------
+    def _lookup(self, g: int, policy: Any, req: LiveRequest, n: int) -> np.ndarray:
+        """Group g's cached block per block of the ``n`` tokens (-1: none)."""
+        t = policy.tokens_per_block
+        if not policy.caches_blocks:  # nothing of it is in the index
+            return np.full(n // t, -1, dtype=np.int64)
+        if policy.reads_images:
+            return self._core.lookup(g, req.image_hashes(policy))
+        found = self._core.lookup(g, req.identities(t, 0, n // t))
+        if len(found) < n // t:  # the caller's digests end sooner
+            found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
+        return found
+
     def _match(
         self, req: LiveRequest, max_hit: int | None = None
     ) -> tuple[int, list[list[int]], int]:
@@ -135,18 +151,16 @@ class AllocatorViews:
         junction = 0
         proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
+        unit = self._states.unit if self._states is not None else 0
         for g, policy in enumerate(self.policies):
-            t = policy.tokens_per_block
-            if not policy.caches_blocks:  # nothing of it is in the index
-                found = np.full(n // t, -1, dtype=np.int64)
-            elif policy.reads_images:
-                found = self._core.lookup(g, req.image_hashes(policy))
+            if unit and policy.holds_state and policy.caches_blocks:  # states inside intervals
+                found = fine_lookup(self._core, g, req, unit, n)
+                lookups.append(found)
+                mask = fine_mask(found, step, unit, n)
             else:
-                found = self._core.lookup(g, req.identities(t, 0, n // t))
-            if not policy.reads_images and len(found) < n // t:  # the caller's digests end
-                found = np.concatenate([found, np.full(n // t - len(found), -1, found.dtype)])
-            lookups.append(found)
-            mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
+                found = self._lookup(g, policy, req, n)
+                lookups.append(found)
+                mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
             if proof is not None:  # speculative decoding: hits followed by cached steps
                 mask = proof.proven(mask, policy.holds_state, whole)
             elif whole:
@@ -163,6 +177,9 @@ class AllocatorViews:
         hit = int(hits[-1] + 1) * step if len(hits) else 0
         tables: list[list[int]] = []
         for g, policy in enumerate(self.policies):
+            if unit and policy.holds_state and policy.caches_blocks:
+                tables.append(fine_table(policy, lookups[g], unit, hit) if hit else [])
+                continue
             table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
             take = policy.hit_blocks(hit, req.images) if hit else range(0)
             table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()

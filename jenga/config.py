@@ -191,6 +191,9 @@ class AllocatorConfig:
     mamba_prompt_states_only: bool = False
     # speculative decoding: a hit must be followed by cached steps (`HitProof`)
     hit_proof: HitProof | None = None
+    # Mamba: tokens between the positions inside a checkpoint interval at which a state
+    # may also be cached and hit (`jenga.substates`; None: checkpoints only)
+    state_unit: int | None = None
 
     @classmethod
     def from_page_table(

@@ -128,7 +128,9 @@ class CopyOnWrite:
     """The copies one `allocate` of ``req`` performs: per marked group whose block is
     still shared, one more block to take (``counts``) and the shared block's reference to
     drop (``releases``); `apply` puts the new blocks in the table. A marked block no
-    longer shared is unmarked at once (its holder writes it in place)."""
+    longer shared is unmarked at once (its holder writes it in place), unless it is named
+    in the prefix cache (a state hit inside a checkpoint interval, `jenga.substates`):
+    that one is copied too and its reference kept until the copy ran (``retained``)."""
 
     __slots__ = ("counts", "releases", "sources")
 
@@ -140,18 +142,20 @@ class CopyOnWrite:
         releases: list[np.ndarray],
     ) -> None:
         self.counts, self.releases = counts, releases
-        self.sources: list[tuple[int, int, int]] = []  # (group, index, src)
+        self.sources: list[tuple[int, int, int, bool]] = []  # (group, index, src, named)
         if not req.shared_tail:
             return
         self.counts, self.releases = list(counts), list(releases)
         for g, j in sorted(req.shared_tail.items()):
             src = req.tables[g][j]
-            if core.block_info(g, src)[1] <= 1:
+            _, refcount, named = core.block_info(g, src)[:3]
+            if refcount <= 1 and not named:
                 del req.shared_tail[g]
                 continue
             self.counts[g] += 1
-            self.releases[g] = np.append(releases[g], np.int32(src)).astype(np.int32)
-            self.sources.append((g, j, src))
+            if not named:  # a named block (a cached state) keeps its reference: retained
+                self.releases[g] = np.append(releases[g], np.int32(src)).astype(np.int32)
+            self.sources.append((g, j, src, bool(named)))
 
     def __bool__(self) -> bool:
         return bool(self.sources)
@@ -165,10 +169,10 @@ class CopyOnWrite:
             return list(got), ()
         out = list(got)
         copies = []
-        for g, j, src in self.sources:
+        for g, j, src, named in self.sources:
             dst = int(out[g][0])
             out[g] = out[g][1:]
             req.tables[g].view()[j] = dst
             del req.shared_tail[g]
-            copies.append(BlockCopy(g, j, src, dst))
+            copies.append(BlockCopy(g, j, src, dst, (src,) if named else ()))
         return out, tuple(copies)

@@ -78,13 +78,18 @@ class ImageSpan:
 @dataclass(frozen=True)
 class BlockCopy:
     """A copy-on-write the engine performs before the step that writes ``dst``: copy
-    block ``src`` of ``group`` (shared with a forked sibling) into ``dst``, which now
-    stands at block index ``index`` of the request's table in place of ``src``."""
+    block ``src`` of ``group`` (shared with a forked sibling, or a cached state) into
+    ``dst``, which now stands at block index ``index`` of the request's table in place of
+    ``src`` (``moved``: the request keeps ``src`` there and ``dst`` takes over its prefix
+    cache entry, `jenga.substates`). ``retained``: blocks the allocator keeps a reference
+    on until the engine reports the copy ran (`JengaAllocator.release_retained`)."""
 
     group: int
     index: int
     src: int
     dst: int
+    retained: tuple[int, ...] = ()
+    moved: bool = False
 
 
 class Allocation(NamedTuple):
@@ -340,12 +345,19 @@ def release_length(request_id: Hashable, num_tokens: int, release_upto: int | No
 
 
 def check_live_tables(
-    requests: Mapping[Hashable, LiveRequest], policies: Sequence[Policy], core: _core.Core
+    requests: Mapping[Hashable, LiveRequest],
+    policies: Sequence[Policy],
+    core: _core.Core,
+    retained: Mapping[tuple[int, int], int] | None = None,
 ) -> None:
     """`JengaAllocator.check_invariants`' expensive half: every live request's table entries
-    are USED blocks, with per-block reference counts equal to the live tables holding them."""
+    are USED blocks, with per-block reference counts equal to the live tables holding them
+    plus the references ``retained`` for pending copies (``{(group, block): count}``)."""
     for g, policy in enumerate(policies):
         refs = live_refcounts(requests, g, policy.holds_state)
+        for (rg, b), n in (retained or {}).items():
+            if rg == g:
+                refs[b] = refs.get(b, 0) + n
         for b, n in refs.items():
             state, refcount = core.block_info(g, b)[:2]
             assert state == 1 and refcount == n, (

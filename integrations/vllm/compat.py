@@ -41,6 +41,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
+    KVCacheBlockCopy,
     generate_block_hash_extra_keys,
     maybe_convert_block_hash,
     to_event_extra_keys,
@@ -63,7 +64,7 @@ from vllm.v1.kv_cache_interface import (
     create_kv_cache_views,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 import vllm
 
@@ -101,6 +102,7 @@ __all__ = [
     "CrossAttentionSpec",
     "FullAttentionSpec",
     "KVCacheBlock",
+    "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheConfig",
     "KVCacheEvent",
@@ -113,6 +115,7 @@ __all__ = [
     "MambaSpec",
     "PrefixCacheStats",
     "Request",
+    "RequestStatus",
     "Scheduler",
     "SchedulerOutput",
     "SinkFullAttentionSpec",

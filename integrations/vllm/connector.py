@@ -67,7 +67,7 @@ from jenga.prefix import digest_identities
 from jenga.specs import Kind
 
 from integrations.vllm.compat import KVCacheBlock, KVCacheBlocks, kv_connector_base_class
-from integrations.vllm.errors import UnsupportedFeature
+from integrations.vllm.errors import InvalidTruncation, UnsupportedFeature
 from integrations.vllm.slots import SlotError
 
 if TYPE_CHECKING:
@@ -175,8 +175,10 @@ class ConnectorBlockPool:
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Return blocks `pop_blocks_for_free` handed out: each parked request whose
-        blocks these are is freed once. Blocks not handed out that way raise ValueError."""
-        free_parked(self._manager, blocks)
+        blocks these are is freed once; blocks kept for block copies
+        (`integrations.vllm.partial_hits`) are let go. Others raise ValueError."""
+        partial = self._manager._partial
+        free_parked(self._manager, blocks if partial is None else partial.release(blocks))
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self._manager.evict_blocks(block_ids)
@@ -339,15 +341,23 @@ def record_new_for_zeroing(
 def truncated(
     manager: JengaKVCacheManager, blocks: KVCacheBlocks, num_computed_tokens: int
 ) -> KVCacheBlocks:
-    """A hit's blocks cut at ``num_computed_tokens`` (block-aligned in every group)."""
+    """A hit's blocks cut at ``num_computed_tokens`` (block-aligned in every group, and
+    covered by every group's blocks but a Mamba group's, whose state a connector may
+    load instead); `InvalidTruncation` otherwise."""
     rows = []
     for g, (row, group) in enumerate(zip(blocks.blocks, manager.layout.groups, strict=True)):
+        keep = num_computed_tokens // group.block_size
         if num_computed_tokens % group.block_size:
-            raise ValueError(
+            raise InvalidTruncation(
                 f"truncating a hit at {num_computed_tokens} tokens: not a multiple of "
                 f"group {g}'s block size {group.block_size}"
             )
-        rows.append(list(row[: num_computed_tokens // group.block_size]))
+        if len(row) < keep and group.kind is not Kind.MAMBA:
+            raise InvalidTruncation(
+                f"truncating a hit at {num_computed_tokens} tokens: group {g} holds "
+                f"{len(row)} blocks of {group.block_size} tokens"
+            )
+        rows.append(list(row[:keep]))
     return manager.create_kv_cache_blocks(tuple(rows))
 
 

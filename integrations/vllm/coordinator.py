@@ -51,7 +51,7 @@ class GroupView:
 class CoordinatorView:
     """``kv_cache_manager.coordinator`` for the jenga manager (read-only metadata)."""
 
-    enable_partial_hash_hits = False  # hits are whole blocks of the scheduler block size
+    enable_partial_hash_hits = False  # the manager sets its own (`partial_hits.enabled`)
 
     def __init__(
         self,

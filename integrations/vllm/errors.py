@@ -21,3 +21,8 @@ class UnsupportedFeature(JengaVllmError, NotImplementedError):
 
 class InvalidOptions(JengaVllmError, ValueError):
     """``additional_config["jenga_vmm"]`` holds an unknown key or a bad value."""
+
+
+class InvalidTruncation(JengaVllmError, AssertionError):
+    """A prefix hit cut where vLLM's manager asserts: off a group's block grid, or past
+    the blocks a (non-Mamba) group holds."""

@@ -88,7 +88,7 @@ from jenga.pages import capacity_units
 from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
 
-from integrations.vllm import connector
+from integrations.vllm import connector, partial_hits
 from integrations.vllm.block_ids import new_block_ids
 from integrations.vllm.compat import (
     AllBlocksCleared,
@@ -158,6 +158,12 @@ class JengaKVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = len(layout.groups)
         self.hash_block_size = hash_block_size or min(g.block_size for g in layout.groups)
+        # sub-block Mamba hits (`integrations.vllm.partial_hits`): vLLM's coordinator flag
+        self.enable_partial_hash_hits = partial_hits.enabled(
+            layout, self.hash_block_size, enable_caching, self.speculative
+        )
+        self.mamba_shared_prefix_checkpoint = False  # no junction state inside a block
+        self._partial = partial_hits.PartialHits(self) if self.enable_partial_hash_hits else None
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._requests: dict[Hashable, _RequestState] = {}  # the live ones
@@ -232,7 +238,9 @@ class JengaKVCacheManager:
                 "coordinator view (install_jenga_manager passes the scheduler's)"
             )
         lookup = connector.CachedBlockLookup(self)
-        return CoordinatorView(self.kv_cache_config, self.blocks_needed, self.layout.groups, lookup)
+        view = CoordinatorView(self.kv_cache_config, self.blocks_needed, self.layout.groups, lookup)
+        view.enable_partial_hash_hits = self.enable_partial_hash_hits
+        return view
 
     def blocks_needed(self, request_id: str, num_tokens: int, num_computed: int = 0) -> int:
         """Blocks (over all groups) the request must still get to hold ``num_tokens``."""
@@ -332,11 +340,13 @@ class JengaKVCacheManager:
         reserved_blocks: int = 0,
         **_ignored: object,
     ) -> KVCacheBlocks | None:
-        """New blocks for ``num_new_tokens`` (+ lookahead), or None when there is no room:
-        then a request admitted by this call is released again, and a running one keeps
-        what it had but the blocks it no longer reads (released as vLLM does). New blocks
-        are queued for zeroing as vLLM's (``skip_zeroing_group_ids`` in ``_ignored``)."""
+        """New blocks for ``num_new_tokens`` (+ lookahead), or None (no room, or `partial_hits`
+        defers the hit): a request admitted by this call is released again, a running one
+        keeps what it had but the blocks it no longer reads (released as vLLM does). New
+        blocks are queued for zeroing as vLLM's (``skip_zeroing_group_ids`` in ``_ignored``)."""
         state = self._requests.get(request.request_id)
+        if self._partial is not None and not self._partial.step_starts(request, state):
+            return None
         extra = num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks
         extra = extra or num_encoder_tokens or full_sequence_must_fit or reserved_blocks
         if not extra and self._step_within_held(
@@ -348,9 +358,8 @@ class JengaKVCacheManager:
         rid = request.request_id
         admitted = state is None
         state = state or self._admit(request, num_new_computed_tokens)
-        if full_sequence_must_fit and not self._fits(
-            rid, min(request.num_tokens, self.max_model_len)
-        ):  # checked with the hit claimed, as vLLM counts its hit blocks as held
+        whole = min(request.num_tokens, self.max_model_len)  # checked with the hit claimed
+        if full_sequence_must_fit and not self._fits(rid, whole):
             if admitted:
                 self._release(rid)
             self.counters["requests.rejected"] += 1
@@ -359,8 +368,7 @@ class JengaKVCacheManager:
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
         cache_upto = min(computed + num_new_tokens, request.num_tokens)
-        # as vLLM: release on the processed basis (an in-flight step reads below it)
-        processed = max(0, computed - request.num_in_flight_tokens)
+        processed = max(0, computed - request.num_in_flight_tokens)  # as vLLM: in flight
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
         ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
@@ -455,6 +463,8 @@ class JengaKVCacheManager:
         if got is None:
             return None
         self._apply_plan(got.plan)
+        if got.copies and self._partial is not None:
+            self._partial.queue(got.copies)
         if self.identity.events_on:
             for g, ids in enumerate(got.new_blocks):
                 if ids and self.identity.digest[g]:
@@ -468,8 +478,11 @@ class JengaKVCacheManager:
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
         proof = self.speculative.hit_proof(len(self.layout.groups))
+        unit = self.hash_block_size if self._partial is not None else None
         # vLLM's scheduler calls the manager from its one thread: no per-call guard
-        allocator = replace(config, identity=identity, total_units=units, hit_proof=proof)
+        allocator = replace(
+            config, identity=identity, total_units=units, hit_proof=proof, state_unit=unit
+        )
         return JengaAllocator(allocator, guard_threads=False)
 
     def _gated_units(self) -> int:
@@ -577,6 +590,8 @@ class JengaKVCacheManager:
         added = self.allocator.cache(rid, computed, digests=() if hashes is None else hashes)
         if added and self.identity.events_on:
             self._record(request, state, computed)
+        if self._partial is not None:
+            self._partial.cache(request, computed)
         if self._connector.mamba_groups:
             connector.offer_boundary_states(self, rid, computed)
         if self._cache_step:
@@ -614,12 +629,16 @@ class JengaKVCacheManager:
     def free(self, request: Request) -> None:
         """Finish or preempt: hashed blocks stay cached; unknown requests are ignored."""
         if request.request_id in self._requests:
+            if self._partial is not None:
+                self._partial.forget(request)
             self._release(request.request_id)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Free the request for the scheduler, but keep its blocks until they come back
         through ``block_pool.free_blocks`` (an in-flight step may still write them); its
         live blocks in allocation order (`integrations.vllm.connector`)."""
+        if self._partial is not None and request.request_id in self._requests:
+            self._partial.forget(request)
         return connector.park_request(self, request)
 
     def bind_connector(self) -> connector.ConnectorBlockPool:
@@ -668,6 +687,8 @@ class JengaKVCacheManager:
             self.allocator.set_total_units(units)
         self._last_match = None
         self._block_ids.reset()
+        if self._partial is not None:
+            self._partial.reset()
         self.identity.clear()
         if self._queue_plans:
             self._plans.append(MappingPlan.unmap_all())
@@ -723,7 +744,9 @@ class JengaKVCacheManager:
 
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:
-        """Nothing to reset per step."""
+        """A new step: states named in the last one are filled (`partial_hits`)."""
+        if self._partial is not None:
+            self._partial.new_step()
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
@@ -741,7 +764,9 @@ class JengaKVCacheManager:
         return ids
 
     def take_kv_cache_block_copies(self) -> tuple[list[object], list[KVCacheBlock]]:
-        return [], []
+        """Block copies for the worker to run before this step's forward (sub-block Mamba
+        states), and the blocks kept for them until ``block_pool.free_blocks``."""
+        return ([], []) if self._partial is None else self._partial.take()
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Mamba boundary states (vLLM's "align" mode) committed since the last call, for
@@ -750,7 +775,7 @@ class JengaKVCacheManager:
         return connector.take_offers(self)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """A KV producer's sub-block Mamba tails: none (jenga makes no partial hits)."""
+        """A KV producer's sub-block Mamba tails: none (not offered to connectors)."""
         return []
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:

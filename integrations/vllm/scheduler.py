@@ -72,7 +72,11 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         if rebuilt is not None:
             scheduler.aux_output_connector = rebuilt
     # Flags vLLM derived from its own manager's coordinator.
-    scheduler.mamba_partial_cache_hit = False
+    scheduler.mamba_partial_cache_hit = bool(
+        getattr(scheduler, "need_mamba_block_aligned_split", False)
+        and scheduler.hash_block_size < scheduler.block_size
+        and manager.enable_partial_hash_hits
+    )
     scheduler.mamba_shared_prefix_checkpoint = False
     return manager
 

@@ -1,0 +1,193 @@
+"""vLLM's sub-block ("partial hash") prefix hits on Mamba "align" hybrids, on jenga.
+
+Rationale
+    vLLM 0.32/0.33 hash prompts in blocks of ``hash_block_size`` tokens, smaller than
+    a Mamba "align" block (the interval between cached states). Its scheduler ends the
+    prompt's chunk at the last hash boundary below the prompt end (the prompt's tail
+    checkpoint) when ``coordinator.enable_partial_hash_hits`` says the manager keeps the
+    Mamba state there, so a later request sharing the prompt resumes at that boundary
+    instead of the Mamba block below it.
+
+Approach
+    `enabled` decides it as vLLM does where jenga can serve it: a Mamba group whose block
+    is a multiple of ``hash_block_size`` larger than it, every other group that caches on
+    the hash grid (blocks of ``hash_block_size``: jenga hits them whole), vLLM's own KV
+    tensors (the worker runs vLLM's block copies), no EAGLE block drop. The allocator then
+    keeps Mamba states at hash boundaries (`jenga.substates`, ``state_unit``).
+    `PartialHits` is the manager's side:
+
+    - a step whose computed tokens end at the prompt's tail checkpoint names the running
+      state there (`JengaAllocator.cache_state`);
+    - the request's next `allocate_slots` moves that name to a fresh block before its step
+      overwrites the state (`JengaAllocator.move_state`), and a request that hits a
+      state inside a block copies it into a block of its own on its first allocation
+      (`JengaAllocator.allocate`'s copies);
+    - the copies go to the worker through ``take_kv_cache_block_copies`` with the blocks
+      kept for them; vLLM's scheduler hands those back through ``block_pool.free_blocks``
+      once the copying step ran (`release`);
+    - a state named or moved in this step is filled only by this step's forward or
+      copy, so a request whose hit holds it is not admitted before the next step
+      (`defers`), as vLLM defers it.
+
+Limitations
+    No shared-prefix (junction) checkpoint inside a block, no internal prefill checkpoint
+    blocks, no KV events or connector offloads for states inside a block. With larger
+    attention blocks, sliding windows off the hash grid, VMM tensors or EAGLE the manager
+    says ``enable_partial_hash_hits = False`` and hits whole blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jenga.policies import POLICY_BY_KIND
+from jenga.requests import BlockCopy
+from jenga.specs import Kind
+
+from integrations.vllm.compat import KVCacheBlock, KVCacheBlockCopy, RequestStatus
+
+if TYPE_CHECKING:
+    from integrations.vllm.compat import Request
+    from integrations.vllm.layout import JengaLayout
+    from integrations.vllm.speculative import SpeculativeSetup
+
+JengaKVCacheManager = Any
+"""The `integrations.vllm.manager.JengaKVCacheManager` served (not imported: it imports
+this module)."""
+
+
+def enabled(
+    layout: JengaLayout, hash_block_size: int, caching: bool, speculative: SpeculativeSetup
+) -> bool:
+    """Whether the manager serves hits at ``hash_block_size`` inside Mamba blocks."""
+    groups = layout.groups
+    mamba = [g for g in groups if g.kind is Kind.MAMBA]
+    if not caching or speculative.use_eagle or layout.options.vmm_tensors:
+        return False
+    if not any(g.block_size > hash_block_size for g in mamba):
+        return False
+    if any(g.block_size % hash_block_size or g.dcp_world_size != 1 for g in mamba):
+        return False
+    return all(
+        g.kind is Kind.MAMBA
+        or not POLICY_BY_KIND[g.kind].caches_blocks  # never hit (a circular buffer)
+        or g.block_size == hash_block_size
+        for g in groups
+    )
+
+
+def tail_checkpoint(num_prompt_tokens: int, hash_block_size: int, lookahead: int) -> int:
+    """The prompt's last hash boundary a state is kept at: one token (or the lookahead
+    hashes' tokens) stays to compute, as vLLM's scheduler splits the prompt."""
+    limit = num_prompt_tokens - max(1, lookahead)
+    return max(0, limit // hash_block_size * hash_block_size)
+
+
+class PartialHits:
+    """The manager's pending copies, the blocks kept for them, this step's new names."""
+
+    def __init__(self, manager: JengaKVCacheManager) -> None:
+        self._manager = manager
+        self._copies: list[BlockCopy] = []
+        # id(block object) -> (object, group, allocator block, the allocator then)
+        self._retained: dict[int, tuple[KVCacheBlock, int, int, Any]] = {}
+        self._fresh: set[tuple[int, int]] = set()  # (group, block) named this step
+
+    def cache(self, request: Request, computed: int) -> None:
+        """Name the request's running state when its computed tokens end at the prompt's
+        tail checkpoint (inside a Mamba block)."""
+        manager = self._manager
+        lookahead = manager.speculative.num_hash_lookahead_tokens
+        if computed != tail_checkpoint(
+            request.num_prompt_tokens, manager.hash_block_size, lookahead
+        ):
+            return
+        rid = request.request_id
+        named = manager.allocator.cache_state(rid, computed)
+        self._fresh.update(named)
+
+    def step_starts(self, request: Request, state: object) -> bool:
+        """Before a request's allocation: a running request's named state moves off the
+        block its step writes; a request admitted on a hit that holds a state named in
+        this step waits for the next (False)."""
+        rid = request.request_id
+        if state is not None:
+            self._move(rid)
+            return True
+        last = self._manager._last_match
+        if not self._fresh or last is None or last[0] != rid:
+            return True
+        return not self.defers(last[1].tables)
+
+    def _move(self, rid: str) -> None:
+        allocator = self._manager.allocator
+        if not allocator.has_named_state(rid):
+            return
+        copies, plan = allocator.move_state(rid)
+        self._manager._apply_plan(plan)
+        self.queue(copies)
+        self._fresh.update((c.group, c.dst) for c in copies)
+
+    def queue(self, copies: Sequence[BlockCopy]) -> None:
+        """Copies for the worker (run before the next step's forward)."""
+        self._copies.extend(copies)
+
+    def defers(self, tables: Sequence[Sequence[int]]) -> bool:
+        """Whether a hit's tables hold a state named this step (not filled yet)."""
+        return any((g, b) in self._fresh for g, t in enumerate(tables) if t for b in t[-1:])
+
+    def forget(self, request: Request) -> None:
+        """A running request freed in the step that named its state (preempted before
+        that step's forward wrote it) leaves no name: its block does not hold the state."""
+        if not self._fresh or request.status != RequestStatus.RUNNING:
+            return
+        rid = request.request_id
+        allocator = self._manager.allocator
+        for g in range(len(self._manager.layout.groups)):
+            stale = [b for b in allocator.block_table(rid, g) if (g, b) in self._fresh]
+            if stale:
+                self._manager._apply_plan(allocator.uncache_blocks(g, stale))
+
+    def new_step(self) -> None:
+        self._fresh.clear()
+
+    def take(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The pending copies in vLLM block ids, and the blocks kept for them (each an
+        object of its own, handed back through `release`)."""
+        copies, self._copies = self._copies, []
+        if not copies:
+            return [], []
+        ids = self._manager._block_ids
+        pairs, kept = [], []
+        for c in copies:
+            rows: list[list[int]] = [[] for _ in self._manager.layout.groups]
+            rows[c.group] = [c.src, c.dst]
+            src, dst = ids.rows(rows)[c.group]
+            pairs.append(KVCacheBlockCopy(src.block_id, dst.block_id))
+            for b in c.retained:
+                obj = KVCacheBlock(src.block_id if b == c.src else dst.block_id)
+                obj.ref_cnt = 1
+                self._retained[id(obj)] = (obj, c.group, b, self._manager.allocator)
+                kept.append(obj)
+        return pairs, kept
+
+    def release(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Drop the references kept for copies that ran; the other blocks are returned."""
+        rest = []
+        allocator: Any = self._manager.allocator
+        for obj in blocks:
+            entry = self._retained.pop(id(obj), None)
+            if entry is None:
+                rest.append(obj)
+                continue
+            obj.ref_cnt = 0
+            if entry[3] is allocator:  # else the prefix cache was reset since: gone
+                self._manager._apply_plan(allocator.release_retained(entry[1], [entry[2]]))
+        return rest
+
+    def reset(self) -> None:
+        """The allocator was rebuilt: no pending copy or name refers to it (blocks kept
+        for copies still come back through `release`, and are let go)."""
+        self._copies.clear()
+        self._fresh.clear()

@@ -1,0 +1,226 @@
+"""Mamba states cached inside a checkpoint interval: prefix hits finer than a state block.
+
+Rationale
+    A Mamba group caches one state per checkpoint interval (its ``tokens_per_block``), so
+    a request whose shared prefix ends inside an interval resumes from the checkpoint
+    below it and recomputes the rest. An engine that ends a step at a finer boundary (vLLM's
+    hash block: its "partial hash" hits in Mamba "align" mode) holds the state there once
+    the step ran; kept under the name of that boundary, a later request with the prefix
+    resumes from it exactly.
+
+Approach
+    ``AllocatorConfig.state_unit`` (u) turns it on: u divides every Mamba group's
+    interval and is a multiple of the caller's digest block size (the identity of a block
+    is the caller's digest at its last token, so the state after n tokens has one name
+    whatever the interval, and a checkpoint is found by the same lookup). A Mamba group's
+    prefix lookup reads every u-boundary (`fine_lookup`, `fine_mask`); the hit's table
+    ends with the state found there (`fine_table`). Other text groups keep their blocks;
+    the hit step becomes the lcm of their block sizes and u.
+
+    A state inside an interval lives in the block the request keeps writing, so the
+    cache never shares it in place:
+
+    - `JengaAllocator.cache_state` (the engine's step ends at n, inside an interval):
+      the request's running state block X is named by n (prefix length n);
+    - `JengaAllocator.move_state` (before the request's next step, which writes X in
+      place): a fresh block Y takes the name, X loses it, and the engine copies X -> Y
+      (`BlockCopy` with ``moved``);
+    - a request whose hit ends inside an interval holds the named block as its running
+      state: `mark_state_tail` marks it copy-on-write, so its first `allocate` takes a
+      fresh block in its place and the engine copies the named one into it
+      (`jenga.fork.CopyOnWrite`).
+
+    Every copy's source (and a moved name's destination) keeps one reference until the
+    engine says the copy ran (`JengaAllocator.release_retained`): the source is not
+    reused before it is read, the destination not evicted before it is written.
+
+Limitations
+    Only state groups hit inside an interval: every other text group's hits stay on its
+    own block grid (an engine with larger attention blocks gets no finer hit). Text
+    identities only (the caller's digests).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from jenga import _core
+from jenga.errors import InvalidSize
+from jenga.plan import MappingPlan
+from jenga.policies import Policy
+from jenga.requests import NULL_BLOCK, BlockCopy, LiveRequest
+
+
+def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: int | None) -> None:
+    """Refuse a ``state_unit`` the groups cannot serve (`InvalidSize`, with the numbers)."""
+    if digest_block_size is None or unit <= 0 or unit % digest_block_size:
+        raise InvalidSize(
+            f"state_unit {unit} must be a positive multiple of the identity's "
+            f"digest_block_size ({digest_block_size})"
+        )
+    for g, policy in enumerate(policies):
+        if policy.holds_state and policy.tokens_per_block % unit:
+            raise InvalidSize(
+                f"group {g}: state_unit {unit} does not divide its checkpoint interval "
+                f"{policy.tokens_per_block}"
+            )
+
+
+def hit_unit(policy: Policy, unit: int | None) -> int:
+    """The prefix step a text group allows: its block, or ``unit`` for a state group."""
+    return unit if unit and policy.holds_state else policy.tokens_per_block
+
+
+def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -> np.ndarray:
+    """Group g's cached state after every ``unit`` tokens of the ``n`` (-1: none)."""
+    found = core.lookup(g, req.identities(unit, 0, n // unit))
+    if len(found) < n // unit:  # the caller's digests end sooner
+        found = np.concatenate([found, np.full(n // unit - len(found), -1, found.dtype)])
+    return found
+
+
+def fine_mask(found: np.ndarray, step: int, unit: int, n: int) -> np.ndarray:
+    """For p = step, 2*step, ... <= n: whether a state after p tokens is cached."""
+    p = step * np.arange(1, n // step + 1, dtype=np.int64)
+    return found[p // unit - 1] >= 0
+
+
+def fine_table(policy: Policy, found: np.ndarray, unit: int, hit: int) -> list[int]:
+    """A state group's table for a hit of ``hit`` tokens: NULL, then the state there."""
+    table = [NULL_BLOCK] * policy.hit_table_length(hit)
+    if table:
+        table[-1] = int(found[hit // unit - 1])
+    return table
+
+
+def mark_state_tail(req: LiveRequest, hit: int, policies: Sequence[Policy]) -> None:
+    """Mark each state group whose hit ends inside an interval copy-on-write (its named
+    state is the block the request's first step would write), and turn the `allocate`
+    fast path off until that write is resolved."""
+    for g, policy in enumerate(policies):
+        if policy.holds_state and hit % policy.tokens_per_block and len(req.tables[g]):
+            req.shared_tail[g] = len(req.tables[g]) - 1
+            req.quiet_until = req.held_until = -1
+
+
+class SubBlockStates:
+    """The named running states awaiting their move, and the references kept for copies."""
+
+    def __init__(self, core: _core.Core, policies: Sequence[Policy], unit: int) -> None:
+        self.core, self.policies, self.unit = core, policies, unit
+        # request id -> {group: (table index, block, tokens)} named by `commit`
+        self.entries: dict[Hashable, dict[int, tuple[int, int, int]]] = {}
+        self.retained: Counter[tuple[int, int]] = Counter()  # (group, block) -> refs
+
+    def commit(self, rid: Hashable, req: LiveRequest, n: int) -> tuple[tuple[int, int], ...]:
+        """Name each state group's running block by ``n`` tokens (see `cache_state`)."""
+        if n <= 0 or n % self.unit:
+            return ()
+        ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+        named = []
+        for g, policy in enumerate(self.policies):
+            t = policy.tokens_per_block
+            if not policy.holds_state or not n % t or not len(ident):
+                continue  # a checkpoint is `cache`'s; no digest yet names nothing
+            j = -(-n // t) - 1
+            table = req.tables[g]
+            if j >= len(table) or (x := int(table[j])) == NULL_BLOCK:
+                continue
+            if self.core.block_info(g, x)[2] or self.core.lookup(g, ident)[0] >= 0:
+                continue  # named already, or another block holds this state
+            if self.core.commit(g, [x], ident, [n]):
+                self.entries.setdefault(rid, {})[g] = (j, x, n)
+                named.append((g, x))
+        return tuple(named)
+
+    def move(self, rid: Hashable, req: LiveRequest, now: int) -> tuple[BlockCopy, ...]:
+        """Hand each name `commit` gave a running block to a fresh block (see
+        `move_state`); a name no block can take now (no room) is dropped."""
+        copies = []
+        for g, (j, x, n) in self.entries.pop(rid, {}).items():
+            table = req.tables[g]
+            if j >= len(table) or int(table[j]) != x or not self.core.block_info(g, x)[2]:
+                continue  # released, or the name was dropped (evicted, uncached)
+            ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+            got = self.core.allocate_blocks(g, 1, req.internal_id, now)
+            self.core.uncache_blocks(g, [x])  # x stays the request's, unnamed
+            if got is None:
+                continue
+            y = int(got[0])
+            self.core.commit(g, [y], ident, [n])
+            self.core.acquire(g, [x], now)
+            self.retained.update(((g, x), (g, y)))
+            copies.append(BlockCopy(g, j, x, y, (x, y), moved=True))
+        return tuple(copies)
+
+    def note(self, copies: Sequence[BlockCopy]) -> None:
+        """Count the references `allocate`'s copies kept (`CopyOnWrite`)."""
+        for c in copies:
+            self.retained.update((c.group, b) for b in c.retained)
+
+    def release(self, group: int, blocks: Sequence[int], now: int) -> None:
+        """Drop one kept reference per block (`InvalidSize` naming one not kept; nothing
+        changes then)."""
+        wanted = Counter((group, int(b)) for b in blocks)
+        for key, n in wanted.items():
+            if self.retained[key] < n:
+                raise InvalidSize(
+                    f"group {group} block {key[1]}: {n} retained reference(s) released, "
+                    f"{self.retained[key]} held for copies"
+                )
+        self.retained.subtract(wanted)
+        self.retained += Counter()  # drop the zero counts
+        self.core.release(group, [int(b) for b in blocks], now)
+
+
+class SubStateCalls:
+    """`JengaAllocator`'s calls for states inside a checkpoint interval (a mixin)."""
+
+    _states: SubBlockStates | None
+
+    def _require_states(self) -> SubBlockStates:
+        if self._states is None:
+            raise InvalidSize("this allocator keeps no states inside an interval (state_unit)")
+        return self._states
+
+    def cache_state(self, request_id: Hashable, num_tokens: int) -> tuple[tuple[int, int], ...]:
+        """Name the request's running state by ``num_tokens`` (a multiple of
+        ``state_unit`` inside a checkpoint interval, where the engine's step ends), so a
+        later request with this prefix resumes there. The engine calls `move_state` before
+        the request's next step writes that state. Returns the (group, block) named. Raises
+        `UnknownRequest`, `InvalidSize` (no ``state_unit``, more tokens than allocated)."""
+        states = self._require_states()
+        req = self._request(request_id)  # type: ignore[attr-defined]
+        if not 0 <= num_tokens <= req.num_tokens:
+            raise InvalidSize(
+                f"request {request_id!r}: state after {num_tokens} tokens, "
+                f"{req.num_tokens} allocated"
+            )
+        return states.commit(request_id, req, num_tokens)
+
+    def move_state(self, request_id: Hashable) -> tuple[tuple[BlockCopy, ...], MappingPlan]:
+        """Before the request's next step: each name `cache_state` gave its running state
+        moves to a fresh block, filled by a copy (``moved``) the engine runs before that
+        step. Returns the copies and the plan. Raises `UnknownRequest`."""
+        states = self._require_states()
+        req = self._request(request_id)  # type: ignore[attr-defined]
+        if request_id not in states.entries:
+            return (), MappingPlan()
+        self._epoch += 1  # type: ignore[attr-defined]
+        copies = states.move(request_id, req, self._tick())  # type: ignore[attr-defined]
+        return copies, self._drain_plan()  # type: ignore[attr-defined]
+
+    def has_named_state(self, request_id: Hashable) -> bool:
+        """Whether `cache_state` named a running state of the request not moved yet."""
+        return self._states is not None and request_id in self._states.entries
+
+    def release_retained(self, group: int, blocks: Sequence[int]) -> MappingPlan:
+        """The engine ran the copies: drop the references `BlockCopy.retained` kept (a
+        moved name's block becomes evictable). Raises `InvalidSize` for a block not kept."""
+        states = self._require_states()
+        self._epoch += 1  # type: ignore[attr-defined]
+        states.release(group, blocks, self._tick())  # type: ignore[attr-defined]
+        return self._drain_plan()  # type: ignore[attr-defined]

@@ -1,0 +1,127 @@
+"""Mamba states cached inside a checkpoint interval (`jenga.substates`, ``state_unit``).
+
+A full-attention group of 2-token blocks and a Mamba group of 8-token intervals, named by
+the caller's 2-token digests, with ``state_unit`` 2: a request whose step ends at 6
+tokens names its running state there; its next step first moves the name to a fresh
+block (a copy the engine runs); a later request with the prefix hits 6 tokens and its
+first allocation copies the named state into a block of its own. Every copy's endpoints
+stay referenced until `release_retained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from jenga.allocator import AllocatorConfig, GroupConfig, JengaAllocator
+from jenga.errors import InvalidSize
+from jenga.prefix import BlockIdentity
+from jenga.requests import NULL_BLOCK
+from jenga.specs import Kind
+
+FULL, MAMBA = 0, 1
+
+
+def _digests(tokens: list[int]) -> list[bytes]:
+    out, parent = [], b""
+    for i in range(len(tokens) // 2):
+        parent = hashlib.sha256(parent + repr(tokens[2 * i : 2 * i + 2]).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def _allocator(unit: int | None = 2, mamba_block: int = 8) -> JengaAllocator:
+    groups = (
+        GroupConfig("full", Kind.FULL, 2, 4, 1),
+        GroupConfig("mamba", Kind.MAMBA, mamba_block, 2, 1),
+    )
+    identity = BlockIdentity(digest_block_size=2)
+    config = AllocatorConfig(
+        groups, 64, identity=identity, mamba_step_end_only=True, state_unit=unit
+    )
+    return JengaAllocator(config)
+
+
+PROMPT = list(range(1, 8))  # 7 tokens: the last hash boundary below the end is 6
+
+
+def _produce(alloc: JengaAllocator) -> int:
+    """Request "p" computes 6 tokens and names its running state there."""
+    alloc.add_request("p", PROMPT, digests=_digests(PROMPT))
+    assert alloc.allocate("p", 6) is not None
+    alloc.cache("p", 6)
+    named = alloc.cache_state("p", 6)
+    assert [g for g, _ in named] == [MAMBA]
+    return named[0][1]
+
+
+def test_a_named_state_is_hit_inside_the_interval_and_copied_by_the_hitter() -> None:
+    alloc = _allocator()
+    x = _produce(alloc)
+    alloc.free("p")  # finished: its named state stays cached in place
+    prompt = [*PROMPT[:6], 50, 51, 52]
+    match = alloc.prefix_match(prompt, digests=_digests(prompt))
+    assert match.hit == 6 and match.tables[MAMBA] == [x]
+    assert alloc.add_request("h", prompt, digests=_digests(prompt)) == 6
+    got = alloc.allocate("h", 3)
+    assert got is not None
+    (copy,) = got.copies
+    assert (copy.group, copy.index, copy.src, copy.retained) == (MAMBA, 0, x, (x,))
+    assert alloc.block_table("h", MAMBA)[0] == copy.dst and copy.dst != x
+    alloc.check_invariants(True)  # x: one reference kept for the copy
+    alloc.release_retained(MAMBA, [x])
+    alloc.check_invariants(True)
+    with pytest.raises(InvalidSize, match="retained reference"):
+        alloc.release_retained(MAMBA, [x])
+    alloc.free("h")
+    # the named state is still cached: another request hits it
+    assert alloc.prefix_match(prompt, digests=_digests(prompt)).hit == 6
+
+
+def test_the_producers_next_step_moves_the_name_off_its_running_block() -> None:
+    alloc = _allocator()
+    x = _produce(alloc)
+    assert alloc.has_named_state("p")
+    (copy,), _ = alloc.move_state("p")
+    assert copy.moved and (copy.src, copy.index) == (x, 0) and copy.retained == (x, copy.dst)
+    assert alloc.block_table("p", MAMBA) == [x]  # the producer keeps writing x
+    assert not alloc.has_named_state("p")
+    alloc.check_invariants(True)
+    match = alloc.prefix_match([*PROMPT[:6], 9, 9], digests=_digests([*PROMPT[:6], 9, 9]))
+    assert match.hit == 6 and match.tables[MAMBA] == [copy.dst]
+    alloc.release_retained(MAMBA, [x, copy.dst])
+    assert alloc.allocate("p", 1) is not None  # writes x in place: no longer named
+    alloc.free("p")
+    alloc.check_invariants(True)
+    assert not alloc.has_named_state("p")
+
+
+def test_without_state_unit_the_hit_stops_at_the_checkpoint_below() -> None:
+    alloc = _allocator(unit=None)
+    alloc.add_request("p", PROMPT, digests=_digests(PROMPT))
+    assert alloc.allocate("p", 6) is not None
+    alloc.cache("p", 6)
+    with pytest.raises(InvalidSize, match="state_unit"):
+        alloc.cache_state("p", 6)
+    alloc.free("p")
+    prompt = [*PROMPT[:6], 50]
+    assert alloc.prefix_match(prompt, digests=_digests(prompt)).hit == 0
+
+
+def test_names_only_inside_an_interval_and_where_the_digests_reach() -> None:
+    alloc = _allocator()
+    prompt = list(range(1, 12))
+    alloc.add_request("p", prompt, digests=_digests(prompt)[:2])  # digests of 4 tokens
+    assert alloc.allocate("p", 10) is not None
+    assert alloc.cache_state("p", 8) == ()  # a checkpoint: `cache` names it
+    assert alloc.cache_state("p", 5) == ()  # not on the unit
+    assert alloc.cache_state("p", 10) == ()  # no digest for 10 tokens yet
+    assert alloc.block_table("p", MAMBA)[0] == NULL_BLOCK  # the span's skipped checkpoint
+    with pytest.raises(InvalidSize, match="11 tokens, 10 allocated"):
+        alloc.cache_state("p", 11)
+
+
+@pytest.mark.parametrize(("unit", "block"), [(3, 8), (4, 6)])
+def test_a_state_unit_off_the_digest_or_checkpoint_grid_is_refused(unit: int, block: int) -> None:
+    with pytest.raises(InvalidSize, match=f"state_unit {unit}"):
+        _allocator(unit=unit, mamba_block=block)
