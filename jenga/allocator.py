@@ -97,7 +97,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from jenga import _core
+from jenga import _core, substates
 from jenga.allocator_views import AllocatorViews
 from jenga.allocator_views import Usage as Usage
 from jenga.capacity import pages_fit, pages_for, units_to_free
@@ -133,13 +133,6 @@ from jenga.requests import (
     checked_images,
     release_length,
 )
-from jenga.substates import (
-    SubBlockStates,
-    SubStateCalls,
-    check_state_unit,
-    hit_unit,
-    mark_state_tail,
-)
 
 _EMPTY_PLAN = MappingPlan()
 # calls that change the request tables: one thread at a time (`jenga.guard`)
@@ -171,7 +164,7 @@ def _check_config(config: AllocatorConfig) -> None:
             )
 
 
-class JengaAllocator(AllocatorViews, SubStateCalls):
+class JengaAllocator(AllocatorViews, substates.SubStateCalls):
     """Two-level LCM allocator + prefix cache for one model's groups.
 
     Request ids are any hashable the engine likes. Block ids are per group:
@@ -211,10 +204,12 @@ class JengaAllocator(AllocatorViews, SubStateCalls):
         self._group_index = {g.name: i for i, g in enumerate(config.groups)}
         unit = config.state_unit  # Mamba states inside an interval (`jenga.substates`)
         if unit is not None:
-            check_state_unit(unit, self.policies, config.identity.digest_block_size)
-        self._states = SubBlockStates(self._core, self.policies, unit) if unit else None
+            substates.check_state_unit(unit, self.policies, config.identity.digest_block_size)
+        self._states = substates.SubBlockStates(self._core, self.policies, unit) if unit else None
         text_blocks = [
-            hit_unit(p, unit) for p in self.policies if not p.reads_images and p.caches_blocks
+            substates.hit_unit(p, unit)
+            for p in self.policies
+            if not p.reads_images and p.caches_blocks
         ]
         # a hit must end on a block boundary of every text group that caches
         self._prefix_step = math.lcm(*text_blocks) if text_blocks else 1
@@ -305,7 +300,7 @@ class JengaAllocator(AllocatorViews, SubStateCalls):
         if hit and self.config.hit_proof is not None:
             self._touch_proof(req, hit, now)
         if hit and self._states is not None:  # a state hit inside an interval
-            mark_state_tail(req, hit, self.policies)
+            substates.mark_state_tail(req, hit, self.policies)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req
