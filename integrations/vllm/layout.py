@@ -234,7 +234,9 @@ def _kv_groups(
     return tuple(kv_groups)
 
 
-def _rules(options: JengaVllmOptions, kv_cache_config: KVCacheConfig) -> AllocationRules:
+def _rules(
+    options: JengaVllmOptions, kv_cache_config: KVCacheConfig | None = None
+) -> AllocationRules:
     """The allocator's rules: the order, window-release reuse (`window_reuse`) and, on
     per_group VMM pages, the LRU-fair pinned step (it acts with the pinned order only),
     with window-release reuse the `pack_window_blocks` option, and the config's

@@ -101,10 +101,13 @@ class PageCensus:
     before_first: list[GroupCensus] = field(default_factory=list)
     steps: int = 0
     _last: list[GroupCensus] = field(default_factory=list)
+    _admitted: set[str] = field(default_factory=set)
 
     def __call__(self, scheduler: Any, out: Any) -> None:
-        for req in out.scheduled_new_reqs:
-            self.hit_lengths[int(req.num_computed_tokens)] += 1
+        for req in out.scheduled_new_reqs:  # vLLM 0.33 sends resumed requests here too
+            if req.req_id not in self._admitted:
+                self._admitted.add(req.req_id)
+                self.hit_lengths[int(req.num_computed_tokens)] += 1
         kv = scheduler.kv_cache_manager
         step, self.steps = self.steps, self.steps + 1
         if not hasattr(kv, "allocator") or not kv.layout.options.tensor_geometry.on_vmm_ranges:
