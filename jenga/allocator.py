@@ -271,7 +271,8 @@ class JengaAllocator(AllocatorViews):
             hit, hit_blocks = (match.hit, match.tables) if use_cache else (0, [])
         else:
             req = self._new_live(request_id, prompt, images, salt, digests, not use_cache)
-            hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
+            restored = match is not None and match.diverged  # looked up again as it was
+            hit, hit_blocks = self._match(req, None, restored)[:2] if use_cache else (0, [])
         req.internal_id = self._next_internal
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
@@ -737,6 +738,7 @@ class JengaAllocator(AllocatorViews):
         request_id: Hashable = "(prefix match)",
         digests: Sequence[bytes] | None = None,
         max_hit: int | None = None,
+        restored_states: bool = False,
     ) -> PrefixMatch:
         """The one prefix lookup: what a new request with this prompt would hit.
 
@@ -751,12 +753,17 @@ class JengaAllocator(AllocatorViews):
         changes; an empty prompt hits nothing. Raises `InvalidInput` / `InvalidSize` as
         `add_request` does (``request_id`` names the request in their messages; ``digests``
         as there). ``max_hit``: the longest hit the caller can use (a shorter prefix valid
-        in every group is taken instead of a longer one; None: no limit)."""
+        in every group is taken instead of a longer one; None: no limit).
+        ``restored_states``: the caller restores the state groups' (Mamba) states at the
+        hit itself (a KV connector that loads them): the hit need only be valid in the
+        groups that hold no state, unless a state group alone runs deeper than that;
+        ``diverged`` then says the hit runs past the states cached, whose tables hold
+        no state at the hit (the request's first allocation gives them fresh blocks)."""
         if len(prompt) == 0:
             return PrefixMatch(0, 0, [], self._epoch, None)
         req = self._new_live(request_id, prompt, images, salt, digests)
-        hit, tables, junction = self._match(req, max_hit)
-        return PrefixMatch(hit, junction, tables, self._epoch, req)
+        hit, tables, junction, diverged = self._match(req, max_hit, restored_states)
+        return PrefixMatch(hit, junction, tables, self._epoch, req, diverged)
 
     # -- queries ----------------------------------------------------------------------
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:

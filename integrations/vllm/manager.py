@@ -268,28 +268,46 @@ class JengaKVCacheManager:
         the prefix whose rows it still holds) caps the hit at the longest prefix below it
         valid in every group.
         """
+        blocks, hit, boundary, _ = self._lookup(request, max_cache_hit_length, False)
+        return blocks, hit, boundary
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """`get_computed_blocks` plus ``hit_diverged``, for a connector that restores the
+        Mamba state of a deeper hit (vLLM's ``supports_divergent_local_hybrid_hits``).
+
+        The hit is the longest prefix valid in every group that holds no state (full
+        attention, windows), unless a Mamba group alone caches a state past it (then the
+        common hit, as `get_computed_blocks`). When it runs deeper than the Mamba states
+        cached (``hit_diverged``, shared-prefix boundary 0, as vLLM's), the Mamba tables
+        hold no state at the hit: the connector's tokens are allocated after it and the
+        Mamba group gets a fresh block at their end for the connector to fill. With no
+        connector tokens vLLM's scheduler looks up again with `get_computed_blocks`.
+        """
+        return self._lookup(request, max_cache_hit_length, True)
+
+    def _lookup(
+        self, request: Request, max_hit: int | None, restored_states: bool
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The one prefix lookup of both `get_computed_blocks` calls, kept for `_admit`:
+        (blocks, hit, shared-prefix boundary, hit diverged)."""
         if not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0
+            return self.empty_kv_cache_blocks, 0, 0, False
         match = self.allocator.prefix_match(
             request.all_token_ids,
             images=self._images(request),
             salt=request_salt(request),
             request_id=request.request_id,
             digests=_digests(request),
-            max_hit=max_cache_hit_length,  # a shorter hit valid in every group below it
+            max_hit=max_hit,  # a shorter hit valid in every group below it
+            restored_states=restored_states,
         )
         self._last_match = (request.request_id, match)  # `_admit` adopts it
         hit, junction = match.hit, match.junction
         blocks = self._blocks_of(match.tables) if hit else self.empty_kv_cache_blocks
-        report = self.layout.options.junctions and junction > hit
-        return blocks, hit, junction if report else 0
-
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """`get_computed_blocks` plus ``hit_diverged``: always False, as jenga's hit is
-        valid in every group (no group's hit runs deeper than the one reported)."""
-        return *self.get_computed_blocks(request, max_cache_hit_length), False
+        report = self.layout.options.junctions and junction > hit and not match.diverged
+        return blocks, hit, junction if report else 0, match.diverged
 
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int
