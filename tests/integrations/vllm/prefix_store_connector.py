@@ -37,7 +37,9 @@ class PrefixStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._divergent
 
     # -- scheduler side -------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         stored = min(self.stored_tokens, request.num_tokens - 1)
         offered = max(0, stored - num_computed_tokens)
         self._asked[request.request_id] = (num_computed_tokens, offered)
