@@ -137,10 +137,11 @@ class AllocatorViews:
         step = self._prefix_step
         valid = np.ones(len(req.tokens) // step, dtype=bool)
         states = np.ones_like(valid)
+        limit = len(valid) if max_hit is None else max(max_hit, 0) // step
         deepest_state = 0  # the longest prefix one state group alone serves, capped
-        for policy, mask in zip(self.policies, masks, strict=True):
-            if max_hit is not None:
-                mask[max(max_hit, 0) // step :] = False
+        for policy, alone in zip(self.policies, masks, strict=True):
+            mask = alone.copy()
+            mask[limit:] = False
             if policy.holds_state:
                 states &= mask
                 deepest_state = max(deepest_state, _last_valid(mask, step))
