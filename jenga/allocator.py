@@ -285,7 +285,8 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
             hit, hit_blocks = (match.hit, match.tables) if use_cache else (0, [])
         else:
             req = self._new_live(request_id, prompt, images, salt, digests, not use_cache)
-            hit, hit_blocks, _ = self._match(req) if use_cache else (0, [], 0)
+            restored = match is not None and match.diverged  # looked up again as it was
+            hit, hit_blocks = self._match(req, None, restored)[:2] if use_cache else (0, [])
         req.internal_id = self._next_internal
         req.tables = [IntBuffer((), np.int32) for _ in self.config.groups]
         req.first_live = [0] * self.num_groups
@@ -309,23 +310,6 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         self._stats["prefix.hit_tokens"] += hit
         self._stats["prefix.query_tokens"] += len(req.tokens)
         return hit
-
-    def _touch_proof(self, req: LiveRequest, hit: int, now: int) -> None:
-        """A proven hit used the cached blocks after it as its proof: each is taken and
-        given back (last used now, and marked as having served a hit), as the hit's own
-        blocks are, so a proof block that left a running request's window is not demoted
-        below them and the next request with this prefix finds the proof still there."""
-        assert self.config.hit_proof is not None
-        stop_tokens = hit + self.config.hit_proof.steps * self._prefix_step
-        for g, policy in enumerate(self.policies):
-            if policy.reads_images or policy.holds_state:
-                continue
-            t = policy.tokens_per_block
-            found = self._core.lookup(g, req.identities(t, hit // t, stop_tokens // t))
-            proof = [int(b) for b in found if b >= 0]
-            if proof:
-                self._core.acquire(g, proof, now)
-                self._core.release(g, proof, now)
 
     def _new_live(
         self,
@@ -756,6 +740,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         request_id: Hashable = "(prefix match)",
         digests: Sequence[bytes] | None = None,
         max_hit: int | None = None,
+        restored_states: bool = False,
     ) -> PrefixMatch:
         """The one prefix lookup: what a new request with this prompt would hit.
 
@@ -770,12 +755,15 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         changes; an empty prompt hits nothing. Raises `InvalidInput` / `InvalidSize` as
         `add_request` does (``request_id`` names the request in their messages; ``digests``
         as there). ``max_hit``: the longest hit the caller can use (a shorter prefix valid
-        in every group is taken instead of a longer one; None: no limit)."""
+        in every group is taken instead of a longer one; None: no limit).
+        ``restored_states``: the caller (a KV connector) restores the Mamba states at the
+        hit itself, so the hit need only be valid in the stateless groups (unless a state
+        group alone runs deeper); ``diverged``: the hit runs past the cached states."""
         if len(prompt) == 0:
             return PrefixMatch(0, 0, [], self._epoch, None)
         req = self._new_live(request_id, prompt, images, salt, digests)
-        hit, tables, junction = self._match(req, max_hit)
-        return PrefixMatch(hit, junction, tables, self._epoch, req)
+        hit, tables, junction, diverged = self._match(req, max_hit, restored_states)
+        return PrefixMatch(hit, junction, tables, self._epoch, req, diverged)
 
     # -- queries ----------------------------------------------------------------------
     def block_table(self, request_id: Hashable, group: int | str) -> list[int]:

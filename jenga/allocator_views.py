@@ -135,22 +135,81 @@ class AllocatorViews:
         return found
 
     def _match(
-        self, req: LiveRequest, max_hit: int | None = None
-    ) -> tuple[int, list[list[int]], int]:
+        self, req: LiveRequest, max_hit: int | None = None, restored_states: bool = False
+    ) -> tuple[int, list[list[int]], int, bool]:
         """The hit length, per group the block table a request with that hit starts with,
-        and the longest prefix valid in any single group (see `prefix_match`).
+        the longest prefix valid in any single group (see `prefix_match`), and whether
+        the hit runs deeper than the state groups' cached states (``restored_states``).
 
         The hit is the longest p < len(prompt) (and p <= ``max_hit``), a multiple of every
         text group's block size, valid in every group (`Policy.valid_prefix_mask`, the
-        vectorized `possible_prefix`).
+        vectorized `possible_prefix`). With ``restored_states`` (a caller that restores
+        the state groups' states itself: a KV connector) it is the longest p valid in
+        every group that holds no state, unless a state group alone is valid past it
+        (then its other groups' blocks were evicted: the common hit is taken); a state
+        group not valid at that p starts with no state (NULL entries).
         """
+        lookups, masks, junction = self._group_masks(req)
+        step = self._prefix_step
+        valid = np.ones(len(req.tokens) // step, dtype=bool)
+        states = np.ones_like(valid)
+        limit = len(valid) if max_hit is None else max(max_hit, 0) // step
+        deepest_state = 0  # the longest prefix one state group alone serves, capped
+        for policy, alone in zip(self.policies, masks, strict=True):
+            mask = alone.copy()
+            mask[limit:] = False
+            if policy.holds_state:
+                states &= mask
+                deepest_state = max(deepest_state, _last_valid(mask, step))
+            else:
+                valid &= mask
+        if not any(p.caches_blocks for p in self.policies):
+            valid[:] = False  # no group keeps anything a hit could reuse
+        hit = _last_valid(valid & states, step)
+        deep = _last_valid(valid, step) if restored_states else hit
+        unit = self._states.unit if self._states is not None else 0
+        diverged = deep > hit and deepest_state <= deep and not unit  # whole states only
+        hit = deep if diverged else hit
+        tables: list[list[int]] = []
+        for g, policy in enumerate(self.policies):
+            if unit and policy.holds_state and policy.caches_blocks:
+                tables.append(fine_table(policy, lookups[g], unit, hit) if hit else [])
+                continue
+            table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
+            take = policy.hit_blocks(hit, req.images) if hit else range(0)
+            if diverged and policy.holds_state and not masks[g][hit // step - 1]:
+                take = range(0)  # no state cached at the hit: the caller restores it
+            table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
+            tables.append(table)
+        return hit, tables, junction, diverged
+
+    def _touch_proof(self, req: LiveRequest, hit: int, now: int) -> None:
+        """A proven hit used the cached blocks after it as its proof: each is taken and
+        given back (last used now, and marked as having served a hit), as the hit's own
+        blocks are, so a proof block that left a running request's window is not demoted
+        below them and the next request with this prefix finds the proof still there."""
+        assert self.config.hit_proof is not None
+        stop_tokens = hit + self.config.hit_proof.steps * self._prefix_step
+        for g, policy in enumerate(self.policies):
+            if policy.reads_images or policy.holds_state:
+                continue
+            t = policy.tokens_per_block
+            found = self._core.lookup(g, req.identities(t, hit // t, stop_tokens // t))
+            proof = [int(b) for b in found if b >= 0]
+            if proof:
+                self._core.acquire(g, proof, now)
+                self._core.release(g, proof, now)
+
+    def _group_masks(self, req: LiveRequest) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+        """Per group the prompt's cache lookup and which prefixes (``step``, ``2*step``,
+        ...) the group alone serves, and the longest prefix any caching group serves."""
         n = len(req.tokens)
         step = self._prefix_step
-        valid = np.ones(n // step, dtype=bool)
-        whole = len(valid) > 0 and len(valid) * step == n  # one token is always computed
+        whole = n // step > 0 and n // step * step == n  # one token is always computed
         junction = 0
         proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
         unit = self._states.unit if self._states is not None else 0
         for g, policy in enumerate(self.policies):
             if unit and policy.holds_state and policy.caches_blocks:  # states inside intervals
@@ -165,23 +224,13 @@ class AllocatorViews:
                 mask = proof.proven(mask, policy.holds_state, whole)
             elif whole:
                 mask[-1] = False
-            alone = np.flatnonzero(mask)
-            if len(alone) and policy.caches_blocks:
-                junction = max(junction, int(alone[-1] + 1) * step)
-            valid &= mask
-        if max_hit is not None:
-            valid[max(max_hit, 0) // step :] = False
-        if not any(p.caches_blocks for p in self.policies):
-            valid[:] = False  # no group keeps anything a hit could reuse
-        hits = np.flatnonzero(valid)
-        hit = int(hits[-1] + 1) * step if len(hits) else 0
-        tables: list[list[int]] = []
-        for g, policy in enumerate(self.policies):
-            if unit and policy.holds_state and policy.caches_blocks:
-                tables.append(fine_table(policy, lookups[g], unit, hit) if hit else [])
-                continue
-            table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
-            take = policy.hit_blocks(hit, req.images) if hit else range(0)
-            table[take.start : take.stop] = lookups[g][take.start : take.stop].tolist()
-            tables.append(table)
-        return hit, tables, junction
+            if policy.caches_blocks:
+                junction = max(junction, _last_valid(mask, step))
+            masks.append(mask)
+        return lookups, masks, junction
+
+
+def _last_valid(mask: np.ndarray, step: int) -> int:
+    """The longest prefix a mask over ``step``, ``2*step``, ... marks valid (0: none)."""
+    hits = np.flatnonzero(mask)
+    return int(hits[-1] + 1) * step if len(hits) else 0

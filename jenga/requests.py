@@ -248,7 +248,9 @@ class PrefixMatch:
     group the block table it would start with; ``junction``: the longest prefix any one
     group serves. ``request`` holds the prompt's state built for the lookup (token ids,
     hash chains); `add_request` adopts it (and sets it to None) when ``epoch`` is still
-    the allocator's, i.e. no call that can evict ran since the lookup.
+    the allocator's, i.e. no call that can evict ran since the lookup. ``diverged``: the
+    hit runs deeper than the state groups' cached states (``restored_states``: their
+    tables hold no state at the hit, the caller restores it).
     """
 
     hit: int
@@ -256,6 +258,7 @@ class PrefixMatch:
     tables: list[list[int]]
     epoch: int
     request: LiveRequest | None
+    diverged: bool = False
 
 
 def checked_images(images: Sequence[ImageSpan], num_tokens: int) -> tuple[ImageSpan, ...]:

@@ -43,6 +43,10 @@ Approach
     - Mamba boundary states ("align" mode): each state committed at a block boundary is
       offered once to the connector (`offer_boundary_states`, drained by
       `take_offers`), as vLLM's manager offers the snapshots it caches.
+    - Divergent hybrid hits (a connector with ``supports_divergent_local_hybrid_hits``):
+      the manager's `get_computed_blocks_for_connector` may hit past the cached Mamba
+      states (``hit_diverged``); the external tokens then follow that hit and the Mamba
+      group's fresh block at their end is the one the connector fills.
     - Failed loads: `record_blocks_for_zeroing` queues the attention blocks past the
       valid prefix for the worker to zero (`take_new_block_ids`), as vLLM's manager
       does when the KV cache needs zeroing; the recompute that follows writes them.

@@ -66,10 +66,8 @@ Approach
     (`integrations.vllm.coordinator`) the engine reads.
 
 Limitations
-    KV connectors are served beside the manager (`integrations.vllm.connector`:
-    external tokens, deferred frees, zeroing after failed loads). Speculative decoding
-    follows `integrations.vllm.speculative` (lookahead slots, the EAGLE hit proof, MTP's
-    re-prefilled tail). No watermark. `get_computed_blocks` returns the hit's blocks as
+    KV connectors: `integrations.vllm.connector`; speculative decoding:
+    `integrations.vllm.speculative`; sub-block Mamba hits: `integrations.vllm.partial_hits`. No watermark. `get_computed_blocks` returns the hit's blocks as
     vLLM does (the tables of one prefix lookup); `allocate_slots` adopts that lookup (or
     looks up again when a call that may evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
@@ -100,11 +98,7 @@ from integrations.vllm.compat import (
 )
 from integrations.vllm.coordinator import CoordinatorView
 from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
-from integrations.vllm.identity import (
-    DigestRegistry,
-    request_salt,
-    stable_int,
-)
+from integrations.vllm.identity import DigestRegistry, request_salt, stable_int
 from integrations.vllm.layout import JengaLayout
 from integrations.vllm.speculative import SpeculativeSetup
 
@@ -265,10 +259,8 @@ class JengaKVCacheManager:
     ) -> tuple[KVCacheBlocks, int, int]:
         """(hit blocks, hit tokens, shared-prefix boundary), as vLLM's manager returns them.
 
-        The blocks are the cached ones a request with this prompt starts with, per group
-        ``hit // block_size`` of them (null where the group does not read them: out of a
-        window, older Mamba states); `allocate_slots` claims the same hit (nothing changes
-        in between). The boundary (0 if none) is the longest prefix one group alone has
+        Per group ``hit // block_size`` cached blocks (null where the group does not read
+        them); `allocate_slots` claims the same hit. The boundary (0 if none) is the longest prefix one group alone has
         cached when it exceeds the hit — a full-attention prefix whose Mamba state was
         never written. For Mamba models vLLM's scheduler ends the request's chunk there
         (block floored), so the state at the junction is written and cached and the next
@@ -276,28 +268,40 @@ class JengaKVCacheManager:
         the prefix whose rows it still holds) caps the hit at the longest prefix below it
         valid in every group.
         """
+        blocks, hit, boundary, _ = self._lookup(request, max_cache_hit_length, False)
+        return blocks, hit, boundary
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """`get_computed_blocks` plus ``hit_diverged`` for a connector that restores a
+        deeper hit's Mamba state (``supports_divergent_local_hybrid_hits``): the longest
+        prefix valid in every stateless group unless a Mamba group alone runs past it;
+        when deeper than the cached states (boundary 0), the Mamba tables hold no state
+        and the Mamba group gets a fresh block after the connector's tokens."""
+        return self._lookup(request, max_cache_hit_length, True)
+
+    def _lookup(
+        self, request: Request, max_hit: int | None, restored_states: bool
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The one prefix lookup of both `get_computed_blocks` calls, kept for `_admit`:
+        (blocks, hit, shared-prefix boundary, hit diverged)."""
         if not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0
+            return self.empty_kv_cache_blocks, 0, 0, False
         match = self.allocator.prefix_match(
             request.all_token_ids,
             images=self._images(request),
             salt=request_salt(request),
             request_id=request.request_id,
             digests=_digests(request),
-            max_hit=max_cache_hit_length,  # a shorter hit valid in every group below it
+            max_hit=max_hit,  # a shorter hit valid in every group below it
+            restored_states=restored_states,
         )
         self._last_match = (request.request_id, match)  # `_admit` adopts it
         hit, junction = match.hit, match.junction
         blocks = self._blocks_of(match.tables) if hit else self.empty_kv_cache_blocks
-        report = self.layout.options.junctions and junction > hit
-        return blocks, hit, junction if report else 0
-
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """`get_computed_blocks` plus ``hit_diverged``: always False, as jenga's hit is
-        valid in every group (no group's hit runs deeper than the one reported)."""
-        return *self.get_computed_blocks(request, max_cache_hit_length), False
+        report = self.layout.options.junctions and junction > hit and not match.diverged
+        return blocks, hit, junction if report else 0, match.diverged
 
     def truncate_computed_blocks(
         self, blocks: KVCacheBlocks, num_computed_tokens: int

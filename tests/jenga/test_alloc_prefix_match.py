@@ -4,7 +4,7 @@ raw keys and ops agree, and allocations within held blocks that build nothing.""
 from __future__ import annotations
 
 import pytest
-from jenga.allocator import AllocatorConfig, GroupConfig, InvalidInput
+from jenga.allocator import NULL_BLOCK, AllocatorConfig, GroupConfig, InvalidInput
 from jenga.plan import MappingPlan, plan_from_keys
 from jenga.specs import Kind
 
@@ -118,3 +118,46 @@ def test_a_capped_match_takes_the_longest_hit_below_the_cap_valid_in_every_group
     for g in range(2):
         assert alloc.block_table("b", g) == capped.tables[g]
     alloc.check_invariants(expensive=True)
+
+
+# -- hits deeper than the cached Mamba states (a caller that restores the state) ------------
+def _hybrid() -> tuple[JengaAllocator, list[int], list[int]]:
+    """Full attention + step-end Mamba on 4-token blocks, a 16-token prompt computed one
+    block per step (a state cached at every boundary); (allocator, attention ids, states)."""
+    groups = (GroupConfig("attn", Kind.FULL, 4, 4, 1), GroupConfig("mamba", Kind.MAMBA, 4, 1, 1))
+    alloc = JengaAllocator(AllocatorConfig(groups, 64, mamba_step_end_only=True))
+    alloc.add_request("a", PROMPT)
+    states = []
+    for end in range(4, 17, 4):
+        assert alloc.allocate("a", 4) is not None
+        alloc.cache("a", end)
+        states.append(alloc.block_table("a", 1)[-1])
+    attn = alloc.block_table("a", 0)
+    alloc.free("a")
+    return alloc, attn, states
+
+
+def test_restored_states_take_the_attention_hit_past_the_cached_states():
+    alloc, attn, states = _hybrid()
+    alloc.uncache_blocks("mamba", states[1:])  # only the state after 4 tokens stays
+    prompt = [*PROMPT, 99, 98]
+    assert (alloc.prefix_match(prompt).hit, alloc.prefix_match(prompt).diverged) == (4, False)
+    match = alloc.prefix_match(prompt, restored_states=True)
+    assert (match.hit, match.diverged, match.junction) == (16, True, 16)
+    assert match.tables == [attn, [NULL_BLOCK] * 4]  # no state at 16: the caller restores it
+    assert alloc.add_request("b", prompt, match=match) == 16
+    got = alloc.allocate("b", 2)
+    assert got is not None and got.new_blocks[1] and got.new_blocks[1][0] not in states[:1]
+    assert alloc.block_table("b", 0)[:4] == attn
+    alloc.check_invariants(expensive=True)
+
+
+def test_a_state_cached_past_the_attention_hit_keeps_the_common_hit():
+    """Mamba alone runs deeper (the attention tail was evicted): the hit every group
+    agrees on, as vLLM's manager falls back to it."""
+    alloc, attn, states = _hybrid()
+    alloc.uncache_blocks("attn", attn[2:])  # attention serves 8 tokens
+    alloc.uncache_blocks("mamba", states[1:3])  # states after 4 and 16 tokens stay
+    match = alloc.prefix_match([*PROMPT, 99, 98], restored_states=True)
+    assert (match.hit, match.diverged, match.junction) == (4, False, 16)
+    assert match.tables == [attn[:1], [states[0]]]
