@@ -67,9 +67,10 @@ Approach
 
 Limitations
     KV connectors: `integrations.vllm.connector`; speculative decoding:
-    `integrations.vllm.speculative`; sub-block Mamba hits: `integrations.vllm.partial_hits`. No watermark. `get_computed_blocks` returns the hit's blocks as
-    vLLM does (the tables of one prefix lookup); `allocate_slots` adopts that lookup (or
-    looks up again when a call that may evict ran in between). The
+    `integrations.vllm.speculative`; sub-block Mamba hits: `integrations.vllm.partial_hits`.
+    No watermark. `get_computed_blocks` returns the hit's blocks as vLLM does (the tables
+    of one prefix lookup); `allocate_slots` adopts that lookup (or looks up again when a
+    call that may evict ran in between). The
     ``full_sequence_must_fit`` gate is an estimate in allocator units (free units plus
     whole pages of evictable blocks), not vLLM's block count.
 """
@@ -260,13 +261,11 @@ class JengaKVCacheManager:
         """(hit blocks, hit tokens, shared-prefix boundary), as vLLM's manager returns them.
 
         Per group ``hit // block_size`` cached blocks (null where the group does not read
-        them); `allocate_slots` claims the same hit. The boundary (0 if none) is the longest prefix one group alone has
-        cached when it exceeds the hit — a full-attention prefix whose Mamba state was
-        never written. For Mamba models vLLM's scheduler ends the request's chunk there
-        (block floored), so the state at the junction is written and cached and the next
-        sibling hits it all. ``max_cache_hit_length`` (vLLM's routed-experts connector:
-        the prefix whose rows it still holds) caps the hit at the longest prefix below it
-        valid in every group.
+        them); `allocate_slots` claims the same hit. The boundary (0 if none) is the
+        longest prefix one group alone caches past the hit (a full-attention prefix whose
+        Mamba state was never written): vLLM's scheduler ends the chunk there so the next
+        sibling hits it all. ``max_cache_hit_length`` (the routed-experts connector's
+        rows) caps the hit at the longest prefix below it valid in every group.
         """
         blocks, hit, boundary, _ = self._lookup(request, max_cache_hit_length, False)
         return blocks, hit, boundary
