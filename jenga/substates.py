@@ -50,8 +50,22 @@ import numpy as np
 from jenga import _core
 from jenga.errors import InvalidSize
 from jenga.plan import MappingPlan
-from jenga.policies import Policy
+from jenga.policies import FullAttentionPolicy, MLAPolicy, Policy
 from jenga.requests import NULL_BLOCK, BlockCopy, LiveRequest
+
+# attention whose KV is append-only (a block read up to any token inside it)
+_APPEND_ONLY = (FullAttentionPolicy, MLAPolicy)
+
+
+def fine_group(policy: Policy, unit: int | None) -> bool:
+    """Whether group ``policy`` is hit every ``unit`` tokens: a state group, or a full
+    attention group with larger blocks (its KV is append-only: a block holding the
+    tokens up to a unit boundary inside it serves a hit there, copied on write)."""
+    if not unit or not policy.caches_blocks:
+        return False
+    if policy.holds_state:
+        return True
+    return type(policy) in _APPEND_ONLY and policy.tokens_per_block > unit
 
 
 def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: int | None) -> None:
@@ -62,16 +76,16 @@ def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: i
             f"digest_block_size ({digest_block_size})"
         )
     for g, policy in enumerate(policies):
-        if policy.holds_state and policy.tokens_per_block % unit:
+        if fine_group(policy, unit) and policy.tokens_per_block % unit:
             raise InvalidSize(
-                f"group {g}: state_unit {unit} does not divide its checkpoint interval "
-                f"{policy.tokens_per_block}"
+                f"group {g}: state_unit {unit} does not divide its block of "
+                f"{policy.tokens_per_block} tokens"
             )
 
 
 def hit_unit(policy: Policy, unit: int | None) -> int:
-    """The prefix step a text group allows: its block, or ``unit`` for a state group."""
-    return unit if unit and policy.holds_state else policy.tokens_per_block
+    """The prefix step a text group allows: its block, or ``unit`` for a fine group."""
+    return unit if unit and fine_group(policy, unit) else policy.tokens_per_block
 
 
 def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -> np.ndarray:
@@ -82,28 +96,43 @@ def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -
     return found
 
 
-def fine_mask(found: np.ndarray, step: int, unit: int, n: int) -> np.ndarray:
-    """For p = step, 2*step, ... <= n: whether a state after p tokens is cached."""
+def fine_mask(policy: Policy, found: np.ndarray, step: int, unit: int, n: int) -> np.ndarray:
+    """For p = step, 2*step, ... <= n: whether a hit of p tokens is cached (a state
+    after p tokens; for attention also every whole block below p)."""
     p = step * np.arange(1, n // step + 1, dtype=np.int64)
-    return found[p // unit - 1] >= 0
+    at = found[p // unit - 1] >= 0
+    if policy.holds_state:
+        return at
+    per = policy.tokens_per_block // unit
+    misses = np.flatnonzero(found[per - 1 :: per] < 0)
+    run = int(misses[0]) if len(misses) else len(found) // per
+    return at & (p // policy.tokens_per_block <= run)
 
 
 def fine_table(policy: Policy, found: np.ndarray, unit: int, hit: int) -> list[int]:
-    """A state group's table for a hit of ``hit`` tokens: NULL, then the state there."""
+    """A fine group's table for a hit of ``hit`` tokens: a state group's NULLs, then the
+    state there; an attention group's whole blocks, then the block named at ``hit``."""
     table = [NULL_BLOCK] * policy.hit_table_length(hit)
-    if table:
-        table[-1] = int(found[hit // unit - 1])
+    if not table:
+        return table
+    if not policy.holds_state:
+        per = policy.tokens_per_block // unit
+        table[: hit // policy.tokens_per_block] = found[per - 1 : hit // unit : per].tolist()
+    table[-1] = int(found[hit // unit - 1])
     return table
 
 
-def mark_state_tail(req: LiveRequest, hit: int, policies: Sequence[Policy]) -> None:
+def mark_state_tail(req: LiveRequest, hit: int, policies: Sequence[Policy], unit: int) -> None:
     """Mark each state group whose hit ends inside an interval copy-on-write (its named
     state is the block the request's first step would write), and turn the `allocate`
     fast path off until that write is resolved."""
     for g, policy in enumerate(policies):
-        if policy.holds_state and hit % policy.tokens_per_block and len(req.tables[g]):
+        t = policy.tokens_per_block
+        if fine_group(policy, unit) and hit % t and len(req.tables[g]):
             req.shared_tail[g] = len(req.tables[g]) - 1
             req.quiet_until = req.held_until = -1
+            if not policy.holds_state:  # its copy is named once the block is whole
+                req.num_committed[g] = hit // t
 
 
 class SubBlockStates:
@@ -123,8 +152,8 @@ class SubBlockStates:
         named = []
         for g, policy in enumerate(self.policies):
             t = policy.tokens_per_block
-            if not policy.holds_state or not n % t or not len(ident):
-                continue  # a checkpoint is `cache`'s; no digest yet names nothing
+            if not fine_group(policy, self.unit) or not n % t or not len(ident):
+                continue  # a whole block is `cache`'s; no digest yet names nothing
             j = -(-n // t) - 1
             table = req.tables[g]
             if j >= len(table) or (x := int(table[j])) == NULL_BLOCK:

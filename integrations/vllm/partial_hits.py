@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from integrations.vllm.layout import JengaLayout
     from integrations.vllm.speculative import SpeculativeSetup
 
+_FINE_ATTENTION = (Kind.FULL, Kind.MLA)  # append-only KV: a hit inside a block copies it
+
 JengaKVCacheManager = Any
 """The `integrations.vllm.manager.JengaKVCacheManager` served (not imported: it imports
 this module)."""
@@ -65,14 +67,17 @@ def enabled(
     mamba = [g for g in groups if g.kind is Kind.MAMBA]
     if not caching or speculative.use_eagle or layout.options.vmm_tensors:
         return False
-    if not any(g.block_size > hash_block_size for g in mamba):
+    # vLLM's rule: a Mamba block above the hash block (at it, under decode CP)
+    dcp = max(g.dcp_world_size for g in groups)
+    if not any(g.block_size > hash_block_size or dcp > 1 for g in mamba):
         return False
-    if any(g.block_size % hash_block_size or g.dcp_world_size != 1 for g in mamba):
+    if any(g.block_size % hash_block_size for g in mamba):
         return False
     return all(
         g.kind is Kind.MAMBA
         or not POLICY_BY_KIND[g.kind].caches_blocks  # never hit (a circular buffer)
         or g.block_size == hash_block_size
+        or (g.kind in _FINE_ATTENTION and g.block_size % hash_block_size == 0)
         for g in groups
     )
 
