@@ -96,29 +96,44 @@ def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -
     return found
 
 
+def _cover(per: int, found: np.ndarray) -> np.ndarray:
+    """Per unit boundary i of an attention group (``per`` units a block): the first
+    boundary k >= i inside the same block whose block is cached (-1: none). Its KV is
+    append-only, so a block named at k holds every token below i too."""
+    rows = -(-len(found) // per)
+    col = np.full(rows * per, rows * per, dtype=np.int64)
+    idx = np.flatnonzero(found >= 0)
+    col[idx] = idx
+    nxt = np.minimum.accumulate(col.reshape(rows, per)[:, ::-1], axis=1)[:, ::-1].ravel()
+    return np.where(nxt < rows * per, nxt, -1)[: len(found)]
+
+
 def fine_mask(policy: Policy, found: np.ndarray, step: int, unit: int, n: int) -> np.ndarray:
     """For p = step, 2*step, ... <= n: whether a hit of p tokens is cached (a state
-    after p tokens; for attention also every whole block below p)."""
+    after p tokens; for attention every whole block below p and a block holding p's
+    tokens of its own block, named at p or after it)."""
     p = step * np.arange(1, n // step + 1, dtype=np.int64)
-    at = found[p // unit - 1] >= 0
     if policy.holds_state:
-        return at
+        return found[p // unit - 1] >= 0
     per = policy.tokens_per_block // unit
     misses = np.flatnonzero(found[per - 1 :: per] < 0)
     run = int(misses[0]) if len(misses) else len(found) // per
-    return at & (p // policy.tokens_per_block <= run)
+    return (_cover(per, found)[p // unit - 1] >= 0) & (p // policy.tokens_per_block <= run)
 
 
 def fine_table(policy: Policy, found: np.ndarray, unit: int, hit: int) -> list[int]:
     """A fine group's table for a hit of ``hit`` tokens: a state group's NULLs, then the
-    state there; an attention group's whole blocks, then the block named at ``hit``."""
+    state there; an attention group's whole blocks, then the block covering ``hit``."""
     table = [NULL_BLOCK] * policy.hit_table_length(hit)
     if not table:
         return table
-    if not policy.holds_state:
-        per = policy.tokens_per_block // unit
-        table[: hit // policy.tokens_per_block] = found[per - 1 : hit // unit : per].tolist()
-    table[-1] = int(found[hit // unit - 1])
+    if policy.holds_state:
+        table[-1] = int(found[hit // unit - 1])
+        return table
+    per = policy.tokens_per_block // unit
+    table[: hit // policy.tokens_per_block] = found[per - 1 : hit // unit : per].tolist()
+    if hit % policy.tokens_per_block:
+        table[-1] = int(found[_cover(per, found)[hit // unit - 1]])
     return table
 
 
@@ -144,8 +159,11 @@ class SubBlockStates:
         self.entries: dict[Hashable, dict[int, tuple[int, int, int]]] = {}
         self.retained: Counter[tuple[int, int]] = Counter()  # (group, block) -> refs
 
-    def commit(self, rid: Hashable, req: LiveRequest, n: int) -> tuple[tuple[int, int], ...]:
-        """Name each state group's running block by ``n`` tokens (see `cache_state`)."""
+    def commit(
+        self, rid: Hashable, req: LiveRequest, n: int, states: bool | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """Name each fine group's running block by ``n`` tokens (see `cache_state`;
+        ``states``: only the state groups, or only the attention groups)."""
         if n <= 0 or n % self.unit:
             return ()
         ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
@@ -153,6 +171,8 @@ class SubBlockStates:
         for g, policy in enumerate(self.policies):
             t = policy.tokens_per_block
             if not fine_group(policy, self.unit) or not n % t or not len(ident):
+                continue
+            if states is not None and policy.holds_state is not states:
                 continue  # a whole block is `cache`'s; no digest yet names nothing
             j = -(-n // t) - 1
             table = req.tables[g]
@@ -215,20 +235,25 @@ class SubStateCalls:
             raise InvalidSize("this allocator keeps no states inside an interval (state_unit)")
         return self._states
 
-    def cache_state(self, request_id: Hashable, num_tokens: int) -> tuple[tuple[int, int], ...]:
+    def cache_state(
+        self, request_id: Hashable, num_tokens: int, states: bool | None = None
+    ) -> tuple[tuple[int, int], ...]:
         """Name the request's running state by ``num_tokens`` (a multiple of
-        ``state_unit`` inside a checkpoint interval, where the engine's step ends), so a
-        later request with this prefix resumes there. The engine calls `move_state` before
-        the request's next step writes that state. Returns the (group, block) named. Raises
-        `UnknownRequest`, `InvalidSize` (no ``state_unit``, more tokens than allocated)."""
-        states = self._require_states()
+        ``state_unit`` inside a checkpoint interval, where the engine's step ends), and
+        the attention block holding token ``num_tokens - 1`` where a group's blocks are
+        larger, so a later request with this prefix resumes there (``states``: True
+        names the states only, False the attention blocks only). The engine calls
+        `move_state` before the request's next step writes that state. Returns the
+        (group, block) named. Raises `UnknownRequest`, `InvalidSize` (no
+        ``state_unit``, more tokens than allocated)."""
+        keep = self._require_states()
         req = self._request(request_id)  # type: ignore[attr-defined]
         if not 0 <= num_tokens <= req.num_tokens:
             raise InvalidSize(
                 f"request {request_id!r}: state after {num_tokens} tokens, "
                 f"{req.num_tokens} allocated"
             )
-        return states.commit(request_id, req, num_tokens)
+        return keep.commit(request_id, req, num_tokens, states)
 
     def move_state(self, request_id: Hashable) -> tuple[tuple[BlockCopy, ...], MappingPlan]:
         """Before the request's next step: each name `cache_state` gave its running state

@@ -65,7 +65,7 @@ def enabled(
     """Whether the manager serves hits at ``hash_block_size`` inside Mamba blocks."""
     groups = layout.groups
     mamba = [g for g in groups if g.kind is Kind.MAMBA]
-    if not caching or speculative.use_eagle or layout.options.vmm_tensors:
+    if not caching or layout.options.vmm_tensors:
         return False
     # vLLM's rule: a Mamba block above the hash block (at it, under decode CP)
     dcp = max(g.dcp_world_size for g in groups)
@@ -82,10 +82,24 @@ def enabled(
     )
 
 
-def tail_checkpoint(num_prompt_tokens: int, hash_block_size: int, lookahead: int) -> int:
+def tail_checkpoint(
+    num_prompt_tokens: int, hash_block_size: int, lookahead: int, eagle: bool = False
+) -> int:
     """The prompt's last hash boundary a state is kept at: one token (or the lookahead
-    hashes' tokens) stays to compute, as vLLM's scheduler splits the prompt."""
+    hashes' tokens) stays to compute, as vLLM's scheduler splits the prompt; with
+    EAGLE's block drop one hash block below the prompt's last boundary (the hit drops
+    it)."""
+    if eagle:
+        return max(0, (num_prompt_tokens // hash_block_size - 1) * hash_block_size)
     limit = num_prompt_tokens - max(1, lookahead)
+    return max(0, limit // hash_block_size * hash_block_size)
+
+
+def attention_tail(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+    """The prompt's last hash boundary a larger attention block is named at (vLLM's
+    partial tail block): below the prompt's last token, at it with EAGLE's block drop
+    (whose hit drops one hash block)."""
+    limit = num_prompt_tokens if eagle else num_prompt_tokens - 1
     return max(0, limit // hash_block_size * hash_block_size)
 
 
@@ -101,16 +115,18 @@ class PartialHits:
 
     def cache(self, request: Request, computed: int) -> None:
         """Name the request's running state when its computed tokens end at the prompt's
-        tail checkpoint (inside a Mamba block)."""
+        tail checkpoint (inside a Mamba block), and the attention block holding the
+        prompt's tail in the step that computes it (inside a larger attention block)."""
         manager = self._manager
-        lookahead = manager.speculative.num_hash_lookahead_tokens
-        if computed != tail_checkpoint(
-            request.num_prompt_tokens, manager.hash_block_size, lookahead
-        ):
-            return
-        rid = request.request_id
-        named = manager.allocator.cache_state(rid, computed)
-        self._fresh.update(named)
+        spec, size = manager.speculative, manager.hash_block_size
+        prompt, rid = request.num_prompt_tokens, request.request_id
+        allocator = manager.allocator
+        eagle = spec.use_eagle
+        if computed == tail_checkpoint(prompt, size, spec.num_hash_lookahead_tokens, eagle):
+            self._fresh.update(allocator.cache_state(rid, computed, True))
+        tail = attention_tail(prompt, size, eagle)
+        if request.num_computed_tokens < tail <= min(computed, allocator.num_tokens(rid)):
+            self._fresh.update(allocator.cache_state(rid, tail, False))
 
     def step_starts(self, request: Request, state: object) -> bool:
         """Before a request's allocation: a running request's named state moves off the

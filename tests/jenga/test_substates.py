@@ -167,3 +167,26 @@ def test_a_larger_attention_block_is_named_hit_and_copied_like_the_state() -> No
     assert alloc.cache("h", 8) >= 1
     alloc.free("h")
     alloc.check_invariants(True)
+
+
+def test_an_attention_block_named_later_in_its_block_serves_a_shorter_hit() -> None:
+    """Attention KV is append-only: the block named at 6 also holds tokens 0..3, so a
+    hit of 4 (where the state is kept) reads it (EAGLE keeps the state one unit below
+    the attention block's name)."""
+    alloc = _allocator(full_block=8)
+    alloc.add_request("p", PROMPT, digests=_digests(PROMPT))
+    assert alloc.allocate("p", 4) is not None
+    assert [g for g, _ in alloc.cache_state("p", 4, states=True)] == [MAMBA]
+    for c in alloc.move_state("p")[0]:
+        alloc.release_retained(c.group, list(c.retained))
+    assert alloc.allocate("p", 2) is not None
+    ((g, x),) = alloc.cache_state("p", 6, states=False)
+    assert g == FULL and alloc.block_table("p", FULL) == [x]
+    alloc.free("p")
+    prompt = [*PROMPT[:6], 50, 51]
+    match = alloc.prefix_match(prompt, digests=_digests(prompt))
+    assert match.hit == 4 and match.tables[FULL] == [x]
+    # diverging before 4: neither group holds anything below
+    other = [*PROMPT[:3], 9, 9, 9]
+    assert alloc.prefix_match(other, digests=_digests(other)).hit == 0
+    alloc.check_invariants(True)

@@ -39,7 +39,7 @@ PROMPT = 100  # its tail checkpoint: 96, inside the second Mamba block
 GEOMETRIES = [(HASH, 1), (64, 1), (32, 2)]
 
 
-def _scheduler(model_dir: Path, jenga: bool, geometry: tuple[int, int]) -> Any:
+def _scheduler(model_dir: Path, jenga: bool, geometry: tuple[int, int], eagle: bool) -> Any:
     attn_block, dcp = geometry
     full = compat.FullAttentionSpec(
         block_size=attn_block, num_kv_heads=1, head_size=1, dtype=torch.float32
@@ -49,8 +49,14 @@ def _scheduler(model_dir: Path, jenga: bool, geometry: tuple[int, int]) -> Any:
     )
     groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
     kv_config = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=groups)
+    # EAGLE (the tiny model as its own draft): 0.32 drops a hit's last hash block,
+    # 0.33 hashes each block with the token after it instead
+    draft = {"method": "eagle", "model": str(model_dir), "num_speculative_tokens": 2}
     setup = replay.SchedulerSetup(
-        max_model_len=1024, max_num_batched_tokens=512, block_size=MAMBA_BLOCK
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        block_size=MAMBA_BLOCK,
+        speculative=draft if eagle else None,
     )
     config = replay.make_vllm_config(model_dir, setup)
     config.cache_config.num_gpu_blocks = kv_config.num_blocks
@@ -129,11 +135,15 @@ def _serve(
 
 
 def _run(
-    model_dir: Path, jenga: bool, overlap: bool, geometry: tuple[int, int] = (HASH, 1)
+    model_dir: Path,
+    jenga: bool,
+    overlap: bool,
+    geometry: tuple[int, int] = (HASH, 1),
+    eagle: bool = False,
 ) -> tuple[_Worker, Any]:
     """A producer, then (``overlap``: while it still decodes) two requests sharing its
     first 96 tokens, then one sharing 48 of them."""
-    scheduler = _scheduler(model_dir, jenga, geometry)
+    scheduler = _scheduler(model_dir, jenga, geometry, eagle)
     worker = _Worker(geometry[0] * geometry[1])
     base = list(range(1, PROMPT + 1))
     producer = replay.make_requests([base], [12 if overlap else 2], HASH, prefix="p")
@@ -174,6 +184,27 @@ def test_partial_hits_serve_the_states_recompute_gives(
     assert ours == theirs
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_partial_hits_with_eagle_serve_what_recompute_gives(
+    model_dir: Path, geometry: tuple[int, int]
+) -> None:
+    """EAGLE with a Mamba hybrid: on 0.32 the block drop (the state kept one hash block
+    below the prompt's last boundary, the attention block named at that boundary proves
+    it), on 0.33 lookahead hashes (no drop); the hits equal vLLM's own manager's."""
+    worker, scheduler = _run(model_dir, jenga=True, overlap=True, geometry=geometry, eagle=True)
+    manager = scheduler.kv_cache_manager
+    assert isinstance(manager, JengaKVCacheManager)
+    assert manager.coordinator.enable_partial_hash_hits and scheduler.mamba_partial_cache_hit
+    assert manager.speculative.use_eagle is not compat.AT_LEAST_0_33
+    resumed = [worker.resumed_at[f"s{i}"] for i in range(3)]
+    # 0.32: the state at 80 (one hash block below 96), proven by the attention at 96
+    assert resumed == ([96, 96, 0] if compat.AT_LEAST_0_33 else [80, 80, 0])
+    manager.check_invariants(expensive=True)
+    assert manager.allocator.usage().used_blocks == (0, 0)
+    theirs = _run(model_dir, jenga=False, overlap=True, geometry=geometry, eagle=True)[0]
+    assert worker.resumed_at == theirs.resumed_at
+
+
 def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
     from integrations.vllm.drop_in import jenga_kv_cache_manager
 
@@ -196,7 +227,6 @@ def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
         (MAMBA_BLOCK, MAMBA_BLOCK, {}, True),  # a partial attention block, copied
         (HASH * 2, MAMBA_BLOCK, {"dcp_world_size": 2}, True),  # 64-token DCP blocks
         (HASH, HASH, {}, False),  # Mamba blocks on the hash grid: nothing finer to hit
-        (HASH, MAMBA_BLOCK, {"use_eagle": True}, False),
     ],
 )
 def test_partial_hits_are_announced_only_where_served(
