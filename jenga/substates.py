@@ -14,19 +14,26 @@ Approach
     is the caller's digest at its last token, so the state after n tokens has one name
     whatever the interval, and a checkpoint is found by the same lookup). A Mamba group's
     prefix lookup reads every u-boundary (`fine_lookup`, `fine_mask`); the hit's table
-    ends with the state found there (`fine_table`). Other text groups keep their blocks;
-    the hit step becomes the lcm of their block sizes and u.
+    ends with the state found there (`fine_table`). A full-attention (or MLA) group with
+    blocks larger than u is a fine group too (`fine_group`): its KV is append-only, so a
+    block named at a u-boundary inside it holds every token below that boundary, and a
+    hit there (or lower in the same block, `_cover`) takes its whole blocks, then that
+    block. Other text groups keep their blocks; the hit step becomes the lcm of their
+    block sizes and u.
 
     A state inside an interval lives in the block the request keeps writing, so the
     cache never shares it in place:
 
     - `JengaAllocator.cache_state` (the engine's step ends at n, inside an interval):
-      the request's running state block X is named by n (prefix length n);
+      the request's running state block X is named by n (prefix length n), and so is
+      the attention block holding token n - 1 of a larger-block group (its later tokens
+      are written after the name, which covers only the first n);
     - `JengaAllocator.move_state` (before the request's next step, which writes X in
       place): a fresh block Y takes the name, X loses it, and the engine copies X -> Y
       (`BlockCopy` with ``moved``);
-    - a request whose hit ends inside an interval holds the named block as its running
-      state: `mark_state_tail` marks it copy-on-write, so its first `allocate` takes a
+    - a request whose hit ends inside an interval (or an attention block) holds the
+      named block as its running state or its last block: `mark_state_tail` marks it
+      copy-on-write, so its first `allocate` takes a
       fresh block in its place and the engine copies the named one into it
       (`jenga.fork.CopyOnWrite`).
 
@@ -35,9 +42,10 @@ Approach
     reused before it is read, the destination not evicted before it is written.
 
 Limitations
-    Only state groups hit inside an interval: every other text group's hits stay on its
-    own block grid (an engine with larger attention blocks gets no finer hit). Text
-    identities only (the caller's digests).
+    Only state groups and full-attention / MLA groups hit inside a block: sliding-window,
+    chunked-local and image groups stay on their own block grid. An attention block
+    named inside is moved like a state although its named tokens are never overwritten
+    (one more copy than needed). Text identities only (the caller's digests).
 """
 
 from __future__ import annotations

@@ -10,14 +10,21 @@ Rationale
 
 Approach
     `enabled` decides it as vLLM does where jenga can serve it: a Mamba group whose block
-    is a multiple of ``hash_block_size`` larger than it, every other group that caches on
-    the hash grid (blocks of ``hash_block_size``: jenga hits them whole), vLLM's own KV
-    tensors (the worker runs vLLM's block copies), no EAGLE block drop. The allocator then
-    keeps Mamba states at hash boundaries (`jenga.substates`, ``state_unit``).
+    is a multiple of ``hash_block_size`` larger than it (or equal, under decode context
+    parallelism), every other group that caches either on the hash grid (blocks of
+    ``hash_block_size``: jenga hits them whole) or full attention / MLA with blocks a
+    multiple of it (decode CP's blocks span the ranks: ``block_size * dcp``), vLLM's own
+    KV tensors (the worker runs vLLM's block copies). The allocator then keeps Mamba
+    states and partial attention blocks at hash boundaries (`jenga.substates`,
+    ``state_unit``).
     `PartialHits` is the manager's side:
 
     - a step whose computed tokens end at the prompt's tail checkpoint names the running
-      state there (`JengaAllocator.cache_state`);
+      state there, and the step that computes the prompt's last hash boundary names the
+      larger attention block holding it (`JengaAllocator.cache_state`). With EAGLE's
+      block drop the state is kept one hash block below that boundary (vLLM's
+      ``get_mamba_prefill_checkpoint_position``) and the attention block named at the
+      boundary proves the hit (the allocator's `jenga.config.HitProof`);
     - the request's next `allocate_slots` moves that name to a fresh block before its step
       overwrites the state (`JengaAllocator.move_state`), and a request that hits a
       state inside a block copies it into a block of its own on its first allocation
@@ -31,9 +38,11 @@ Approach
 
 Limitations
     No shared-prefix (junction) checkpoint inside a block, no internal prefill checkpoint
-    blocks, no KV events or connector offloads for states inside a block. With larger
-    attention blocks, sliding windows off the hash grid, VMM tensors or EAGLE the manager
-    says ``enable_partial_hash_hits = False`` and hits whole blocks.
+    blocks (with them vLLM's scheduler does not stop at the tail checkpoint, so no state
+    is kept there: whole-block hits), no KV events or connector offloads for states or
+    attention blocks named inside a block. With sliding windows or chunked-local groups
+    off the hash grid or VMM tensors the manager says ``enable_partial_hash_hits =
+    False`` and hits whole blocks.
 """
 
 from __future__ import annotations
