@@ -14,7 +14,7 @@ Approach
     is the caller's digest at its last token, so the state after n tokens has one name
     whatever the interval, and a checkpoint is found by the same lookup). A Mamba group's
     prefix lookup reads every u-boundary (`fine_lookup`, `fine_mask`); the hit's table
-    ends with the state found there (`fine_table`). A full-attention (or MLA) group with
+    ends with the state found there (`fine_table`). A full-attention group with
     blocks larger than u is a fine group too (`fine_group`): its KV is append-only, so a
     block named at a u-boundary inside it holds every token below that boundary, and a
     hit there (or lower in the same block, `_cover`) takes its whole blocks, then that
@@ -42,7 +42,7 @@ Approach
     reused before it is read, the destination not evicted before it is written.
 
 Limitations
-    Only state groups and full-attention / MLA groups hit inside a block: sliding-window,
+    Only state groups and full-attention groups hit inside a block: MLA, sliding-window,
     chunked-local and image groups stay on their own block grid. An attention block
     named inside is moved like a state although its named tokens are never overwritten
     (one more copy than needed). Text identities only (the caller's digests).
@@ -58,11 +58,11 @@ import numpy as np
 from jenga import _core
 from jenga.errors import InvalidSize
 from jenga.plan import MappingPlan
-from jenga.policies import FullAttentionPolicy, MLAPolicy, Policy
+from jenga.policies import FullAttentionPolicy, Policy
 from jenga.requests import NULL_BLOCK, BlockCopy, LiveRequest
 
 # attention whose KV is append-only (a block read up to any token inside it)
-_APPEND_ONLY = (FullAttentionPolicy, MLAPolicy)
+_APPEND_ONLY = (FullAttentionPolicy,)
 
 
 def fine_group(policy: Policy, unit: int | None) -> bool:

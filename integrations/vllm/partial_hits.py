@@ -12,7 +12,7 @@ Approach
     `enabled` decides it as vLLM does where jenga can serve it: a Mamba group whose block
     is a multiple of ``hash_block_size`` larger than it (or equal, under decode context
     parallelism), every other group that caches either on the hash grid (blocks of
-    ``hash_block_size``: jenga hits them whole) or full attention / MLA with blocks a
+    ``hash_block_size``: jenga hits them whole) or full attention with blocks a
     multiple of it (decode CP's blocks span the ranks: ``block_size * dcp``), vLLM's own
     KV tensors (the worker runs vLLM's block copies). The allocator then keeps Mamba
     states and partial attention blocks at hash boundaries (`jenga.substates`,
@@ -40,8 +40,8 @@ Limitations
     No shared-prefix (junction) checkpoint inside a block, no internal prefill checkpoint
     blocks (with them vLLM's scheduler does not stop at the tail checkpoint, so no state
     is kept there: whole-block hits), no KV events or connector offloads for states or
-    attention blocks named inside a block. With sliding windows or chunked-local groups
-    off the hash grid or VMM tensors the manager says ``enable_partial_hash_hits =
+    attention blocks named inside a block. With MLA, sliding-window or chunked-local
+    groups off the hash grid or VMM tensors the manager says ``enable_partial_hash_hits =
     False`` and hits whole blocks.
 """
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from integrations.vllm.layout import JengaLayout
     from integrations.vllm.speculative import SpeculativeSetup
 
-_FINE_ATTENTION = (Kind.FULL, Kind.MLA)  # append-only KV: a hit inside a block copies it
+_FINE_ATTENTION = (Kind.FULL,)  # append-only KV: a hit inside a block copies it
 
 JengaKVCacheManager = Any
 """The `integrations.vllm.manager.JengaKVCacheManager` served (not imported: it imports
