@@ -301,7 +301,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         if hit and self.config.hit_proof is not None:
             self._touch_proof(req, hit, now)
         if hit and self._states is not None:  # a state hit inside an interval
-            substates.mark_state_tail(req, hit, self.policies)
+            substates.mark_state_tail(req, hit, self.policies, self._states.unit)
         req.num_tokens = req.num_hit = hit
         self._next_internal += 1
         self._requests[request_id] = req

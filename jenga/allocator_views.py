@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jenga.requests import NULL_BLOCK, check_live_tables
-from jenga.substates import fine_lookup, fine_mask, fine_table
+from jenga.substates import fine_group, fine_lookup, fine_mask, fine_table
 
 if TYPE_CHECKING:
     from jenga.requests import LiveRequest
@@ -172,7 +172,7 @@ class AllocatorViews:
         hit = deep if diverged else hit
         tables: list[list[int]] = []
         for g, policy in enumerate(self.policies):
-            if unit and policy.holds_state and policy.caches_blocks:
+            if fine_group(policy, unit):
                 tables.append(fine_table(policy, lookups[g], unit, hit) if hit else [])
                 continue
             table = [NULL_BLOCK] * (policy.hit_table_length(hit, req.images) if hit else 0)
@@ -212,10 +212,10 @@ class AllocatorViews:
         masks: list[np.ndarray] = []
         unit = self._states.unit if self._states is not None else 0
         for g, policy in enumerate(self.policies):
-            if unit and policy.holds_state and policy.caches_blocks:  # states inside intervals
+            if fine_group(policy, unit):  # hits inside its blocks (`jenga.substates`)
                 found = fine_lookup(self._core, g, req, unit, n)
                 lookups.append(found)
-                mask = fine_mask(found, step, unit, n)
+                mask = fine_mask(policy, found, step, unit, n)
             else:
                 found = self._lookup(g, policy, req, n)
                 lookups.append(found)

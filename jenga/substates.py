@@ -14,19 +14,26 @@ Approach
     is the caller's digest at its last token, so the state after n tokens has one name
     whatever the interval, and a checkpoint is found by the same lookup). A Mamba group's
     prefix lookup reads every u-boundary (`fine_lookup`, `fine_mask`); the hit's table
-    ends with the state found there (`fine_table`). Other text groups keep their blocks;
-    the hit step becomes the lcm of their block sizes and u.
+    ends with the state found there (`fine_table`). A full-attention group with
+    blocks larger than u is a fine group too (`fine_group`): its KV is append-only, so a
+    block named at a u-boundary inside it holds every token below that boundary, and a
+    hit there (or lower in the same block, `_cover`) takes its whole blocks, then that
+    block. Other text groups keep their blocks; the hit step becomes the lcm of their
+    block sizes and u.
 
     A state inside an interval lives in the block the request keeps writing, so the
     cache never shares it in place:
 
     - `JengaAllocator.cache_state` (the engine's step ends at n, inside an interval):
-      the request's running state block X is named by n (prefix length n);
+      the request's running state block X is named by n (prefix length n), and so is
+      the attention block holding token n - 1 of a larger-block group (its later tokens
+      are written after the name, which covers only the first n);
     - `JengaAllocator.move_state` (before the request's next step, which writes X in
       place): a fresh block Y takes the name, X loses it, and the engine copies X -> Y
       (`BlockCopy` with ``moved``);
-    - a request whose hit ends inside an interval holds the named block as its running
-      state: `mark_state_tail` marks it copy-on-write, so its first `allocate` takes a
+    - a request whose hit ends inside an interval (or an attention block) holds the
+      named block as its running state or its last block: `mark_state_tail` marks it
+      copy-on-write, so its first `allocate` takes a
       fresh block in its place and the engine copies the named one into it
       (`jenga.fork.CopyOnWrite`).
 
@@ -35,9 +42,10 @@ Approach
     reused before it is read, the destination not evicted before it is written.
 
 Limitations
-    Only state groups hit inside an interval: every other text group's hits stay on its
-    own block grid (an engine with larger attention blocks gets no finer hit). Text
-    identities only (the caller's digests).
+    Only state groups and full-attention groups hit inside a block: MLA, sliding-window,
+    chunked-local and image groups stay on their own block grid. An attention block
+    named inside is moved like a state although its named tokens are never overwritten
+    (one more copy than needed). Text identities only (the caller's digests).
 """
 
 from __future__ import annotations
@@ -50,8 +58,22 @@ import numpy as np
 from jenga import _core
 from jenga.errors import InvalidSize
 from jenga.plan import MappingPlan
-from jenga.policies import Policy
+from jenga.policies import FullAttentionPolicy, Policy
 from jenga.requests import NULL_BLOCK, BlockCopy, LiveRequest
+
+# attention whose KV is append-only (a block read up to any token inside it)
+_APPEND_ONLY = (FullAttentionPolicy,)
+
+
+def fine_group(policy: Policy, unit: int | None) -> bool:
+    """Whether group ``policy`` is hit every ``unit`` tokens: a state group, or a full
+    attention group with larger blocks (its KV is append-only: a block holding the
+    tokens up to a unit boundary inside it serves a hit there, copied on write)."""
+    if not unit or not policy.caches_blocks:
+        return False
+    if policy.holds_state:
+        return True
+    return type(policy) in _APPEND_ONLY and policy.tokens_per_block > unit
 
 
 def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: int | None) -> None:
@@ -62,16 +84,16 @@ def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: i
             f"digest_block_size ({digest_block_size})"
         )
     for g, policy in enumerate(policies):
-        if policy.holds_state and policy.tokens_per_block % unit:
+        if fine_group(policy, unit) and policy.tokens_per_block % unit:
             raise InvalidSize(
-                f"group {g}: state_unit {unit} does not divide its checkpoint interval "
-                f"{policy.tokens_per_block}"
+                f"group {g}: state_unit {unit} does not divide its block of "
+                f"{policy.tokens_per_block} tokens"
             )
 
 
 def hit_unit(policy: Policy, unit: int | None) -> int:
-    """The prefix step a text group allows: its block, or ``unit`` for a state group."""
-    return unit if unit and policy.holds_state else policy.tokens_per_block
+    """The prefix step a text group allows: its block, or ``unit`` for a fine group."""
+    return unit if unit and fine_group(policy, unit) else policy.tokens_per_block
 
 
 def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -> np.ndarray:
@@ -82,28 +104,58 @@ def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -
     return found
 
 
-def fine_mask(found: np.ndarray, step: int, unit: int, n: int) -> np.ndarray:
-    """For p = step, 2*step, ... <= n: whether a state after p tokens is cached."""
+def _cover(per: int, found: np.ndarray) -> np.ndarray:
+    """Per unit boundary i of an attention group (``per`` units a block): the first
+    boundary k >= i inside the same block whose block is cached (-1: none). Its KV is
+    append-only, so a block named at k holds every token below i too."""
+    rows = -(-len(found) // per)
+    col = np.full(rows * per, rows * per, dtype=np.int64)
+    idx = np.flatnonzero(found >= 0)
+    col[idx] = idx
+    nxt = np.minimum.accumulate(col.reshape(rows, per)[:, ::-1], axis=1)[:, ::-1].ravel()
+    return np.where(nxt < rows * per, nxt, -1)[: len(found)]
+
+
+def fine_mask(policy: Policy, found: np.ndarray, step: int, unit: int, n: int) -> np.ndarray:
+    """For p = step, 2*step, ... <= n: whether a hit of p tokens is cached (a state
+    after p tokens; for attention every whole block below p and a block holding p's
+    tokens of its own block, named at p or after it)."""
     p = step * np.arange(1, n // step + 1, dtype=np.int64)
-    return found[p // unit - 1] >= 0
+    if policy.holds_state:
+        return found[p // unit - 1] >= 0
+    per = policy.tokens_per_block // unit
+    misses = np.flatnonzero(found[per - 1 :: per] < 0)
+    run = int(misses[0]) if len(misses) else len(found) // per
+    return (_cover(per, found)[p // unit - 1] >= 0) & (p // policy.tokens_per_block <= run)
 
 
 def fine_table(policy: Policy, found: np.ndarray, unit: int, hit: int) -> list[int]:
-    """A state group's table for a hit of ``hit`` tokens: NULL, then the state there."""
+    """A fine group's table for a hit of ``hit`` tokens: a state group's NULLs, then the
+    state there; an attention group's whole blocks, then the block covering ``hit``."""
     table = [NULL_BLOCK] * policy.hit_table_length(hit)
-    if table:
+    if not table:
+        return table
+    if policy.holds_state:
         table[-1] = int(found[hit // unit - 1])
+        return table
+    per = policy.tokens_per_block // unit
+    table[: hit // policy.tokens_per_block] = found[per - 1 : hit // unit : per].tolist()
+    if hit % policy.tokens_per_block:
+        table[-1] = int(found[_cover(per, found)[hit // unit - 1]])
     return table
 
 
-def mark_state_tail(req: LiveRequest, hit: int, policies: Sequence[Policy]) -> None:
+def mark_state_tail(req: LiveRequest, hit: int, policies: Sequence[Policy], unit: int) -> None:
     """Mark each state group whose hit ends inside an interval copy-on-write (its named
     state is the block the request's first step would write), and turn the `allocate`
     fast path off until that write is resolved."""
     for g, policy in enumerate(policies):
-        if policy.holds_state and hit % policy.tokens_per_block and len(req.tables[g]):
+        t = policy.tokens_per_block
+        if fine_group(policy, unit) and hit % t and len(req.tables[g]):
             req.shared_tail[g] = len(req.tables[g]) - 1
             req.quiet_until = req.held_until = -1
+            if not policy.holds_state:  # its copy is named once the block is whole
+                req.num_committed[g] = hit // t
 
 
 class SubBlockStates:
@@ -115,16 +167,21 @@ class SubBlockStates:
         self.entries: dict[Hashable, dict[int, tuple[int, int, int]]] = {}
         self.retained: Counter[tuple[int, int]] = Counter()  # (group, block) -> refs
 
-    def commit(self, rid: Hashable, req: LiveRequest, n: int) -> tuple[tuple[int, int], ...]:
-        """Name each state group's running block by ``n`` tokens (see `cache_state`)."""
+    def commit(
+        self, rid: Hashable, req: LiveRequest, n: int, states: bool | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """Name each fine group's running block by ``n`` tokens (see `cache_state`;
+        ``states``: only the state groups, or only the attention groups)."""
         if n <= 0 or n % self.unit:
             return ()
         ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
         named = []
         for g, policy in enumerate(self.policies):
             t = policy.tokens_per_block
-            if not policy.holds_state or not n % t or not len(ident):
-                continue  # a checkpoint is `cache`'s; no digest yet names nothing
+            if not fine_group(policy, self.unit) or not n % t or not len(ident):
+                continue
+            if states is not None and policy.holds_state is not states:
+                continue  # a whole block is `cache`'s; no digest yet names nothing
             j = -(-n // t) - 1
             table = req.tables[g]
             if j >= len(table) or (x := int(table[j])) == NULL_BLOCK:
@@ -186,20 +243,25 @@ class SubStateCalls:
             raise InvalidSize("this allocator keeps no states inside an interval (state_unit)")
         return self._states
 
-    def cache_state(self, request_id: Hashable, num_tokens: int) -> tuple[tuple[int, int], ...]:
+    def cache_state(
+        self, request_id: Hashable, num_tokens: int, states: bool | None = None
+    ) -> tuple[tuple[int, int], ...]:
         """Name the request's running state by ``num_tokens`` (a multiple of
-        ``state_unit`` inside a checkpoint interval, where the engine's step ends), so a
-        later request with this prefix resumes there. The engine calls `move_state` before
-        the request's next step writes that state. Returns the (group, block) named. Raises
-        `UnknownRequest`, `InvalidSize` (no ``state_unit``, more tokens than allocated)."""
-        states = self._require_states()
+        ``state_unit`` inside a checkpoint interval, where the engine's step ends), and
+        the attention block holding token ``num_tokens - 1`` where a group's blocks are
+        larger, so a later request with this prefix resumes there (``states``: True
+        names the states only, False the attention blocks only). The engine calls
+        `move_state` before the request's next step writes that state. Returns the
+        (group, block) named. Raises `UnknownRequest`, `InvalidSize` (no
+        ``state_unit``, more tokens than allocated)."""
+        keep = self._require_states()
         req = self._request(request_id)  # type: ignore[attr-defined]
         if not 0 <= num_tokens <= req.num_tokens:
             raise InvalidSize(
                 f"request {request_id!r}: state after {num_tokens} tokens, "
                 f"{req.num_tokens} allocated"
             )
-        return states.commit(request_id, req, num_tokens)
+        return keep.commit(request_id, req, num_tokens, states)
 
     def move_state(self, request_id: Hashable) -> tuple[tuple[BlockCopy, ...], MappingPlan]:
         """Before the request's next step: each name `cache_state` gave its running state

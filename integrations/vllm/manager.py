@@ -169,7 +169,7 @@ class JengaKVCacheManager:
         # text groups commit blocks only at multiples of their block sizes: between two
         # multiples of their gcd `_cache` has nothing to commit (0: images commit at
         # their end, call every time); `_RequestState.next_cache`: the next length to try
-        sizes = [g.block_size for g in layout.groups]
+        sizes = [g.block_size for g in layout.groups] + [self.hash_block_size] * bool(self._partial)
         self._cache_step = 0 if self._encoder_side else math.gcd(*sizes)
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.vmm_tensors

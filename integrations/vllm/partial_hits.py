@@ -10,14 +10,21 @@ Rationale
 
 Approach
     `enabled` decides it as vLLM does where jenga can serve it: a Mamba group whose block
-    is a multiple of ``hash_block_size`` larger than it, every other group that caches on
-    the hash grid (blocks of ``hash_block_size``: jenga hits them whole), vLLM's own KV
-    tensors (the worker runs vLLM's block copies), no EAGLE block drop. The allocator then
-    keeps Mamba states at hash boundaries (`jenga.substates`, ``state_unit``).
+    is a multiple of ``hash_block_size`` larger than it (or equal, under decode context
+    parallelism), every other group that caches either on the hash grid (blocks of
+    ``hash_block_size``: jenga hits them whole) or full attention with blocks a
+    multiple of it (decode CP's blocks span the ranks: ``block_size * dcp``), vLLM's own
+    KV tensors (the worker runs vLLM's block copies). The allocator then keeps Mamba
+    states and partial attention blocks at hash boundaries (`jenga.substates`,
+    ``state_unit``).
     `PartialHits` is the manager's side:
 
     - a step whose computed tokens end at the prompt's tail checkpoint names the running
-      state there (`JengaAllocator.cache_state`);
+      state there, and the step that computes the prompt's last hash boundary names the
+      larger attention block holding it (`JengaAllocator.cache_state`). With EAGLE's
+      block drop the state is kept one hash block below that boundary (vLLM's
+      ``get_mamba_prefill_checkpoint_position``) and the attention block named at the
+      boundary proves the hit (the allocator's `jenga.config.HitProof`);
     - the request's next `allocate_slots` moves that name to a fresh block before its step
       overwrites the state (`JengaAllocator.move_state`), and a request that hits a
       state inside a block copies it into a block of its own on its first allocation
@@ -31,9 +38,11 @@ Approach
 
 Limitations
     No shared-prefix (junction) checkpoint inside a block, no internal prefill checkpoint
-    blocks, no KV events or connector offloads for states inside a block. With larger
-    attention blocks, sliding windows off the hash grid, VMM tensors or EAGLE the manager
-    says ``enable_partial_hash_hits = False`` and hits whole blocks.
+    blocks (with them vLLM's scheduler does not stop at the tail checkpoint, so no state
+    is kept there: whole-block hits), no KV events or connector offloads for states or
+    attention blocks named inside a block. With MLA, sliding-window or chunked-local
+    groups off the hash grid or VMM tensors the manager says ``enable_partial_hash_hits =
+    False`` and hits whole blocks.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ if TYPE_CHECKING:
     from integrations.vllm.layout import JengaLayout
     from integrations.vllm.speculative import SpeculativeSetup
 
+_FINE_ATTENTION = (Kind.FULL,)  # append-only KV: a hit inside a block copies it
+
 JengaKVCacheManager = Any
 """The `integrations.vllm.manager.JengaKVCacheManager` served (not imported: it imports
 this module)."""
@@ -63,24 +74,41 @@ def enabled(
     """Whether the manager serves hits at ``hash_block_size`` inside Mamba blocks."""
     groups = layout.groups
     mamba = [g for g in groups if g.kind is Kind.MAMBA]
-    if not caching or speculative.use_eagle or layout.options.vmm_tensors:
+    if not caching or layout.options.vmm_tensors:
         return False
-    if not any(g.block_size > hash_block_size for g in mamba):
+    # vLLM's rule: a Mamba block above the hash block (at it, under decode CP)
+    dcp = max(g.dcp_world_size for g in groups)
+    if not any(g.block_size > hash_block_size or dcp > 1 for g in mamba):
         return False
-    if any(g.block_size % hash_block_size or g.dcp_world_size != 1 for g in mamba):
+    if any(g.block_size % hash_block_size for g in mamba):
         return False
     return all(
         g.kind is Kind.MAMBA
         or not POLICY_BY_KIND[g.kind].caches_blocks  # never hit (a circular buffer)
         or g.block_size == hash_block_size
+        or (g.kind in _FINE_ATTENTION and g.block_size % hash_block_size == 0)
         for g in groups
     )
 
 
-def tail_checkpoint(num_prompt_tokens: int, hash_block_size: int, lookahead: int) -> int:
+def tail_checkpoint(
+    num_prompt_tokens: int, hash_block_size: int, lookahead: int, eagle: bool = False
+) -> int:
     """The prompt's last hash boundary a state is kept at: one token (or the lookahead
-    hashes' tokens) stays to compute, as vLLM's scheduler splits the prompt."""
+    hashes' tokens) stays to compute, as vLLM's scheduler splits the prompt; with
+    EAGLE's block drop one hash block below the prompt's last boundary (the hit drops
+    it)."""
+    if eagle:
+        return max(0, (num_prompt_tokens // hash_block_size - 1) * hash_block_size)
     limit = num_prompt_tokens - max(1, lookahead)
+    return max(0, limit // hash_block_size * hash_block_size)
+
+
+def attention_tail(num_prompt_tokens: int, hash_block_size: int, eagle: bool) -> int:
+    """The prompt's last hash boundary a larger attention block is named at (vLLM's
+    partial tail block): below the prompt's last token, at it with EAGLE's block drop
+    (whose hit drops one hash block)."""
+    limit = num_prompt_tokens if eagle else num_prompt_tokens - 1
     return max(0, limit // hash_block_size * hash_block_size)
 
 
@@ -96,16 +124,18 @@ class PartialHits:
 
     def cache(self, request: Request, computed: int) -> None:
         """Name the request's running state when its computed tokens end at the prompt's
-        tail checkpoint (inside a Mamba block)."""
+        tail checkpoint (inside a Mamba block), and the attention block holding the
+        prompt's tail in the step that computes it (inside a larger attention block)."""
         manager = self._manager
-        lookahead = manager.speculative.num_hash_lookahead_tokens
-        if computed != tail_checkpoint(
-            request.num_prompt_tokens, manager.hash_block_size, lookahead
-        ):
-            return
-        rid = request.request_id
-        named = manager.allocator.cache_state(rid, computed)
-        self._fresh.update(named)
+        spec, size = manager.speculative, manager.hash_block_size
+        prompt, rid = request.num_prompt_tokens, request.request_id
+        allocator = manager.allocator
+        eagle = spec.use_eagle
+        if computed == tail_checkpoint(prompt, size, spec.num_hash_lookahead_tokens, eagle):
+            self._fresh.update(allocator.cache_state(rid, computed, True))
+        tail = attention_tail(prompt, size, eagle)
+        if request.num_computed_tokens < tail <= min(computed, allocator.num_tokens(rid)):
+            self._fresh.update(allocator.cache_state(rid, tail, False))
 
     def step_starts(self, request: Request, state: object) -> bool:
         """Before a request's allocation: a running request's named state moves off the

@@ -5,7 +5,8 @@ the caller's 2-token digests, with ``state_unit`` 2: a request whose step ends a
 tokens names its running state there; its next step first moves the name to a fresh
 block (a copy the engine runs); a later request with the prefix hits 6 tokens and its
 first allocation copies the named state into a block of its own. Every copy's endpoints
-stay referenced until `release_retained`.
+stay referenced until `release_retained`. With 4-token attention blocks the attention
+block holding token 6 is named and copied the same way (its KV is append-only).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def _digests(tokens: list[int]) -> list[bytes]:
     return out
 
 
-def _allocator(unit: int | None = 2, mamba_block: int = 8) -> JengaAllocator:
+def _allocator(unit: int | None = 2, mamba_block: int = 8, full_block: int = 2) -> JengaAllocator:
     groups = (
-        GroupConfig("full", Kind.FULL, 2, 4, 1),
+        GroupConfig("full", Kind.FULL, full_block, 4, 1),
         GroupConfig("mamba", Kind.MAMBA, mamba_block, 2, 1),
     )
     identity = BlockIdentity(digest_block_size=2)
@@ -125,3 +126,67 @@ def test_names_only_inside_an_interval_and_where_the_digests_reach() -> None:
 def test_a_state_unit_off_the_digest_or_checkpoint_grid_is_refused(unit: int, block: int) -> None:
     with pytest.raises(InvalidSize, match=f"state_unit {unit}"):
         _allocator(unit=unit, mamba_block=block)
+
+
+def test_a_larger_attention_block_is_named_hit_and_copied_like_the_state() -> None:
+    alloc = _allocator(full_block=4)
+    alloc.add_request("p", PROMPT, digests=_digests(PROMPT))
+    assert alloc.allocate("p", 6) is not None
+    alloc.cache("p", 6)
+    named = dict(alloc.cache_state("p", 6))
+    a0, a1 = alloc.block_table("p", FULL)
+    assert named == {FULL: a1, MAMBA: alloc.block_table("p", MAMBA)[0]}
+    moved, _ = alloc.move_state("p")  # the names leave the blocks "p" keeps writing
+    assert {c.group for c in moved} == {FULL, MAMBA} and all(c.moved for c in moved)
+    dst = {c.group: c.dst for c in moved}
+    for c in moved:
+        alloc.release_retained(c.group, list(c.retained))
+    alloc.free("p")
+    prompt = [*PROMPT[:6], 50, 51, 52]
+    match = alloc.prefix_match(prompt, digests=_digests(prompt))
+    # the whole block below, then the block named at 6 (inside the second)
+    assert match.hit == 6 and match.tables[FULL] == [a0, dst[FULL]]
+    # diverging at 5: the attention block below holds (4), no state there: no hit
+    other = [*prompt[:5], 9, 9]
+    short = alloc.prefix_match(other, digests=_digests(other))
+    assert (short.hit, short.junction) == (0, 4)
+    assert alloc.add_request("h", prompt, digests=_digests(prompt)) == 6
+    got = alloc.allocate("h", 3)
+    assert got is not None
+    copies = {c.group: c for c in got.copies}
+    assert (copies[FULL].index, copies[FULL].src, copies[FULL].retained) == (
+        1,
+        dst[FULL],
+        (dst[FULL],),
+    )
+    assert alloc.block_table("h", FULL)[:2] == [a0, copies[FULL].dst]
+    for c in got.copies:
+        alloc.release_retained(c.group, list(c.retained))
+    alloc.check_invariants(True)
+    # the hitter's own copy is named by its whole 8 tokens once computed
+    assert alloc.cache("h", 8) >= 1
+    alloc.free("h")
+    alloc.check_invariants(True)
+
+
+def test_an_attention_block_named_later_in_its_block_serves_a_shorter_hit() -> None:
+    """Attention KV is append-only: the block named at 6 also holds tokens 0..3, so a
+    hit of 4 (where the state is kept) reads it (EAGLE keeps the state one unit below
+    the attention block's name)."""
+    alloc = _allocator(full_block=8)
+    alloc.add_request("p", PROMPT, digests=_digests(PROMPT))
+    assert alloc.allocate("p", 4) is not None
+    assert [g for g, _ in alloc.cache_state("p", 4, states=True)] == [MAMBA]
+    for c in alloc.move_state("p")[0]:
+        alloc.release_retained(c.group, list(c.retained))
+    assert alloc.allocate("p", 2) is not None
+    ((g, x),) = alloc.cache_state("p", 6, states=False)
+    assert g == FULL and alloc.block_table("p", FULL) == [x]
+    alloc.free("p")
+    prompt = [*PROMPT[:6], 50, 51]
+    match = alloc.prefix_match(prompt, digests=_digests(prompt))
+    assert match.hit == 4 and match.tables[FULL] == [x]
+    # diverging before 4: neither group holds anything below
+    other = [*PROMPT[:3], 9, 9, 9]
+    assert alloc.prefix_match(other, digests=_digests(other)).hit == 0
+    alloc.check_invariants(True)

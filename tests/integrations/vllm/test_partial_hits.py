@@ -1,7 +1,9 @@
 """Sub-block ("partial hash") Mamba hits through vLLM's real Scheduler, contents checked.
 
 A simulated worker keeps what each vLLM block holds: a full-attention slot the token id
-written at its position, a Mamba block the tokens its state has consumed. Each step it
+written at its position (attention blocks of the hash block, larger ones whose partial
+block a hit copies, and decode context parallel ones whose block spans the ranks), a
+Mamba block the tokens its state has consumed. Each step it
 runs the scheduler's block copies first, then per request checks that every position
 below the computed tokens reads the request's own token and that the Mamba state it
 starts from is the state of exactly its computed tokens (vLLM's "align" mode reads the
@@ -32,22 +34,33 @@ from integrations.vllm import compat
 HASH = 16  # attention block = vLLM's hash block
 MAMBA_BLOCK = 64
 PROMPT = 100  # its tail checkpoint: 96, inside the second Mamba block
+# (attention block of one rank, decode context parallel ranks): the attention block
+# holds block * ranks tokens; 96 lies inside the second one of 64 tokens
+GEOMETRIES = [(HASH, 1), (64, 1), (32, 2)]
 
 
-def _scheduler(model_dir: Path, jenga: bool) -> Any:
+def _scheduler(model_dir: Path, jenga: bool, geometry: tuple[int, int], eagle: bool) -> Any:
+    attn_block, dcp = geometry
     full = compat.FullAttentionSpec(
-        block_size=HASH, num_kv_heads=1, head_size=1, dtype=torch.float32
+        block_size=attn_block, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
     mamba = compat.MambaSpec(
         block_size=MAMBA_BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
     )
     groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
     kv_config = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=groups)
+    # EAGLE (the tiny model as its own draft): 0.32 drops a hit's last hash block,
+    # 0.33 hashes each block with the token after it instead
+    draft = {"method": "eagle", "model": str(model_dir), "num_speculative_tokens": 2}
     setup = replay.SchedulerSetup(
-        max_model_len=1024, max_num_batched_tokens=512, block_size=MAMBA_BLOCK
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        block_size=MAMBA_BLOCK,
+        speculative=draft if eagle else None,
     )
     config = replay.make_vllm_config(model_dir, setup)
     config.cache_config.num_gpu_blocks = kv_config.num_blocks
+    config.parallel_config.decode_context_parallel_size = dcp
     cls = JengaScheduler if jenga else compat.Scheduler
     return cls(
         vllm_config=config,
@@ -62,7 +75,8 @@ def _scheduler(model_dir: Path, jenga: bool) -> Any:
 class _Worker:
     """Block contents as a worker would hold them (slot ids are shared by the groups)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attn_tokens: int) -> None:
+        self.attn_tokens = attn_tokens  # tokens per attention block (all ranks)
         self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id
         self.state: dict[int, tuple[int, ...]] = {}  # block id -> tokens consumed
         self.tables: dict[str, list[list[int]]] = {}
@@ -73,7 +87,7 @@ class _Worker:
         for src, dst in out.kv_cache_block_copies or ():
             self.copies += 1
             self.state[dst] = self.state.get(src, ())
-            for slot in range(HASH):
+            for slot in range(self.attn_tokens):
                 if (src, slot) in self.kv:
                     self.kv[dst, slot] = self.kv[src, slot]
         for new in out.scheduled_new_reqs:
@@ -90,8 +104,9 @@ class _Worker:
 
     def _run(self, rid: str, tokens: list[int], computed: int, n: int) -> None:
         attn, mamba = self.tables[rid]
+        a = self.attn_tokens
         for p in range(computed):
-            got = self.kv.get((attn[p // HASH], p % HASH))
+            got = self.kv.get((attn[p // a], p % a))
             assert got == tokens[p], f"{rid}: position {p} reads {got}, expected {tokens[p]}"
         if computed:
             state = self.state.get(mamba[(computed - 1) // MAMBA_BLOCK])
@@ -100,7 +115,7 @@ class _Worker:
                 f"{None if state is None else len(state)} tokens (or other ones)"
             )
         for p in range(computed, computed + n):
-            self.kv[attn[p // HASH], p % HASH] = tokens[p]
+            self.kv[attn[p // a], p % a] = tokens[p]
         self.state[mamba[(computed + n - 1) // MAMBA_BLOCK]] = tuple(tokens[: computed + n])
 
 
@@ -119,11 +134,17 @@ def _serve(
     assert not scheduler.get_num_unfinished_requests() or steps < 200, "requests left"
 
 
-def _run(model_dir: Path, jenga: bool, overlap: bool) -> tuple[_Worker, Any]:
+def _run(
+    model_dir: Path,
+    jenga: bool,
+    overlap: bool,
+    geometry: tuple[int, int] = (HASH, 1),
+    eagle: bool = False,
+) -> tuple[_Worker, Any]:
     """A producer, then (``overlap``: while it still decodes) two requests sharing its
     first 96 tokens, then one sharing 48 of them."""
-    scheduler = _scheduler(model_dir, jenga)
-    worker = _Worker()
+    scheduler = _scheduler(model_dir, jenga, geometry, eagle)
+    worker = _Worker(geometry[0] * geometry[1])
     base = list(range(1, PROMPT + 1))
     producer = replay.make_requests([base], [12 if overlap else 2], HASH, prefix="p")
     siblings = replay.make_requests(
@@ -139,22 +160,49 @@ def _run(model_dir: Path, jenga: bool, overlap: bool) -> tuple[_Worker, Any]:
     return worker, scheduler
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("overlap", [False, True])
-def test_partial_hits_serve_the_states_recompute_gives(model_dir: Path, overlap: bool) -> None:
-    worker, scheduler = _run(model_dir, jenga=True, overlap=overlap)
+def test_partial_hits_serve_the_states_recompute_gives(
+    model_dir: Path, overlap: bool, geometry: tuple[int, int]
+) -> None:
+    worker, scheduler = _run(model_dir, jenga=True, overlap=overlap, geometry=geometry)
     manager = scheduler.kv_cache_manager
     assert isinstance(manager, JengaKVCacheManager)
     assert manager.coordinator.enable_partial_hash_hits and scheduler.mamba_partial_cache_hit
-    # the siblings resume at the producer's tail checkpoint (96, inside a Mamba block),
-    # the last one at the 48-token state nobody named: the checkpoint below it (0)
+    # the siblings resume at the producer's tail checkpoint (96, inside a Mamba block and
+    # a larger attention block), the last one at the 48-token state nobody named: the
+    # checkpoint below it (0)
     assert [worker.resumed_at[f"s{i}"] for i in range(3)] == [96, 96, 0]
-    assert worker.copies >= 2  # the producer's move and each hitter's own copy
+    # the producer's move and each hitter's own copy, per group inside a block
+    partial = 1 + (geometry[0] * geometry[1] > HASH)
+    assert worker.copies >= 2 * partial
     manager.check_invariants(expensive=True)
     # every block kept for a copy came back through vLLM's scheduler once it ran
     assert manager.allocator.usage().used_blocks == (0, 0)
     ours = dict(worker.resumed_at)
-    theirs = _run(model_dir, jenga=False, overlap=overlap)[0].resumed_at
+    theirs = _run(model_dir, jenga=False, overlap=overlap, geometry=geometry)[0].resumed_at
     assert ours == theirs
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_partial_hits_with_eagle_serve_what_recompute_gives(
+    model_dir: Path, geometry: tuple[int, int]
+) -> None:
+    """EAGLE with a Mamba hybrid: on 0.32 the block drop (the state kept one hash block
+    below the prompt's last boundary, the attention block named at that boundary proves
+    it), on 0.33 lookahead hashes (no drop); the hits equal vLLM's own manager's."""
+    worker, scheduler = _run(model_dir, jenga=True, overlap=True, geometry=geometry, eagle=True)
+    manager = scheduler.kv_cache_manager
+    assert isinstance(manager, JengaKVCacheManager)
+    assert manager.coordinator.enable_partial_hash_hits and scheduler.mamba_partial_cache_hit
+    assert manager.speculative.use_eagle is not compat.AT_LEAST_0_33
+    resumed = [worker.resumed_at[f"s{i}"] for i in range(3)]
+    # 0.32: the state at 80 (one hash block below 96), proven by the attention at 96
+    assert resumed == ([96, 96, 0] if compat.AT_LEAST_0_33 else [80, 80, 0])
+    manager.check_invariants(expensive=True)
+    assert manager.allocator.usage().used_blocks == (0, 0)
+    theirs = _run(model_dir, jenga=False, overlap=True, geometry=geometry, eagle=True)[0]
+    assert worker.resumed_at == theirs.resumed_at
 
 
 def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
@@ -176,9 +224,9 @@ def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
     ("attn_block", "mamba_block", "kwargs", "served"),
     [
         (HASH, MAMBA_BLOCK, {}, True),
-        (MAMBA_BLOCK, MAMBA_BLOCK, {}, False),  # a partial attention block: not served
+        (MAMBA_BLOCK, MAMBA_BLOCK, {}, True),  # a partial attention block, copied
+        (HASH * 2, MAMBA_BLOCK, {"dcp_world_size": 2}, True),  # 64-token DCP blocks
         (HASH, HASH, {}, False),  # Mamba blocks on the hash grid: nothing finer to hit
-        (HASH, MAMBA_BLOCK, {"use_eagle": True}, False),
     ],
 )
 def test_partial_hits_are_announced_only_where_served(
