@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jenga.requests import NULL_BLOCK, check_live_tables
-from jenga.substates import fine_group, fine_lookup, fine_mask, fine_table
+from jenga.substates import fine_group, fine_mask, fine_table
 
 if TYPE_CHECKING:
     from jenga.requests import LiveRequest
@@ -122,9 +122,12 @@ class AllocatorViews:
             check_live_tables(self._requests, self.policies, self._core, retained)
 
     # -- prefix matching (the lookup side of `JengaAllocator.prefix_match`) ----------
-    def _lookup(self, g: int, policy: Any, req: LiveRequest, n: int) -> np.ndarray:
-        """Group g's cached block per block of the ``n`` tokens (-1: none)."""
-        t = policy.tokens_per_block
+    def _lookup(
+        self, g: int, policy: Any, req: LiveRequest, n: int, t: int | None = None
+    ) -> np.ndarray:
+        """Group g's cached block after every ``t`` of the ``n`` tokens (-1: none; ``t``:
+        its block, or a fine group's unit, `jenga.substates`)."""
+        t = t or policy.tokens_per_block
         if not policy.caches_blocks:  # nothing of it is in the index
             return np.full(n // t, -1, dtype=np.int64)
         if policy.reads_images:
@@ -213,13 +216,12 @@ class AllocatorViews:
         unit = self._states.unit if self._states is not None else 0
         for g, policy in enumerate(self.policies):
             if fine_group(policy, unit):  # hits inside its blocks (`jenga.substates`)
-                found = fine_lookup(self._core, g, req, unit, n)
-                lookups.append(found)
+                found = self._lookup(g, policy, req, n, unit)
                 mask = fine_mask(policy, found, step, unit, n)
             else:
                 found = self._lookup(g, policy, req, n)
-                lookups.append(found)
                 mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
+            lookups.append(found)
             if proof is not None:  # speculative decoding: hits followed by cached steps
                 mask = proof.proven(mask, policy.holds_state, whole)
             elif whole:

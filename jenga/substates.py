@@ -9,17 +9,17 @@ Rationale
     resumes from it exactly.
 
 Approach
-    ``AllocatorConfig.state_unit`` (u) turns it on: u divides every Mamba group's
-    interval and is a multiple of the caller's digest block size (the identity of a block
-    is the caller's digest at its last token, so the state after n tokens has one name
-    whatever the interval, and a checkpoint is found by the same lookup). A Mamba group's
-    prefix lookup reads every u-boundary (`fine_lookup`, `fine_mask`); the hit's table
-    ends with the state found there (`fine_table`). A full-attention group with
+    ``AllocatorConfig.state_unit`` (u) turns it on: u divides every Mamba group's interval
+    and is a multiple of the caller's digest block size (the identity of a block is the
+    caller's digest at its last token, so the state after n tokens has one name whatever the
+    interval, and a checkpoint is found by the same lookup). A Mamba group's prefix lookup
+    reads every u-boundary (the allocator's one lookup, at u tokens, then `fine_mask`); the
+    hit's table ends with the state found there (`fine_table`). A full-attention group with
     blocks larger than u is a fine group too (`fine_group`): its KV is append-only, so a
-    block named at a u-boundary inside it holds every token below that boundary, and a
-    hit there (or lower in the same block, `_cover`) takes its whole blocks, then that
-    block. Other text groups keep their blocks; the hit step becomes the lcm of their
-    block sizes and u.
+    block named at a u-boundary inside it holds every token below that boundary, and a hit
+    there (or lower in the same block, `_cover`) takes its whole blocks, then that block.
+    Other text groups keep their blocks; the hit step becomes the lcm of their block sizes
+    and u.
 
     A state inside an interval lives in the block the request keeps writing, so the
     cache never shares it in place:
@@ -94,14 +94,6 @@ def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: i
 def hit_unit(policy: Policy, unit: int | None) -> int:
     """The prefix step a text group allows: its block, or ``unit`` for a fine group."""
     return unit if unit and fine_group(policy, unit) else policy.tokens_per_block
-
-
-def fine_lookup(core: _core.Core, g: int, req: LiveRequest, unit: int, n: int) -> np.ndarray:
-    """Group g's cached state after every ``unit`` tokens of the ``n`` (-1: none)."""
-    found = core.lookup(g, req.identities(unit, 0, n // unit))
-    if len(found) < n // unit:  # the caller's digests end sooner
-        found = np.concatenate([found, np.full(n // unit - len(found), -1, found.dtype)])
-    return found
 
 
 def _cover(per: int, found: np.ndarray) -> np.ndarray:
