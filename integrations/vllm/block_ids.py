@@ -15,7 +15,7 @@ Approach
     geometry        vLLM id of allocator block ``b``      `KVCacheBlock` objects
     ==============  ====================================  ==============================
     SHARED_SLOTS    the page's slot (`SharedSlots`,       one per slot, made up front
-                    replaying the allocator's plan ops)   (as vLLM's `BlockPool`)
+    VMM_SLOTS       replaying the allocator's plan ops)   (as vLLM's `BlockPool`)
     PER_LAYER       ``b``                                 per group, made on first use
     PER_GROUP       ``q*M + j`` for ``b = q*B + j``       per group, made on first use
     ==============  ====================================  ==============================
@@ -41,6 +41,7 @@ from jenga.allocator import NULL_BLOCK
 from integrations.vllm.compat import KVCacheBlock
 from integrations.vllm.layout import GroupLayout, JengaLayout
 from integrations.vllm.options import TensorGeometry
+from integrations.vllm.slot_chunks import ChunkRefs
 from integrations.vllm.slots import SharedSlots
 
 PlanKeys = list[tuple[int, int, int, int]]
@@ -117,6 +118,35 @@ class SlotBlockIds(BlockIds):
         )
 
 
+class VmmSlotBlockIds(SlotBlockIds):
+    """The "slots" VMM geometry: vLLM's block slots, and per chunk of the range the
+    mapped slots touching it (`integrations.vllm.slot_chunks.ChunkRefs`), so
+    `committed_bytes` is what the worker's range maps."""
+
+    def __init__(self, layout: JengaLayout) -> None:
+        super().__init__(layout)
+        self._track()
+
+    def _track(self) -> None:
+        assert self.layout.slot_chunks is not None
+        self.chunks = ChunkRefs(self.layout.slot_chunks)
+        self.slots.listener = self.chunks.change
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the chunks mapped slots (and the null slot) touch."""
+        return self.chunks.committed_bytes
+
+    def reset(self) -> None:
+        super().reset()
+        self._track()
+
+    def check_invariants(self, used_units: int) -> None:
+        super().check_invariants(used_units)
+        tables, _ = self.slots.state()
+        self.chunks.check(s for t in tables for s in t.values())
+
+
 class RangeBlockIds(BlockIds):
     """VMM ranges, per_layer geometry: vLLM's ids are the allocator's (per group)."""
 
@@ -167,6 +197,7 @@ class SpreadBlockIds(RangeBlockIds):
 
 _STRATEGIES: dict[TensorGeometry, type[BlockIds]] = {
     TensorGeometry.SHARED_SLOTS: SlotBlockIds,
+    TensorGeometry.VMM_SLOTS: VmmSlotBlockIds,
     TensorGeometry.PER_LAYER: RangeBlockIds,
     TensorGeometry.PER_GROUP: SpreadBlockIds,
 }

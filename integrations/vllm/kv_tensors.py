@@ -8,9 +8,10 @@ Rationale
     one group's ranges is mapped into another's).
 
 Approach
-    Two geometries (`JengaVllmOptions.geometry`):
+    Two geometries (`JengaVllmOptions.geometry`) here; the third, "slots" (vLLM's
+    buffer on one range), is `integrations.vllm.slot_tensors.SlotVmmKVCache`:
 
-    - "per_group" (default): one virtual range per KV-cache group; a large page of ``k``
+    - "per_group": one virtual range per KV-cache group; a large page of ``k``
       chunks holds ``B`` whole blocks of every layer of the group, layer-compact inside
       the page (`integrations.vllm.placement`), so one live block pins ``k`` chunks, not
       ``k`` chunks per layer. vLLM's `create_kv_cache_views` builds the per-layer views
@@ -81,7 +82,41 @@ class UnsupportedLayout(JengaVllmError, NotImplementedError):
     """A group or KV layout the VMM tensor path cannot place block by block."""
 
 
-class VmmKVCache:
+class ScheduledCache:
+    """How a worker-side KV cache follows the scheduler: plans, else block ids."""
+
+    def apply_plan(self, plan: MappingPlan) -> None:
+        raise NotImplementedError
+
+    def ensure_mapped(self, block_ids: Sequence[Iterable[int]]) -> int:
+        raise NotImplementedError
+
+    def apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
+        """Before a step: apply the plans the scheduler attached (maps and unmaps), or,
+        from a scheduler that attached none, map the pages of the step's block ids.
+
+        Returns the number of plan ops applied / pages mapped.
+        """
+        plans = getattr(scheduler_output, "jenga_vmm_plans", None)
+        if plans is None:
+            return self.map_for_scheduler_output(scheduler_output)
+        for plan in plans:
+            self.apply_plan(plan)
+        return sum(len(p) for p in plans)
+
+    def map_for_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
+        """`ensure_mapped` for every block id a vLLM `SchedulerOutput` hands the worker."""
+        total = 0
+        for new in scheduler_output.scheduled_new_reqs:
+            total += self.ensure_mapped(new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for ids in getattr(cached, "new_block_ids", ()):
+            if ids is not None:
+                total += self.ensure_mapped(ids)
+        return total
+
+
+class VmmKVCache(ScheduledCache):
     """VMM ranges (per group or per layer) and vLLM views for one `KVCacheConfig`.
 
     Invariant: a page is in ``mapped_pages[g]`` exactly when its chunk slots are mapped
@@ -245,30 +280,6 @@ class VmmKVCache:
             for g_index, page in added:
                 self.mapped_pages[g_index].add(page)
         return len(added)
-
-    def apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
-        """Before a step: apply the plans the scheduler attached (maps and unmaps), or,
-        from a scheduler that attached none, map the pages of the step's block ids.
-
-        Returns the number of plan ops applied / pages mapped.
-        """
-        plans = getattr(scheduler_output, "jenga_vmm_plans", None)
-        if plans is None:
-            return self.map_for_scheduler_output(scheduler_output)
-        for plan in plans:
-            self.apply_plan(plan)
-        return sum(len(p) for p in plans)
-
-    def map_for_scheduler_output(self, scheduler_output: SchedulerOutput) -> int:
-        """`ensure_mapped` for every block id a vLLM `SchedulerOutput` hands the worker."""
-        total = 0
-        for new in scheduler_output.scheduled_new_reqs:
-            total += self.ensure_mapped(new.block_ids)
-        cached = scheduler_output.scheduled_cached_reqs
-        for ids in getattr(cached, "new_block_ids", ()):
-            if ids is not None:
-                total += self.ensure_mapped(ids)
-        return total
 
     # -- accounting -------------------------------------------------------------------
     def mapped_bytes(self) -> int:

@@ -29,6 +29,13 @@ Approach
         most ``total_units // U_g`` pages (the C++ core recycles page ids LIFO below its
         peak), so vLLM ids are ``< capacity`` and the id ``capacity`` is its null block.
 
+      * VMM slots (``pages="vmm"``, ``geometry="slots"``): the shared-slot allocator
+        above, unchanged, over one VMM range laid out as vLLM's buffer
+        (`integrations.vllm.slot_chunks`): the slot count is capped so that mapping
+        every slot's chunks fits vLLM's bytes, and a chunk is mapped while a mapped slot
+        touches it. ``geometry="auto"`` resolves here: "slots" when every group's
+        unpadded block bytes equal vLLM's bytes per block, "per_group" otherwise.
+
       A null block stands for entries a request released (blocks out of a sliding
       window, old Mamba states).
     - The memory budget is vLLM's: the single backing allocation of the config's
@@ -77,6 +84,7 @@ from integrations.vllm.page_tables import (
     vllm_slot_pages,
 )
 from integrations.vllm.placement import GroupPlacement
+from integrations.vllm.slot_chunks import SlotChunks, slot_cap
 from integrations.vllm.specs import (
     check_context_parallel,
     check_kinds,
@@ -130,6 +138,7 @@ class JengaLayout:
     groups: tuple[GroupLayout, ...]
     memory_bytes: int
     options: JengaVllmOptions
+    slot_chunks: SlotChunks | None = None  # the "slots" VMM geometry, else None
 
     @property
     def total_units(self) -> int:
@@ -146,8 +155,9 @@ class JengaLayout:
         """
         if not self.options.tensor_geometry.on_vmm_ranges:
             raise JengaVllmError(
-                "pages='vllm' has no VMM range geometry "
-                "(block ids are vLLM's shared slots); use kv_tensors='vmm'"
+                f"geometry {self.options.tensor_geometry} has no per-group or per-layer VMM "
+                "ranges (block ids are vLLM's shared slots); use kv_tensors='vmm' with "
+                "geometry='per_group' or 'per_layer'"
             )
         return tuple(
             GroupGeometry.from_row(
@@ -172,14 +182,25 @@ def build_layout(
     check_kinds(kv_cache_config)
     check_context_parallel(vgroups, dcp_world_size, pcp_world_size)
     memory = kv_cache_memory_bytes(kv_cache_config)
+    num_blocks = int(kv_cache_config.num_blocks)
+    if options.vmm_pages and options.geometry is TensorGeometry.AUTO:
+        uniform = _uniform_slots(
+            vgroups, max_model_len, memory // max(1, num_blocks), dcp_world_size
+        )
+        options = options.resolve(uniform)
     geometry = options.tensor_geometry
-    shared = geometry is TensorGeometry.SHARED_SLOTS
-    slot = memory // max(1, int(kv_cache_config.num_blocks)) if shared else None
+    shared = geometry.slot_ids
+    slot = memory // max(1, num_blocks) if shared else None
     kv_groups = _kv_groups(vgroups, max_model_len, slot, dcp_world_size)
     model = ModelSpec("vllm", kv_groups, max_model_len)
     placements: tuple[GroupPlacement | None, ...] = (None,) * len(kv_groups)
+    slot_chunks = None
     if shared:
-        table, total_units = vllm_slot_pages(model, memory, int(kv_cache_config.num_blocks))
+        num_slots = num_blocks
+        if geometry is TensorGeometry.VMM_SLOTS:
+            slot_chunks = SlotChunks.from_config(kv_cache_config, options.chunk_bytes)
+            num_slots = slot_cap(slot_chunks, num_blocks)
+        table, total_units = vllm_slot_pages(model, memory, num_blocks, num_slots)
     elif geometry is TensorGeometry.PER_GROUP:
         placements = place_groups(tuple(kv_groups), options, memory)
         table = group_page_table(model, placements, options)
@@ -215,7 +236,19 @@ def build_layout(
                 dcp_world_size=kg.spec.token_shards,
             )
         )
-    return JengaLayout(model, table, config, tuple(groups), memory, options)
+    return JengaLayout(model, table, config, tuple(groups), memory, options, slot_chunks)
+
+
+def _uniform_slots(
+    vgroups: list[KVCacheGroupSpec], max_model_len: int, slot: int, dcp_world_size: int
+) -> bool:
+    """Whether every group's unpadded block (all its layers) is exactly vLLM's slot of
+    ``slot`` bytes: vLLM's overlay then pads nothing ("auto" picks "slots")."""
+    try:
+        groups = _kv_groups(vgroups, max_model_len, None, dcp_world_size)
+    except JengaVllmError:  # a state whose size only the padded slot gives
+        return False
+    return all(g.spec.page_bytes * g.num_layers == slot for g in groups)
 
 
 def _kv_groups(

@@ -1,9 +1,10 @@
 """The user's options (``additional_config["jenga_vmm"]``) and the KV-tensor geometry.
 
 Rationale
-    Three KV-tensor modes decide where a vLLM block id points, and nearly every part of
+    Four KV-tensor modes decide where a vLLM block id points, and nearly every part of
     the integration (layout, manager, worker tensors) branches on them. They are one
-    enum, `TensorGeometry`, resolved once from the options, so no module compares the
+    enum, `TensorGeometry`, resolved once from the options (and, for ``geometry="auto"``,
+    from the KV-cache config: `JengaVllmOptions.resolve`), so no module compares the
     option strings again.
 
 Approach
@@ -18,7 +19,7 @@ Limitations
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import StrEnum
 
 from jenga.allocator import AllocationOrder
@@ -31,27 +32,45 @@ OPTIONS_KEY = "jenga_vmm"
 
 
 class TensorGeometry(StrEnum):
-    """Where vLLM block ids point (the three KV-tensor modes).
+    """Where vLLM block ids point (the four KV-tensor modes, and "auto").
 
     ``SHARED_SLOTS`` (``pages="vllm"``): vLLM's own KV tensors overlay every group on one
     buffer; an allocator page is one of vLLM's block slots (`integrations.vllm.slots`).
-    ``PER_GROUP`` (``pages="vmm"``, ``geometry="per_group"``): one VMM range per group,
-    a large page holds whole blocks of all its layers, vLLM ids spread so page ``q``
-    starts at id ``q*M`` (`integrations.vllm.placement`). ``PER_LAYER`` (``pages="vmm"``,
+    ``VMM_SLOTS`` (``pages="vmm"``, ``geometry="slots"``): the same block slots, over a
+    VMM range laid out exactly as vLLM's buffer; a 2 MiB chunk of it is mapped while
+    any mapped slot touches it (`integrations.vllm.slot_chunks`). ``PER_GROUP``
+    (``pages="vmm"``, ``geometry="per_group"``): one VMM range per group, a large page
+    holds whole blocks of all its layers, vLLM ids spread so page ``q`` starts at id
+    ``q*M`` (`integrations.vllm.placement`). ``PER_LAYER`` (``pages="vmm"``,
     ``geometry="per_layer"``): one VMM range per layer, vLLM ids are the allocator's.
+    ``AUTO`` is no geometry: `JengaVllmOptions.resolve` turns it into ``VMM_SLOTS`` or
+    ``PER_GROUP`` from the KV-cache config.
     """
 
     SHARED_SLOTS = "shared_slots"
+    VMM_SLOTS = "slots"
     PER_GROUP = "per_group"
     PER_LAYER = "per_layer"
+    AUTO = "auto"
 
     @property
     def on_vmm_ranges(self) -> bool:
-        """True for the VMM-range geometries (ids per group, null id = capacity)."""
-        return self is not TensorGeometry.SHARED_SLOTS
+        """True for the per-group / per-layer VMM ranges (ids per group, null id =
+        capacity); the slot geometries share ids across groups (null id 0)."""
+        return self in (TensorGeometry.PER_GROUP, TensorGeometry.PER_LAYER)
+
+    @property
+    def slot_ids(self) -> bool:
+        """True where block ids are vLLM's block slots, shared by all groups (slot 0 null)."""
+        return self in (TensorGeometry.SHARED_SLOTS, TensorGeometry.VMM_SLOTS)
 
 
-VMM_GEOMETRIES = (TensorGeometry.PER_GROUP, TensorGeometry.PER_LAYER)
+VMM_GEOMETRIES = (
+    TensorGeometry.AUTO,
+    TensorGeometry.VMM_SLOTS,
+    TensorGeometry.PER_GROUP,
+    TensorGeometry.PER_LAYER,
+)
 """The values of `JengaVllmOptions.geometry`: where VMM pages place a group's blocks."""
 
 
@@ -70,10 +89,17 @@ class JengaVllmOptions:
     ``junctions``: report the shared-prefix boundary to the scheduler
     (`JengaKVCacheManager.get_computed_blocks`) so Mamba states get cached where
     siblings' prompts diverge.
-    ``geometry`` (VMM pages): "per_group" (default; one range per KV-cache group, a
-    large page holds whole blocks of all the group's layers) or "per_layer" (one range
-    per layer, a large page is ``k`` chunks of each; per-layer contiguous tensors); a
-    string is turned into its `TensorGeometry`.
+    ``geometry`` (VMM pages): "slots" (vLLM's block slots over one VMM range laid out as
+    vLLM's buffer: memory moves between groups block by block and a chunk is mapped
+    while a mapped slot touches it), "per_group" (one range per KV-cache group, a large
+    page holds whole blocks of all the group's layers), "per_layer" (one range per
+    layer, a large page is ``k`` chunks of each; per-layer contiguous tensors) or "auto"
+    (the default): "slots" where every group's unpadded block fills vLLM's slot exactly
+    (vLLM's overlay wastes nothing there) and no ``shared_pool`` is set, "per_group"
+    otherwise (pages of different sizes, e.g. Mamba states beside attention, which
+    vLLM pads to one slot). `build_layout` resolves it (`resolve`); a string is turned
+    into its `TensorGeometry`. "slots" with ``shared_pool`` is refused: the pool's
+    capacity is counted in chunks, the slot geometry's allocator in slots.
     ``chunk_bytes``: the exchange unit between groups (CUDA: the 2 MiB granularity).
     ``epsilon``: the waste (tail, padding) a large page may carry; None: 0.01 per_layer
     (whose VMM tensor path needs 0-tail groups), 0.05 per_group (any tail works).
@@ -104,7 +130,7 @@ class JengaVllmOptions:
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     epsilon: float | None = None
-    geometry: TensorGeometry = TensorGeometry.PER_GROUP
+    geometry: TensorGeometry = TensorGeometry.AUTO
     reuse_window_releases: bool | None = None
     order: str | None = None
     kv_tensors: str = "torch"
@@ -141,16 +167,45 @@ class JengaVllmOptions:
             names = tuple(str(g) for g in VMM_GEOMETRIES)
             raise InvalidOptions(f"geometry must be one of {names}, got {self.geometry!r}")
         object.__setattr__(self, "geometry", TensorGeometry(self.geometry))
+        if self.shared_pool and self.geometry is TensorGeometry.VMM_SLOTS:
+            raise InvalidOptions(
+                f"geometry='slots' cannot draw from shared_pool {self.shared_pool!r}: the "
+                "pool's capacity is counted in chunks, the slot allocator's in block slots; "
+                "use geometry='per_group' (or 'auto', which picks it with a shared pool)"
+            )
         if self.order is not None and self.order not in tuple(AllocationOrder):
             raise InvalidOptions(
                 f"order must be one of {[str(o) for o in AllocationOrder]}, got {self.order!r}"
             )
 
     @property
+    def vmm_pages(self) -> bool:
+        """Whether block ids point into VMM ranges (`pages`, "auto" resolved by
+        `kv_tensors`)."""
+        return self.pages == "vmm" or (self.pages == "auto" and self.vmm_tensors)
+
+    @property
     def tensor_geometry(self) -> TensorGeometry:
-        """Where block ids point: `pages` ("auto" resolved by `kv_tensors`) and `geometry`."""
-        pages = self.pages if self.pages != "auto" else ("vmm" if self.vmm_tensors else "vllm")
-        return self.geometry if pages == "vmm" else TensorGeometry.SHARED_SLOTS
+        """Where block ids point: `pages` and `geometry`; raises `InvalidOptions` on VMM
+        pages while `geometry` is still "auto" (`resolve` it first)."""
+        if not self.vmm_pages:
+            return TensorGeometry.SHARED_SLOTS
+        if self.geometry is TensorGeometry.AUTO:
+            raise InvalidOptions(
+                "geometry='auto' is resolved from the KV-cache config (build_layout / "
+                "JengaVllmOptions.resolve) before the geometry is known"
+            )
+        return self.geometry
+
+    def resolve(self, uniform_slots: bool) -> JengaVllmOptions:
+        """These options with ``geometry="auto"`` decided: "slots" when
+        ``uniform_slots`` (every group's unpadded block is vLLM's slot) and no
+        `shared_pool`, else "per_group"; other values are kept."""
+        if self.geometry is not TensorGeometry.AUTO:
+            return self
+        slots = uniform_slots and not self.shared_pool
+        geometry = TensorGeometry.VMM_SLOTS if slots else TensorGeometry.PER_GROUP
+        return replace(self, geometry=geometry)
 
     @property
     def vmm_tensors(self) -> bool:

@@ -1,4 +1,4 @@
-"""Page tables for the three tensor geometries (`TensorGeometry`), from a jenga model.
+"""Page tables for the tensor geometries (`TensorGeometry`), from a jenga model.
 
 Rationale
     The allocator sees every geometry as a `jenga.pages.PageTable` (per group: blocks
@@ -7,9 +7,9 @@ Rationale
     `integrations.vllm.layout.build_layout` only picks one.
 
 Approach
-    - `vllm_slot_pages` (shared slots): one unit = one of vLLM's block slots, every
-      group's large page is one slot (slot 0 is the null block, so ``num_blocks - 1``
-      units).
+    - `vllm_slot_pages` (shared slots, on vLLM's tensors or VMM slots): one unit = one
+      of vLLM's block slots, every group's large page is one slot (slot 0 is the null
+      block, so ``num_slots - 1`` units).
     - `group_page_table` (per_group): one range per group, rows from each group's
       `integrations.vllm.placement.GroupPlacement` (`place`).
     - `layer_pages` (per_layer): `jenga.pages.vmm_page_table`, ``k`` chunks per layer
@@ -139,15 +139,19 @@ def check_room(table: PageTable, memory: int, options: JengaVllmOptions) -> int:
     return total_units
 
 
-def vllm_slot_pages(model: ModelSpec, memory: int, num_blocks: int) -> tuple[PageTable, int]:
-    """vLLM's own tensors: one unit = one block slot shared by all groups (slot 0 = null).
+def vllm_slot_pages(
+    model: ModelSpec, memory: int, num_blocks: int, num_slots: int | None = None
+) -> tuple[PageTable, int]:
+    """vLLM's block slots: one unit = one block slot shared by all groups (slot 0 = null).
 
     vLLM overlays every group on one buffer, so slot ``b`` is the same bytes in every
     group and may belong to one group at a time; a group's large page is one slot (its
     pages padded to the slot, exactly as vLLM pads them). vLLM's worker owns those bytes
     on this geometry and vLLM's manager only counts slots, so neither do we check a page
     against the slot: the table's unit is the slot, or a larger page where a config
-    (vLLM's tests build such) declares one; the budget is counted in slots either way.
+    (vLLM's tests build such) declares one; the budget is counted in slots either way:
+    ``num_slots - 1`` units (``num_slots``: vLLM's ``num_blocks`` unless given; the
+    "slots" VMM geometry caps it, `integrations.vllm.slot_chunks.slot_cap`).
     """
     if num_blocks < 2:
         raise JengaVllmError(f"the KV cache holds {num_blocks} block(s); at least 2 are needed")
@@ -157,4 +161,4 @@ def vllm_slot_pages(model: ModelSpec, memory: int, num_blocks: int) -> tuple[Pag
         table = static_page_table(model, strategy="max", unit_bytes=unit)
     except SpecError as exc:
         raise JengaVllmError(f"vLLM's block slot cannot hold a block: {exc}") from exc
-    return table, num_blocks - 1
+    return table, (num_blocks if num_slots is None else num_slots) - 1

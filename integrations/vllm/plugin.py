@@ -49,6 +49,7 @@ from integrations.vllm.errors import UnsupportedFeature
 from integrations.vllm.kv_tensors import VmmKVCache
 from integrations.vllm.layout import build_layout
 from integrations.vllm.options import OPTIONS_KEY, JengaVllmOptions
+from integrations.vllm.slot_tensors import SlotVmmKVCache
 from integrations.vllm.version import UnsupportedVllmVersion, check_vllm_version
 
 if TYPE_CHECKING:
@@ -172,18 +173,22 @@ def vmm_allocate_kv_cache(
     kernel_block_sizes: Sequence[int] | None = None,
     *,
     backend: vmm.Backend | None = None,
-) -> VmmKVCache:
-    """Reserve ranges and build vLLM's per-layer views for ``kv_cache_config``."""
+) -> VmmKVCache | SlotVmmKVCache:
+    """Reserve ranges and build vLLM's per-layer views for ``kv_cache_config`` (one range
+    per group or layer, or for ``geometry="slots"`` vLLM's buffer on one range)."""
     options = JengaVllmOptions.from_vllm_config(vllm_config)
     dcp = vllm_config.parallel_config.decode_context_parallel_size  # as the scheduler's
     layout = build_layout(kv_cache_config, vllm_config.model_config.max_model_len, options, dcp)
-    budget = layout.total_units * options.chunk_bytes
+    slots = layout.slot_chunks  # the "slots" geometry: chunks of every capped slot
+    units = slots.footprint(layout.total_units + 1) if slots else layout.total_units
+    budget = units * options.chunk_bytes
     if backend is None and options.shared_pool:
         backend = _join_shared_pool(options, budget)
     if backend is None:
         backend = vmm.get_backend("auto", granularity=options.chunk_bytes)
     pool = vmm.ChunkPool(backend, budget_bytes=budget)
-    return VmmKVCache(kv_cache_config, layout, pool, kv_cache_layout, kernel_block_sizes)
+    cls = SlotVmmKVCache if slots else VmmKVCache
+    return cls(kv_cache_config, layout, pool, kv_cache_layout, kernel_block_sizes)
 
 
 def _join_shared_pool(options: JengaVllmOptions, budget: int) -> vmm.Backend:
@@ -212,7 +217,7 @@ def _join_shared_pool(options: JengaVllmOptions, budget: int) -> vmm.Backend:
 def vmm_allocation(
     module: ModuleType,
     vllm_config: VllmConfig,
-    made: list[VmmKVCache],
+    made: list[VmmKVCache | SlotVmmKVCache],
     backend: vmm.Backend | None = None,
 ) -> Iterator[None]:
     """While inside, ``module.allocate_kv_cache`` builds `VmmKVCache` s (kept in ``made``)."""
@@ -243,7 +248,7 @@ def _wrap_initialize(original: Callable[..., Any], module: ModuleType) -> Callab
     ) -> Any:
         if not wants_vmm_tensors(self.vllm_config):
             return original(self, kv_cache_config, *args, **kw)
-        made: list[VmmKVCache] = []
+        made: list[VmmKVCache | SlotVmmKVCache] = []
         with vmm_allocation(module, self.vllm_config, made):
             result = original(self, kv_cache_config, *args, **kw)
         self.jenga_vmm_kv_cache = made[-1] if made else None

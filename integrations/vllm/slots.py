@@ -24,7 +24,7 @@ Limitations
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jenga.plan import OP_MAP, MapPage, MappingPlan, plan_from_keys
 
@@ -39,7 +39,12 @@ class SharedSlots:
     ``slot_of[g][page]`` is the page's slot (0: unmapped; slot 0 is the null block and
     never handed out); ``group_of[slot]`` / ``page_of[slot]`` the reverse (-1: free).
     Invariant: the mapped slots of all groups and ``free`` partition ``1 .. num_slots - 1``.
+    ``listener`` (the "slots" VMM geometry's `integrations.vllm.slot_chunks.ChunkRefs.
+    change`): called ``(slot, 1)`` when a slot is mapped and ``(slot, -1)`` when it is
+    unmapped, rolled-back ops included.
     """
+
+    listener: Callable[[int, int], None] | None = None
 
     def __init__(self, num_groups: int, num_slots: int, num_pages: int = 0) -> None:
         if num_slots < 2:
@@ -66,6 +71,8 @@ class SharedSlots:
         slot = self._table(group, page)[page] = self.free.pop()
         self.group_of[slot], self.page_of[slot] = group, page
         self.num_mapped += 1
+        if self.listener is not None:
+            self.listener(slot, 1)
         return slot
 
     def _unmap(self, group: int, page: int) -> int:
@@ -77,6 +84,8 @@ class SharedSlots:
             self.group_of[slot] = self.page_of[slot] = -1
             self.free.append(slot)
             self.num_mapped -= 1
+            if self.listener is not None:
+                self.listener(slot, -1)
         return slot
 
     def _mapped(self, group: int, page: int) -> bool:
@@ -113,6 +122,12 @@ class SharedSlots:
                 self._table(group, page)[page] = slot
                 self.group_of[slot], self.page_of[slot] = group, page
                 self.num_mapped += 1
+                if self.listener is not None:
+                    self.listener(slot, 1)
+
+    def undo(self, plan: MappingPlan) -> None:
+        """Reverse ``plan``, the last plan applied (all its ops)."""
+        self._undo([(op.group, op.page, isinstance(op, MapPage)) for op in plan.ops])
 
     def apply_keys(self, keys: list[tuple[int, int, int, int]]) -> None:
         """`apply` on the core's raw ops ``(kind, group, page, reused)`` (`jenga.plan.

@@ -39,6 +39,7 @@ from integrations.vllm import compat
 from integrations.vllm.harness import cases, replay
 from integrations.vllm.kv_tensors import VmmKVCache
 from integrations.vllm.plugin import vmm_allocate_kv_cache, wants_vmm_tensors
+from integrations.vllm.slot_tensors import SlotVmmKVCache
 
 
 class HostWorker:
@@ -52,7 +53,7 @@ class HostWorker:
         # request -> per group the block ids the scheduler sent, appended as vLLM's
         # worker appends a running request's new blocks to its block table
         self.block_tables: dict[str, list[list[int]]] = {}
-        self.kv_cache: VmmKVCache | None = None
+        self.kv_cache: VmmKVCache | SlotVmmKVCache | None = None
         self.lengths: dict[str, int] = {}
         self.steps = 0
         self.pending: Any = None

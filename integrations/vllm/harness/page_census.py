@@ -25,7 +25,7 @@ Limitations
 Usage::
 
     python -m integrations.vllm.harness.page_census --case ministral --memory-mb 256 \
-        --requests 256 --seed 0 --manager jenga-vmm --option pack_window_blocks=true
+        --requests 256 --seed 0 --manager jenga-vmm-group --option pack_window_blocks=true
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mb", type=int, default=256)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--manager", default="jenga-vmm", choices=sbs.MANAGERS)
+    parser.add_argument("--manager", default="jenga-vmm-group", choices=sbs.MANAGERS)
     parser.add_argument(
         "--option", action="append", default=[], help="jenga option NAME=JSON (repeatable)"
     )

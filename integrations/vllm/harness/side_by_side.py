@@ -14,12 +14,15 @@ With ``--reps`` > 1 a checked round comes first (no live block shared after ever
 chunk pinning, ``--trace``) and the timed rounds run the scheduler alone (see `compare`).
 
 Managers: ``vllm`` (vLLM's own), ``jenga`` (ours on vLLM's KV tensors: block ids are
-vLLM's shared slots, ``pages="vllm"``), ``jenga-vmm`` (ours on VMM ranges, one per
-KV-cache group: a large page of 2 MiB chunks holds whole blocks of all the group's
-layers, ``pages="vmm"``) and ``jenga-vmm-layer`` (the same with one range per layer: a
-large page is 2 MiB chunks in each layer range, ``geometry="per_layer"``).
-Column "committed": the peak bytes mapped for ours on VMM ranges, vLLM's whole KV
-buffer otherwise; "sched cpu ms" is the thread's CPU time of the same calls.
+vLLM's shared slots, ``pages="vllm"``), ``jenga-vmm`` (ours on VMM pages, ``pages="vmm"``,
+in the default geometry "auto": vLLM's block slots over one range mapped chunk by chunk
+where every group's block fills vLLM's slot, else per_group), ``jenga-vmm-group`` (VMM
+ranges, one per KV-cache group: a large page of 2 MiB chunks holds whole blocks of all
+the group's layers, ``geometry="per_group"``) and ``jenga-vmm-layer`` (one range per
+layer: a large page is 2 MiB chunks in each layer range, ``geometry="per_layer"``).
+Column "committed": the peak bytes mapped for ours on VMM pages (the slots geometry:
+the chunks its mapped slots touch, null slot included), vLLM's whole KV buffer
+otherwise; "sched cpu ms" is the thread's CPU time of the same calls.
 
 Workload (``shared_prefix``): ``--requests`` prompts = a system prompt shared by all,
 then a topic prefix shared by one request in ``--topics``, then a private question;
@@ -134,14 +137,15 @@ class Row:
     packable: float = 0.0  # ours on VMM: share of mapped chunk-steps packing would free
 
 
-MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-layer")
-"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM ranges,
-one per KV-cache group (``pages="vmm"``, the per_group geometry) or one per layer
-(``geometry="per_layer"``)."""
+MANAGERS = ("vllm", "jenga", "jenga-vmm", "jenga-vmm-group", "jenga-vmm-layer")
+"""vLLM's own manager; ours on vLLM's KV tensors (``pages="vllm"``); ours on VMM pages in
+the default geometry ("auto": slots or per_group), one range per KV-cache group
+(``geometry="per_group"``) or one per layer (``geometry="per_layer"``)."""
 
 _JENGA_OPTIONS = {
     "jenga": {"pages": "vllm"},
-    "jenga-vmm": {"pages": "vmm", "geometry": "per_group"},
+    "jenga-vmm": {"pages": "vmm"},
+    "jenga-vmm-group": {"pages": "vmm", "geometry": "per_group"},
     "jenga-vmm-layer": {"pages": "vmm", "geometry": "per_layer"},
 }
 
@@ -230,7 +234,9 @@ class PeakCommitted:
     """``after_step`` hook: the most physical bytes the run commits.
 
     Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
-    after each step, at its peak, and the chunk pinning of every step (`pinning`).
+    after each step, at its peak, and the chunk pinning of every step (`pinning`); on
+    the slots geometry the chunks its mapped slots touch (`integrations.vllm.block_ids.
+    VmmSlotBlockIds.committed_bytes`), no pinning figures.
     vLLM's manager and ours on vLLM's tensors: the whole KV buffer vLLM allocates up
     front (no pinning figures). ``pinning`` False: the mapped units alone (no per-block
     walk). ``observer``: called last after every step, with the scheduler and its output.
@@ -251,6 +257,10 @@ class PeakCommitted:
         self.measure_pinning = pinning
         self.pinning = PinningTally()
         self.on_vmm = manager.startswith("jenga-vmm")
+        # the slots geometry: chunk counts kept beside the block ids (no per-page pinning)
+        self.slot_chunks = getattr(self.kv, "_block_ids", None) if self.on_vmm else None
+        if not hasattr(self.slot_chunks, "committed_bytes"):
+            self.slot_chunks = None
         if self.on_vmm:
             self.bytes = 0
         else:
@@ -260,7 +270,10 @@ class PeakCommitted:
 
     def __call__(self, scheduler: Any, out: Any) -> None:
         step: dict[str, Any] = {}
-        if self.on_vmm and not self.measure_pinning:
+        if self.slot_chunks is not None:
+            self.bytes = max(self.bytes, self.slot_chunks.committed_bytes)
+            step = {"mapped_chunks": self.slot_chunks.chunks.num_mapped}
+        elif self.on_vmm and not self.measure_pinning:
             mapped = self.kv.allocator.usage().used_units
             self.bytes = max(self.bytes, mapped * self.kv.layout.options.chunk_bytes)
         elif self.on_vmm:

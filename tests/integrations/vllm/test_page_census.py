@@ -43,7 +43,7 @@ def test_census_pages_agree_with_chunk_pinning_and_admissions_are_counted_once()
 
     observer = Both()
     workload = Workload(requests=32)
-    page_census.run_cell("ministral", 128, workload, "jenga-vmm", observer=observer)
+    page_census.run_cell("ministral", 128, workload, "jenga-vmm-group", observer=observer)
     assert observer.preempting, "the cell preempts (its census is recorded)"
     assert observer.before_first, "the step before the first preemption is kept"
     assert stranded == packable
