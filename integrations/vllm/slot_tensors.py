@@ -119,31 +119,35 @@ class SlotVmmKVCache(ScheduledCache):
             views.update(zip(tensor.layers, made, strict=True))
         return views
 
-    def _start(self) -> None:
-        """A fresh replica: no page mapped, the null slot's chunks mapped."""
+    def _start(self, null_mapped: bool = False) -> None:
+        """A fresh replica: no page mapped, the null slot's chunks mapped (here, unless
+        ``null_mapped`` says the range maps them already)."""
         self.slots = SharedSlots(len(self.layout.groups), self.num_slots, num_pages=self.num_slots)
         self._record.clear()
         self.chunks = ChunkRefs(self.slot_chunks, self._record)
         self.slots.listener = self.chunks.change
-        self._flush()
+        if null_mapped:
+            self._record.clear()
+        else:
+            self._flush()
 
     def _flush(self) -> None:
         """Carry the recorded chunk changes into the range (unmaps first), atomically;
         the record is emptied either way."""
         net: dict[int, bool] = {}
         first: dict[int, bool] = {}
-        for chunk, mapped in self._record:
-            first.setdefault(chunk, mapped)
-            net[chunk] = mapped
+        for chunk, now_mapped in self._record:
+            first.setdefault(chunk, now_mapped)
+            net[chunk] = now_mapped
         self._record.clear()
         changed = [c for c, m in net.items() if m == first[c]]  # the last op undid nothing
         unmap = sorted(c for c in changed if not net[c])
-        mapped = sorted(c for c in changed if net[c])
+        new = sorted(c for c in changed if net[c])
         batch = vmm.MappingPlan()
         if unmap:
             batch.unmap(self.range, unmap)
-        if mapped:
-            batch.map(self.range, mapped)
+        if new:
+            batch.map(self.range, new)
         batch.apply(self.pool)
 
     # -- mapping ---------------------------------------------------------------------
@@ -170,7 +174,7 @@ class SlotVmmKVCache(ScheduledCache):
         if mapped:
             vmm.MappingPlan().unmap(self.range, mapped).apply(self.pool)
         self._ensured.clear()
-        self._start()
+        self._start(null_mapped=True)
 
     def ensure_mapped(self, block_ids: Sequence[Iterable[int]]) -> int:
         """Map the chunks of these slots (any group) if not yet; returns slots added.

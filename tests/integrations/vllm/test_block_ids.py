@@ -15,6 +15,7 @@ from integrations.vllm.block_ids import (
     RangeBlockIds,
     SlotBlockIds,
     SpreadBlockIds,
+    VmmSlotBlockIds,
     new_block_ids,
 )
 from integrations.vllm.harness import cases, replay
@@ -28,7 +29,8 @@ BLOCK = 16
 GEOMETRIES = {
     TensorGeometry.SHARED_SLOTS: ({}, SlotBlockIds),
     TensorGeometry.PER_LAYER: ({"kv_tensors": "vmm", "geometry": "per_layer"}, RangeBlockIds),
-    TensorGeometry.PER_GROUP: ({"kv_tensors": "vmm"}, SpreadBlockIds),
+    TensorGeometry.PER_GROUP: ({"kv_tensors": "vmm", "geometry": "per_group"}, SpreadBlockIds),
+    TensorGeometry.VMM_SLOTS: ({"kv_tensors": "vmm", "geometry": "slots"}, VmmSlotBlockIds),
 }
 
 
@@ -48,19 +50,20 @@ def _run_two(manager: JengaKVCacheManager) -> list[Any]:
     return requests
 
 
-@pytest.mark.parametrize("geometry", list(TensorGeometry))
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_the_layout_geometry_picks_its_strategy(model_dir: Path, geometry: TensorGeometry) -> None:
     manager = _manager(model_dir, geometry)
     strategy = new_block_ids(manager.layout)
     assert type(strategy) is GEOMETRIES[geometry][1]
-    assert manager.shares_block_ids is (geometry is TensorGeometry.SHARED_SLOTS)
+    assert manager.shares_block_ids is geometry.slot_ids
 
 
-@pytest.mark.parametrize("geometry", list(TensorGeometry))
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
 def test_vllm_ids_follow_the_geometry(model_dir: Path, geometry: TensorGeometry) -> None:
-    """Shared slots: ids unique across groups and requests, never the null slot 0; per
-    layer: the allocator's ids; per group: page ``q`` spread to start at ``q*M``. Every id
-    names its allocator block back (`is_cached_block` reads the block it names)."""
+    """Shared slots (on vLLM's tensors or VMM): ids unique across groups and requests,
+    never the null slot 0; per layer: the allocator's ids; per group: page ``q`` spread
+    to start at ``q*M``. Every id names its allocator block back (`is_cached_block` reads
+    the block it names)."""
     manager = _manager(model_dir, geometry)
     requests = _run_two(manager)
     seen: list[int] = []
@@ -73,7 +76,7 @@ def test_vllm_ids_follow_the_geometry(model_dir: Path, geometry: TensorGeometry)
             assert len(ids) == len(table) > 0
             live = [(v, b) for v, b in zip(ids, table, strict=True) if b != NULL_BLOCK]
             complete = request.num_tokens // group.block_size  # committed at allocation
-            if geometry is TensorGeometry.SHARED_SLOTS:
+            if geometry.slot_ids:
                 seen += [v for v, _ in live]
             elif geometry is TensorGeometry.PER_LAYER:
                 assert [v for v, _ in live] == [b for _, b in live]
@@ -89,7 +92,7 @@ def test_vllm_ids_follow_the_geometry(model_dir: Path, geometry: TensorGeometry)
             for i, (v, b) in enumerate(zip(ids, table, strict=True)):
                 if b != NULL_BLOCK:
                     assert manager.is_cached_block(g, v) is (i < complete)
-    if geometry is TensorGeometry.SHARED_SLOTS:
+    if geometry.slot_ids:
         assert len(seen) == len(set(seen)) and 0 not in seen
     manager.check_invariants(expensive=True)
 
