@@ -81,7 +81,8 @@ def test_options_are_checked() -> None:
     with pytest.raises(InvalidOptions, match=r"kv_tensors='vmm' needs pages='vmm'"):
         JengaVllmOptions(kv_tensors="vmm", pages="vllm")
     assert JengaVllmOptions().tensor_geometry is TensorGeometry.SHARED_SLOTS
-    assert JengaVllmOptions(kv_tensors="vmm").tensor_geometry is TensorGeometry.PER_GROUP
+    per_group = JengaVllmOptions(kv_tensors="vmm", geometry="per_group")
+    assert per_group.tensor_geometry is TensorGeometry.PER_GROUP
 
 
 def test_option_strings_become_the_tensor_geometry() -> None:
@@ -89,13 +90,18 @@ def test_option_strings_become_the_tensor_geometry() -> None:
     per_layer = JengaVllmOptions.from_dict({"kv_tensors": "vmm", "geometry": "per_layer"})
     assert per_layer.geometry is TensorGeometry.PER_LAYER
     assert per_layer.tensor_geometry is TensorGeometry.PER_LAYER
-    assert JengaVllmOptions(pages="vmm").tensor_geometry is TensorGeometry.PER_GROUP
+    per_group = JengaVllmOptions(pages="vmm", geometry="per_group")
+    assert per_group.tensor_geometry is TensorGeometry.PER_GROUP
+    slots = JengaVllmOptions.from_dict({"pages": "vmm", "geometry": "slots"})
+    assert slots.tensor_geometry is TensorGeometry.VMM_SLOTS
+    assert slots.tensor_geometry.slot_ids and not slots.tensor_geometry.on_vmm_ranges
     shared = JengaVllmOptions(pages="vllm", geometry="per_layer")
     assert shared.tensor_geometry is TensorGeometry.SHARED_SLOTS
     assert not shared.tensor_geometry.on_vmm_ranges and per_layer.tensor_geometry.on_vmm_ranges
     with pytest.raises(
         InvalidOptions,
-        match=r"geometry must be one of \('per_group', 'per_layer'\), got 'shared_slots'",
+        match=r"geometry must be one of \('auto', 'slots', 'per_group', 'per_layer'\), "
+        r"got 'shared_slots'",
     ):
         JengaVllmOptions(geometry="shared_slots")
 
@@ -123,6 +129,7 @@ def test_a_pool_without_room_for_one_page_per_group_is_refused(
 
 def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:
     from integrations.vllm.plugin import register, vmm_allocate_kv_cache, wants_vmm_tensors
+    from integrations.vllm.slot_tensors import SlotVmmKVCache
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker import gpu_model_runner
 
@@ -144,20 +151,24 @@ def test_plugin_is_inert_unless_opted_in(model_dir: Path) -> None:
         opted, kv_config, KVCacheLayout.LBNHC, backend=vmm.HostBackend(2 << 20)
     )
     assert set(cache.kv_caches) == set(cases.layer_specs("llama"))
-    assert cache.mapped_bytes() == 0
+    # llama's one group fills vLLM's slot: the default geometry is "slots", whose range
+    # maps only the null slot's chunks (one per layer region) before any plan
+    assert isinstance(cache, SlotVmmKVCache)
+    assert cache.mapped_bytes() == len(cache.slot_chunks.chunks(0)) * (2 << 20) == 4 * (2 << 20)
     cache.close()
     cache.pool.close()
 
 
 def test_the_default_order_is_lru_fair_pinned_on_per_group_vmm_pages_only() -> None:
     """`order=None`: pinned (with `pinned_lru_fair`) on per_group VMM pages, compact on
-    vLLM's tensors and per_layer ranges; an explicit order wins."""
-    assert JengaVllmOptions(kv_tensors="vmm").allocation_order == "pinned"
+    vLLM's tensors, VMM slots and per_layer ranges; an explicit order wins."""
+    assert JengaVllmOptions(kv_tensors="vmm", geometry="per_group").allocation_order == "pinned"
+    assert JengaVllmOptions(kv_tensors="vmm", geometry="slots").allocation_order == "compact"
     assert JengaVllmOptions().allocation_order == "compact"
     assert JengaVllmOptions(kv_tensors="vmm", geometry="per_layer").allocation_order == "compact"
     assert JengaVllmOptions(kv_tensors="vmm", order="compact").allocation_order == "compact"
     from integrations.vllm.layout import _rules
 
-    rules = _rules(JengaVllmOptions(kv_tensors="vmm"))
+    rules = _rules(JengaVllmOptions(kv_tensors="vmm", geometry="per_group"))
     assert (rules.order.value, rules.pinned_lru_fair) == ("pinned", True)
     assert not _rules(JengaVllmOptions()).pinned_lru_fair

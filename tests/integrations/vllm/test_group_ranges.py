@@ -30,7 +30,7 @@ MAX_LEN = 1024
 def _layout(model_dir: Path, case: str, memory_mb: int, **options: Any) -> tuple[Any, Any]:
     config = replay.make_vllm_config(model_dir, replay.SchedulerSetup(max_model_len=MAX_LEN))
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
-    opts = JengaVllmOptions(kv_tensors="vmm", **options)
+    opts = JengaVllmOptions(kv_tensors="vmm", **{"geometry": "per_group", **options})
     return kv_config, build_layout(kv_config, MAX_LEN, opts)
 
 
@@ -167,7 +167,7 @@ def test_bytes_survive_other_blocks_remaps_and_evictions(
         max_model_len=MAX_LEN,
         max_num_seqs=256,
         max_num_batched_tokens=1024,
-        jenga_options={"kv_tensors": "vmm"},
+        jenga_options={"kv_tensors": "vmm", "geometry": "per_group"},
     )
     config = replay.make_vllm_config(model_dir, setup)
     specs = cases.layer_specs(case)
@@ -223,7 +223,12 @@ def test_bytes_survive_on_exact_one_chunk_per_layer_pages(model_dir: Path) -> No
         max_num_batched_tokens=1024,
         # compact order: whole pages evicted and remapped between the groups (the default
         # pinned order reuses blocks in place here; the test above covers it)
-        jenga_options={"kv_tensors": "vmm", "epsilon": 0.0, "order": "compact"},
+        jenga_options={
+            "kv_tensors": "vmm",
+            "geometry": "per_group",
+            "epsilon": 0.0,
+            "order": "compact",
+        },
     )
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, _twenty_one_layer_groups(), 126 << 20)

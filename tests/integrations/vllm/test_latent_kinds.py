@@ -29,7 +29,8 @@ PROMPT = 160
 GEOMETRY_OPTIONS = {
     TensorGeometry.SHARED_SLOTS: {},
     TensorGeometry.PER_LAYER: {"kv_tensors": "vmm", "geometry": "per_layer"},
-    TensorGeometry.PER_GROUP: {"kv_tensors": "vmm"},
+    TensorGeometry.PER_GROUP: {"kv_tensors": "vmm", "geometry": "per_group"},
+    TensorGeometry.VMM_SLOTS: {"kv_tensors": "vmm", "geometry": "slots"},
 }
 KINDS = {
     "deepseek": {Kind.MLA},
@@ -48,7 +49,7 @@ def _config(model_dir: Path, case: str, memory_mb: int, options: dict[str, Any])
     return config, kv_config
 
 
-@pytest.mark.parametrize("geometry", list(TensorGeometry))
+@pytest.mark.parametrize("geometry", list(GEOMETRY_OPTIONS))
 @pytest.mark.parametrize("case", cases.LATENT_CASES)
 def test_each_spec_is_its_kind_with_vllms_unpadded_page(
     model_dir: Path, case: str, geometry: TensorGeometry
@@ -83,7 +84,9 @@ def _two_waves(model_dir: Path, case: str, *, jenga: bool, options: dict[str, An
     return reports
 
 
-@pytest.mark.parametrize("geometry", [TensorGeometry.SHARED_SLOTS, TensorGeometry.PER_GROUP])
+@pytest.mark.parametrize(
+    "geometry", [TensorGeometry.SHARED_SLOTS, TensorGeometry.PER_GROUP, TensorGeometry.VMM_SLOTS]
+)
 @pytest.mark.parametrize("case", ["deepseek", "deepseek-swa", "deepseek-replay"])
 def test_two_waves_hit_whole_prompts_as_vllms_manager_does(
     model_dir: Path, case: str, geometry: TensorGeometry
@@ -102,7 +105,7 @@ def test_two_waves_hit_whole_prompts_as_vllms_manager_does(
         assert theirs[1].prefix_hit_tokens == 6 * PROMPT
 
 
-@pytest.mark.parametrize("geometry", list(TensorGeometry))
+@pytest.mark.parametrize("geometry", list(GEOMETRY_OPTIONS))
 def test_sink_full_attention_serves_prefix_hits_on_the_manager(
     model_dir: Path, geometry: TensorGeometry
 ) -> None:
@@ -238,7 +241,7 @@ def test_a_circular_buffer_holds_one_ring_block_per_request_as_vllms_manager() -
     ours.check_invariants(expensive=True)
 
 
-@pytest.mark.parametrize("geometry", list(TensorGeometry))
+@pytest.mark.parametrize("geometry", list(GEOMETRY_OPTIONS))
 def test_compressed_mla_is_its_kind_with_vllms_unpadded_page(geometry: TensorGeometry) -> None:
     """DeepSeek-V4's compressed MLA (one 584-byte state per 2 tokens, pages padded to 576
     bytes by vLLM): `Kind.COMPRESSED_MLA` with vLLM's unpadded page, served beside vLLM's

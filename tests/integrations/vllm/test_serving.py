@@ -229,10 +229,12 @@ def test_cache_creation_tokens_match_vllms_manager(model_dir: Path, caching: boo
 
 
 # -- 5. both model runners ----------------------------------------------------------------
-def test_the_v2_runners_kv_cache_init_builds_vmm_tensors(model_dir: Path) -> None:
+@pytest.mark.parametrize("geometry", ["per_group", "slots"])
+def test_the_v2_runners_kv_cache_init_builds_vmm_tensors(model_dir: Path, geometry: str) -> None:
     """vLLM's V2 `init_kv_cache` (what ``GPUModelRunner.initialize_kv_cache`` calls) with
-    the plugin's swap: its per-layer caches are the VMM ranges' views; and `register`
-    wraps the V2 runner's initialisation and step."""
+    the plugin's swap: its per-layer caches are the VMM ranges' views (per_group: one
+    range per group; slots: vLLM's buffer on one range); and `register` wraps the V2
+    runner's initialisation and step."""
     import torch
 
     from integrations.vllm import plugin
@@ -241,7 +243,8 @@ def test_the_v2_runners_kv_cache_init_builds_vmm_tensors(model_dir: Path) -> Non
     v2 = compat.v2_model_runner_module().GPUModelRunner
     assert getattr(v2.initialize_kv_cache, "_jenga_vmm_wrapped", False)
     assert getattr(v2.execute_model, "_jenga_vmm_wrapped", False)
-    setup = replay.SchedulerSetup(max_model_len=1024, jenga_options={"kv_tensors": "vmm"})
+    options = {"kv_tensors": "vmm", "geometry": geometry}
+    setup = replay.SchedulerSetup(max_model_len=1024, jenga_options=options)
     config = replay.make_vllm_config(model_dir, setup)
     kv_config = replay.kv_cache_config_for(config, cases.layer_specs("gemma2"), 48 << 20)
     attn_utils = compat.v2_attn_utils_module()
@@ -255,8 +258,13 @@ def test_the_v2_runners_kv_cache_init_builds_vmm_tensors(model_dir: Path) -> Non
         n: ours.kv_caches[n].data_ptr() for n in caches
     }
     ranges = [rng.va for rng in ours.ranges.values()]
-    assert len(ranges) == len(kv_config.kv_cache_groups)  # per_group: one range per group
-    assert {c.data_ptr() for c in caches.values()} >= set(ranges)  # each group's layer 0
+    if geometry == "per_group":
+        assert len(ranges) == len(kv_config.kv_cache_groups)  # one range per group
+        assert {c.data_ptr() for c in caches.values()} >= set(ranges)  # each group's layer 0
+    else:  # every group's layer 0 at the start of the one range, as in vLLM's buffer
+        (rng,) = ours.ranges.values()
+        assert all(rng.va <= c.data_ptr() < rng.va + rng.size for c in caches.values())
+        assert sum(c.data_ptr() == rng.va for c in caches.values()) == 2
     made[0].close()
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from integrations.vllm.errors import InvalidOptions, JengaVllmError
 from integrations.vllm.harness import cases, replay
+from integrations.vllm.harness.side_by_side import Workload
 from integrations.vllm.layout import build_layout
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.options import JengaVllmOptions, TensorGeometry
@@ -22,6 +23,7 @@ from integrations.vllm.slot_tensors import SlotVmmKVCache
 from jenga.plan import MapPage, MappingPlan, UnmapPage
 
 import vmm
+from tests.integrations.vllm.test_group_ranges import BytesChecker
 
 CHUNK = 2 << 20
 MAX_LEN = 1024
@@ -235,3 +237,52 @@ def test_the_worker_follows_the_managers_plans(slot_cache: Any) -> None:
         assert manager.allocate_slots(r, 500) is not None
         follow()
     assert unmaps > 0
+
+
+class SlotBytesChecker(BytesChecker):
+    """`BytesChecker` on the slots geometry: an unmapped page forgets its slot's bytes
+    (the slot, not a per-group id, is what vLLM's views index)."""
+
+    def _forget(self, group: int, page: int) -> None:
+        self.unmapped_pages += 1
+        table = self.cache.slots.slot_of[group]
+        slot = table[page] if page < len(table) else 0
+        self.written.pop((group, slot), None)
+
+
+@pytest.mark.parametrize(("case", "memory_mb"), [("gemma2", 34), ("ministral", 40)])
+def test_bytes_survive_a_real_scheduler_run_on_the_slots_range(
+    model_dir: Path, case: str, memory_mb: int
+) -> None:
+    """Every step of vLLM's scheduler (two waves, the second hitting the first's prefix,
+    memory tight enough to evict): the worker replays the plans, every computed block is
+    written through vLLM's views and read back later; slots move between groups while
+    chunks other mapped slots touch stay mapped, so nothing written is lost."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    setup = replay.SchedulerSetup(
+        max_model_len=MAX_LEN,
+        max_num_seqs=256,
+        max_num_batched_tokens=1024,
+        jenga_options={"kv_tensors": "vmm"},
+    )
+    config = replay.make_vllm_config(model_dir, setup)
+    kv = replay.kv_cache_config_for(config, cases.layer_specs(case), memory_mb << 20)
+    scheduler = replay.make_scheduler(config, kv, jenga=True)
+    layout = scheduler.kv_cache_manager.layout
+    assert layout.options.tensor_geometry is TensorGeometry.VMM_SLOTS
+    backend = vmm.HostBackend(CHUNK, capacity=(layout.memory_bytes // CHUNK + 8) * CHUNK)
+    pool = vmm.ChunkPool(backend, budget_bytes=layout.memory_bytes)
+    cache = SlotVmmKVCache(kv, layout, pool, KVCacheLayout.LBNHC)
+    checker = SlotBytesChecker(cache, layout, setup.block_size)
+    prompts = Workload(requests=16, output_tokens=16).prompts()
+    for wave, part in (("a", prompts[:8]), ("b", prompts[8:])):
+        batch = replay.make_requests(part, [16] * len(part), setup.block_size, prefix=wave)
+        report = replay.replay(scheduler, batch, after_step=checker)
+    assert report.prefix_hit_tokens > 0
+    assert checker.verified > 1000
+    assert checker.unmapped_pages > 0  # slots were evicted and reused
+    assert checker.peak <= layout.memory_bytes
+    assert cache.mapped_bytes() == scheduler.kv_cache_manager._block_ids.committed_bytes
+    cache.close()
+    pool.close()
