@@ -182,31 +182,15 @@ def build_layout(
     check_kinds(kv_cache_config)
     check_context_parallel(vgroups, dcp_world_size, pcp_world_size)
     memory = kv_cache_memory_bytes(kv_cache_config)
-    num_blocks = int(kv_cache_config.num_blocks)
+    slot = memory // max(1, int(kv_cache_config.num_blocks))
     if options.vmm_pages and options.geometry is TensorGeometry.AUTO:
-        uniform = _uniform_slots(
-            vgroups, max_model_len, memory // max(1, num_blocks), dcp_world_size
-        )
-        options = options.resolve(uniform)
-    geometry = options.tensor_geometry
-    shared = geometry.slot_ids
-    slot = memory // max(1, num_blocks) if shared else None
-    kv_groups = _kv_groups(vgroups, max_model_len, slot, dcp_world_size)
+        options = options.resolve(_uniform_slots(vgroups, max_model_len, slot, dcp_world_size))
+    shared = options.tensor_geometry.slot_ids
+    kv_groups = _kv_groups(vgroups, max_model_len, slot if shared else None, dcp_world_size)
     model = ModelSpec("vllm", kv_groups, max_model_len)
-    placements: tuple[GroupPlacement | None, ...] = (None,) * len(kv_groups)
-    slot_chunks = None
-    if shared:
-        num_slots = num_blocks
-        if geometry is TensorGeometry.VMM_SLOTS:
-            slot_chunks = SlotChunks.from_config(kv_cache_config, options.chunk_bytes)
-            num_slots = slot_cap(slot_chunks, num_blocks)
-        table, total_units = vllm_slot_pages(model, memory, num_blocks, num_slots)
-    elif geometry is TensorGeometry.PER_GROUP:
-        placements = place_groups(tuple(kv_groups), options, memory)
-        table = group_page_table(model, placements, options)
-        total_units = check_room(table, memory, options)
-    else:
-        table, total_units = layer_pages(model, memory, options)
+    table, total_units, placements, slot_chunks = _page_table(
+        model, kv_cache_config, options, memory
+    )
     align = mamba_step_end_only(vgroups)
     config = AllocatorConfig.from_page_table(
         model, table, total_units, _rules(options, kv_cache_config), mamba_step_end_only=align
@@ -231,12 +215,35 @@ def build_layout(
                 pages=row,
                 capacity=capacity + 1 if shared else capacity,
                 null_block_id=0 if shared else capacity,
-                block_bytes=(slot or 0) if shared else kg.spec.page_bytes * kg.num_layers,
+                block_bytes=slot if shared else kg.spec.page_bytes * kg.num_layers,
                 placement=placement,
                 dcp_world_size=kg.spec.token_shards,
             )
         )
     return JengaLayout(model, table, config, tuple(groups), memory, options, slot_chunks)
+
+
+def _page_table(
+    model: ModelSpec, kv_cache_config: KVCacheConfig, options: JengaVllmOptions, memory: int
+) -> tuple[PageTable, int, tuple[GroupPlacement | None, ...], SlotChunks | None]:
+    """The allocator's page table and pool units for the options' geometry, with the
+    per_group placements (else Nones) and the slots geometry's chunk map (else None)."""
+    geometry = options.tensor_geometry
+    num_blocks = int(kv_cache_config.num_blocks)
+    placements: tuple[GroupPlacement | None, ...] = (None,) * len(model.groups)
+    if geometry.slot_ids:
+        slot_chunks = None
+        if geometry is TensorGeometry.VMM_SLOTS:
+            slot_chunks = SlotChunks.from_config(kv_cache_config, options.chunk_bytes)
+        num_slots = slot_cap(slot_chunks, num_blocks) if slot_chunks else num_blocks
+        table, total_units = vllm_slot_pages(model, memory, num_blocks, num_slots)
+        return table, total_units, placements, slot_chunks
+    if geometry is TensorGeometry.PER_GROUP:
+        placements = place_groups(model.groups, options, memory)
+        table = group_page_table(model, placements, options)
+        return table, check_room(table, memory, options), placements, None
+    table, total_units = layer_pages(model, memory, options)
+    return table, total_units, placements, None
 
 
 def _uniform_slots(
