@@ -30,10 +30,11 @@ Approach
       the real-scale shapes at 20 / 40 / 80 GiB: Gemma 2 9B 13 / 15 / 3 of 7,801 /
       15,603 / 31,207 slots, Ministral 8B 24 / 25 / 27 of 36,408 .., gpt-oss-20b 60 / 56 /
       60 of 54,613 .. (at most 0.11 %).
-    - `ChunkRefs`: per chunk, how many mapped slots touch it. `integrations.vllm.slots.
-      SharedSlots` calls `ChunkRefs.change` whenever it maps or unmaps a slot (the same
-      plan replay on the scheduler and the worker), so a chunk is mapped exactly while
-      its count is positive; the null slot 0 holds one reference for ever.
+    - `ChunkRefs`: per chunk, how many layer runs of mapped slots touch it.
+      `integrations.vllm.slots.SharedSlots` calls `ChunkRefs.change` whenever it maps or
+      unmaps a slot (the same plan replay on the scheduler and the worker), so a chunk
+      is mapped exactly while its count is positive; the null slot 0 holds its
+      references for ever.
 
 Limitations
     A config without tensors (vLLM's scheduler tests) is taken as block-outermost: slot
@@ -158,7 +159,7 @@ def _layer_page(kv_cache_config: KVCacheConfig, layer: str, stride: int) -> int:
 
 
 class ChunkRefs:
-    """Per chunk of the range, how many mapped slots touch it (`SlotChunks`).
+    """Per chunk of the range, how many layer runs of mapped slots touch it (`SlotChunks`).
 
     ``num_mapped``: chunks with a positive count (what the range maps). When
     ``record`` is a list, every chunk that becomes mapped / unmapped is appended as
@@ -174,16 +175,21 @@ class ChunkRefs:
         self.change(0, 1)
 
     def change(self, slot: int, delta: int) -> None:
-        """Slot ``slot`` was mapped (``delta`` 1) or unmapped (-1)."""
-        refs, record = self.refs, self.record
-        for c in self.slot_chunks.chunks(slot):
-            n = refs[c] = refs[c] + delta
-            if n < 0:
-                raise AssertionError(f"chunk {c}: reference count {n} after slot {slot}")
-            if (delta > 0 and n == 1) or (delta < 0 and n == 0):
-                self.num_mapped += delta
-                if record is not None:
-                    record.append((c, delta > 0))
+        """Slot ``slot`` was mapped (``delta`` 1) or unmapped (-1): every chunk each of
+        its layer runs touches gains or loses one reference (a chunk two runs of one
+        slot touch counts twice, so a count is positive exactly while a mapped slot
+        touches the chunk; no per-call set, this runs on every slot the plans move)."""
+        refs, record, size = self.refs, self.record, self.slot_chunks.chunk_bytes
+        for a in self.slot_chunks.anchors:
+            start = a.offset + slot * a.stride
+            for c in range(start // size, (start + a.page - 1) // size + 1):
+                n = refs[c] = refs[c] + delta
+                if n < 0:
+                    raise AssertionError(f"chunk {c}: reference count {n} after slot {slot}")
+                if n == (1 if delta > 0 else 0):  # 0 -> 1 or 1 -> 0
+                    self.num_mapped += delta
+                    if record is not None:
+                        record.append((c, delta > 0))
 
     @property
     def committed_bytes(self) -> int:
@@ -195,8 +201,11 @@ class ChunkRefs:
     def check(self, mapped_slots: Iterable[int]) -> None:
         """Raise AssertionError unless the counts are those of ``mapped_slots`` + slot 0."""
         want = array("i", bytes(4 * len(self.refs)))
+        size = self.slot_chunks.chunk_bytes
         for slot in (0, *mapped_slots):
-            for c in self.slot_chunks.chunks(slot):
-                want[c] += 1
+            for a in self.slot_chunks.anchors:
+                start = a.offset + slot * a.stride
+                for c in range(start // size, (start + a.page - 1) // size + 1):
+                    want[c] += 1
         assert want == self.refs, "chunk reference counts disagree with the mapped slots"
         assert self.num_mapped == sum(1 for n in want if n > 0)
