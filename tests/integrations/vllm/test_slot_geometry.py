@@ -286,3 +286,25 @@ def test_bytes_survive_a_real_scheduler_run_on_the_slots_range(
     assert cache.mapped_bytes() == scheduler.kv_cache_manager._block_ids.committed_bytes
     cache.close()
     pool.close()
+
+
+def test_a_capacity_change_reaches_the_worker_as_slot_evictions(slot_cache: Any) -> None:
+    """`set_capacity` counts slots here: a shrink evicts cached slots (the worker unmaps
+    the chunks only they touched) and the worker's pool keeps the cap's budget."""
+    _, layout, cache, _ = slot_cache
+    manager = JengaKVCacheManager(layout)
+    requests = replay.make_requests([[i + 1] * 500 for i in range(3)], [1] * 3, 16)
+    for r in requests:
+        assert manager.allocate_slots(r, 500) is not None
+    for r in requests[:2]:
+        manager.free(r)  # 256 cached slots
+    for plan in manager.take_mapping_plans():
+        cache.apply_plan(plan)
+    before, budget = cache.mapped_bytes(), cache.pool.budget_bytes
+    manager.set_capacity(200)  # below held + cached: cached slots are evicted
+    for plan in manager.take_mapping_plans():
+        cache.apply_plan(plan)
+    cache.check_invariants()
+    assert cache.slots.state() == manager._block_ids.slots.state()
+    assert cache.mapped_bytes() == manager._block_ids.committed_bytes < before
+    assert cache.pool.budget_bytes == budget
