@@ -421,7 +421,8 @@ def format_table(rows: list[Row]) -> str:
         "1-pinned",
         "packable",
     )
-    lines = ["  ".join(f"{h:>10}" for h in head)]
+    widths = [15 if h == "manager" else 10 for h in head]  # "jenga-vmm-group"
+    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True))]
     for r in rows:
         cells = (
             r.case,
@@ -442,7 +443,7 @@ def format_table(rows: list[Row]) -> str:
             r.single_pinned if r.manager.startswith("jenga-vmm") else "-",
             r.packable if r.manager.startswith("jenga-vmm") else "-",
         )
-        lines.append("  ".join(f"{c!s:>10}" for c in cells))
+        lines.append("  ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
 
 
