@@ -66,8 +66,9 @@ Approach
     (`integrations.vllm.coordinator`) the engine reads.
 
 Limitations
-    KV connectors: `integrations.vllm.connector`; speculative decoding:
-    `integrations.vllm.speculative`; sub-block Mamba hits: `integrations.vllm.partial_hits`.
+    Prefix lookups and block tables: `integrations.vllm.lookup`. KV connectors:
+    `integrations.vllm.connector`; speculative decoding: `integrations.vllm.speculative`;
+    sub-block Mamba hits: `integrations.vllm.partial_hits`.
     No watermark. `get_computed_blocks` returns the hit's blocks as vLLM does (the tables
     of one prefix lookup); `allocate_slots` adopts that lookup (or looks up again when a
     call that may evict ran in between). The
@@ -82,7 +83,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
+from jenga.allocator import NULL_BLOCK, JengaAllocator, PrefixMatch
 from jenga.pages import capacity_units
 from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
@@ -99,8 +100,9 @@ from integrations.vllm.compat import (
 )
 from integrations.vllm.coordinator import CoordinatorView
 from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
-from integrations.vllm.identity import DigestRegistry, request_salt, stable_int
+from integrations.vllm.identity import DigestRegistry, request_salt
 from integrations.vllm.layout import JengaLayout
+from integrations.vllm.lookup import PrefixLookup, digests_of
 from integrations.vllm.speculative import SpeculativeSetup
 
 if TYPE_CHECKING:
@@ -126,7 +128,7 @@ class _RequestState:
     recorded: list[int] | None = None
 
 
-class JengaKVCacheManager:
+class JengaKVCacheManager(PrefixLookup):
     """The Scheduler-facing surface of vLLM's `KVCacheManager`, on a `JengaAllocator`.
 
     Invariants: a request is in ``_requests`` exactly while the allocator holds it (a
@@ -211,9 +213,6 @@ class JengaKVCacheManager:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
 
-    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
@@ -253,80 +252,6 @@ class JengaKVCacheManager:
         out = self.allocator.stats()
         out.update(self.counters)
         return out
-
-    # -- prefix lookup ----------------------------------------------------------------
-    def get_computed_blocks(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int]:
-        """(hit blocks, hit tokens, shared-prefix boundary), as vLLM's manager returns them.
-
-        Per group ``hit // block_size`` cached blocks (null where the group does not read
-        them); `allocate_slots` claims the same hit. The boundary (0 if none) is the
-        longest prefix one group alone caches past the hit (a full-attention prefix whose
-        Mamba state was never written): vLLM's scheduler ends the chunk there so the next
-        sibling hits it all. ``max_cache_hit_length`` (the routed-experts connector's
-        rows) caps the hit at the longest prefix below it valid in every group.
-        """
-        blocks, hit, boundary, _ = self._lookup(request, max_cache_hit_length, False)
-        return blocks, hit, boundary
-
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """`get_computed_blocks` plus ``hit_diverged`` for a connector that restores a
-        deeper hit's Mamba state (``supports_divergent_local_hybrid_hits``): the longest
-        prefix valid in every stateless group unless a Mamba group alone runs past it;
-        when deeper than the cached states (boundary 0), the Mamba tables hold no state
-        and the Mamba group gets a fresh block after the connector's tokens."""
-        return self._lookup(request, max_cache_hit_length, True)
-
-    def _lookup(
-        self, request: Request, max_hit: int | None, restored_states: bool
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The one prefix lookup of both `get_computed_blocks` calls, kept for `_admit`:
-        (blocks, hit, shared-prefix boundary, hit diverged)."""
-        if not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0, False
-        match = self.allocator.prefix_match(
-            request.all_token_ids,
-            images=self._images(request),
-            salt=request_salt(request),
-            request_id=request.request_id,
-            digests=_digests(request),
-            max_hit=max_hit,  # a shorter hit valid in every group below it
-            restored_states=restored_states,
-        )
-        self._last_match = (request.request_id, match)  # `_admit` adopts it
-        hit, junction = match.hit, match.junction
-        blocks = self._blocks_of(match.tables) if hit else self.empty_kv_cache_blocks
-        report = self.layout.options.junctions and junction > hit and not match.diverged
-        return blocks, hit, junction if report else 0, match.diverged
-
-    def truncate_computed_blocks(
-        self, blocks: KVCacheBlocks, num_computed_tokens: int
-    ) -> KVCacheBlocks:
-        """The hit cut at ``num_computed_tokens`` (a connector's longer hit covers the
-        rest); the next admission adopts the cut hit."""
-        last = self._last_match
-        if last is not None and last[1].hit > num_computed_tokens:
-            match = last[1]
-            tables = [
-                t[: num_computed_tokens // g.block_size]
-                for t, g in zip(match.tables, self.layout.groups, strict=True)
-            ]
-            cut = replace(match, hit=num_computed_tokens, tables=tables)
-            self._last_match = (last[0], cut)
-        return connector.truncated(self, blocks, num_computed_tokens)
-
-    def estimate_cached_tokens(self, request: Request) -> int:
-        """Tokens of the request whose blocks are committed to the prefix cache."""
-        rid = request.request_id
-        state = self._requests.get(rid)
-        if not self.enable_caching or state is None:
-            return 0
-        computed = min(request.num_computed_tokens, self.allocator.num_tokens(rid), state.num_known)
-        sizes = [g.block_size for g in self.layout.groups if g.kind is not Kind.CROSS_ATTENTION]
-        return min((computed // size * size for size in sizes), default=0)
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(
@@ -526,7 +451,7 @@ class JengaKVCacheManager:
             salt=request_salt(request),
             use_cache=use_cache,
             match=last[1] if last is not None and last[0] == rid else None,
-            digests=_digests(request),
+            digests=digests_of(request),
         )
         if hit != num_new_computed_tokens:
             self._apply_plan(self.allocator.free(rid))
@@ -544,26 +469,6 @@ class JengaKVCacheManager:
         self.counters["requests.admitted"] += 1
         self.counters["prefix.hit_tokens"] += hit
         return state
-
-    def _images(self, request: Request) -> tuple[ImageSpan, ...]:
-        """The request's multimodal inputs as jenga images, keyed by vLLM's identifiers.
-
-        Decoder-only models (LLaVA-style) have the placeholder tokens in the prompt, so
-        their positions hash by the image's identity (a different image never hits).
-        Encoder-decoder models hold the encoder input only in cross-attention groups,
-        allocated with the step that computes the first decoder token, cached and hit
-        by identity (vLLM itself never caches cross-attention blocks).
-        """
-        features = getattr(request, "mm_features", None) or ()
-        return tuple(
-            ImageSpan(
-                int(f.mm_position.offset),
-                int(f.mm_position.length),
-                stable_int(f.identifier),
-                in_text=not self._encoder_side,
-            )
-            for f in features
-        )
 
     def _release(self, rid: Hashable) -> None:
         self._apply_plan(self.allocator.free(rid))
@@ -702,49 +607,6 @@ class JengaKVCacheManager:
             self.prefix_cache_stats.reset = True
         return True
 
-    # -- queries ----------------------------------------------------------------------
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        if request_id not in self._requests:
-            return self.empty_kv_cache_blocks
-        tables = tuple(
-            self.allocator.block_table(request_id, g) for g in range(self.num_kv_cache_groups)
-        )
-        return self._blocks_of(tables)
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return self.get_blocks(request_id).get_block_ids()
-
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        ids = self.get_block_ids(request_id)
-        return tuple(
-            row[: -(-num_computed_tokens // g.block_size)]
-            for row, g in zip(ids, self.layout.groups, strict=True)
-        )
-
-    def is_cached_block(self, group: int, block_id: int) -> bool:
-        """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
-        return self.allocator.is_cached_block(
-            group, self._block_ids.allocator_block(group, block_id)
-        )
-
-    @property
-    def shares_block_ids(self) -> bool:
-        """True when block ids are vLLM's slots, unique across groups (``pages="vllm"``)."""
-        return self._block_ids.shares_block_ids
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [0] * self.num_kv_cache_groups
-
-    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
-        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
-
-    def _blocks_of(self, tables: Sequence[Sequence[int]]) -> KVCacheBlocks:
-        if not any(tables):
-            return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(self._block_ids.rows(tables))
-
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:
         """A new step: states named in the last one are filled (`partial_hits`)."""
@@ -791,9 +653,3 @@ class JengaKVCacheManager:
         self._block_ids.check_invariants(self.allocator.usage().used_units)
         for rid in self._requests:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
-
-
-def _digests(request: Request) -> Sequence[bytes]:
-    """The request's vLLM block digests (``block_hashes``; none without a hasher)."""
-    hashes: Sequence[bytes] | None = getattr(request, "block_hashes", None)
-    return () if hashes is None else hashes
