@@ -745,7 +745,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         """The one prefix lookup: what a new request with this prompt would hit.
 
         ``hit``: the longest cached prefix valid in every group; ``junction``: the longest
-        valid in any one group (``junction > hit`` means some group, typically full
+        valid in any one token group (``junction > hit`` means some group, typically full
         attention, already caches a longer shared prefix than a sparse group such as a
         Mamba state or a window can serve; an engine that ends a chunk exactly there gets
         that group's entry cached too, so the next request sharing the prefix hits all of

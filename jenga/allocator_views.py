@@ -205,11 +205,14 @@ class AllocatorViews:
 
     def _group_masks(self, req: LiveRequest) -> tuple[list[np.ndarray], list[np.ndarray], int]:
         """Per group the prompt's cache lookup and which prefixes (``step``, ``2*step``,
-        ...) the group alone serves, and the longest prefix any caching group serves."""
+        ...) the group alone serves, and the longest prefix any caching group that holds
+        no state serves (any caching group where none does: a state group past every
+        token group's prefix names no place a state is missing)."""
         n = len(req.tokens)
         step = self._prefix_step
         whole = n // step > 0 and n // step * step == n  # one token is always computed
         junction = 0
+        token_groups = any(p.caches_blocks and not p.holds_state for p in self.policies)
         proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
         masks: list[np.ndarray] = []
@@ -226,7 +229,7 @@ class AllocatorViews:
                 mask = proof.proven(mask, policy.holds_state, whole)
             elif whole:
                 mask[-1] = False
-            if policy.caches_blocks:
+            if policy.caches_blocks and not (policy.holds_state and token_groups):
                 junction = max(junction, _last_valid(mask, step))
             masks.append(mask)
         return lookups, masks, junction

@@ -115,6 +115,12 @@ class ConnectorState:
         self.offered.pop(request_id, None)
         self.offers.pop(request_id, None)
 
+    def offer(self, request_id: Hashable, entries: list[Offer]) -> None:
+        """Offer states kept elsewhere (a sub-block tail moved off the running block:
+        `integrations.vllm.partial_hits`), taken with the boundary states."""
+        if entries:
+            self.offers.setdefault(request_id, []).extend(entries)
+
 
 def new_state(manager: JengaKVCacheManager) -> ConnectorState:
     """The connector state of a new manager; boundary states are offered in "align"

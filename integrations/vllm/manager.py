@@ -146,6 +146,7 @@ class JengaKVCacheManager(PrefixLookup):
         kv_cache_config: KVCacheConfig | None = None,
         hash_block_size: int | None = None,
         speculative: SpeculativeSetup | None = None,
+        shared_prefix: bool = False,
     ) -> None:
         self.layout = layout
         self.speculative = speculative or SpeculativeSetup()
@@ -159,7 +160,10 @@ class JengaKVCacheManager(PrefixLookup):
         self.enable_partial_hash_hits = partial_hits.enabled(
             layout, self.hash_block_size, enable_caching, self.speculative
         )
-        self.mamba_shared_prefix_checkpoint = False  # no junction state inside a block
+        # vLLM's shared-prefix (junction) checkpoints: a state kept where a sibling resumes
+        self.mamba_shared_prefix_checkpoint = partial_hits.junctions_on(
+            self.enable_partial_hash_hits, self.speculative, kv_cache_config, shared_prefix
+        )
         self._partial = partial_hits.PartialHits(self) if self.enable_partial_hash_hits else None
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
@@ -640,8 +644,9 @@ class JengaKVCacheManager(PrefixLookup):
         return connector.take_offers(self)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """A KV producer's sub-block Mamba tails: none (not offered to connectors)."""
-        return []
+        """A finishing KV producer's sub-block Mamba tails still in its running blocks
+        (`partial_hits.PartialHits.finalize`): [(group, block id, tokens)], each once."""
+        return [] if self._partial is None else self._partial.finalize(request)
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Queue the blocks a failed KV load left unwritten, from ``start_token`` on."""

@@ -1,0 +1,145 @@
+"""vLLM's rules around sub-block ("partial hash") Mamba hits, on the jenga manager.
+
+Junctions: with EAGLE's block drop a follower's full-attention hit ends one hash block
+below the prefix it shares; no Mamba state lies there, so it hits the Mamba block below.
+vLLM's ``enable_mamba_shared_prefix_checkpoint`` has the scheduler end the follower's
+chunk at that junction and the manager keep the state there, so the next sibling resumes
+at it. The chunk ends below are the ones vLLM's scheduler makes for these prompts.
+
+Partial-tail offloads: a KV producer's state named at the prompt's tail checkpoint
+inside a Mamba block is handed to its connector once: as the moved block's boundary
+offer when the request runs on, or as the running block when it finishes there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integrations.vllm.conftest import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+import torch
+from integrations.vllm.drop_in import jenga_kv_cache_manager
+from integrations.vllm.harness import replay
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+from integrations.vllm import compat
+
+HASH, MAMBA_BLOCK = 16, 64
+BASE = list(range(1, 101))  # the shared prefix: 100 tokens
+
+
+def _manager(**kwargs: Any) -> Any:
+    full = compat.FullAttentionSpec(
+        block_size=HASH, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    mamba = compat.MambaSpec(
+        block_size=MAMBA_BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    kwargs.setdefault("hash_block_size", HASH)
+    kwargs.setdefault("use_eagle", True)
+    return jenga_kv_cache_manager(config, 1024, enable_caching=True, **kwargs)
+
+
+def _prefill(manager: Any, request: Any, ends: list[int]) -> int:
+    """Run the request's prompt in chunks ending at ``ends``; returns the junction the
+    lookup reported (set on the request, as vLLM's scheduler does)."""
+    blocks, hit, junction = manager.get_computed_blocks(request)
+    request.shared_prefix_boundary = junction
+    first = True
+    for end in ends:
+        start = request.num_computed_tokens + (hit if first else 0)
+        got = manager.allocate_slots(
+            request, end - start, hit if first else 0, blocks if first else None
+        )
+        assert got is not None
+        request.num_computed_tokens = end
+        manager.take_kv_cache_block_copies()  # the worker runs them
+        manager.new_step_starts()
+        first = False
+    manager.free(request)
+    return junction
+
+
+@pytest.mark.parametrize("armed", [True, False])
+def test_a_sibling_resumes_at_the_junction_the_follower_stopped_at(armed: bool) -> None:
+    manager = _manager(enable_mamba_shared_prefix_checkpoint=armed)
+    assert manager.mamba_shared_prefix_checkpoint is armed
+    owner, follower, sibling = replay.make_requests(
+        [BASE + [-1] * 40, BASE + [-2] * 40, BASE + [-3] * 40], [1, 1, 1], HASH, prefix="r"
+    )
+    # the owner's states: 64 (a block), 112 (its EAGLE tail checkpoint), 128 (a block)
+    assert _prefill(manager, owner, [64, 112, 128, 140]) == 0
+    # the follower's attention hit (96 shared) drops to 80; Mamba has 64: it hits 64 and
+    # the scheduler ends its first chunk at the junction, 80
+    assert manager.get_computed_blocks(follower)[1:] == (64, 80)
+    assert _prefill(manager, follower, [80, 112, 128, 140]) == 80
+    # armed, the state kept at 80 serves the sibling; else it hits the block below
+    assert manager.get_computed_blocks(sibling)[1] == (80 if armed else 64)
+    manager.check_invariants(expensive=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"use_eagle": False},  # no EAGLE group: hits need no proof, nothing drops
+        {"num_prefill_lookahead": 2},  # multi-module MTP: cached tokens lag the chunk
+        {"hash_block_size": MAMBA_BLOCK},  # no sub-block hits
+        {},  # not asked for
+    ],
+)
+def test_junction_states_are_kept_only_where_vllm_keeps_them(kwargs: dict[str, Any]) -> None:
+    asked = {"enable_mamba_shared_prefix_checkpoint": bool(kwargs)}
+    manager = _manager(**asked, **kwargs)
+    assert manager.mamba_shared_prefix_checkpoint is False
+    assert _manager(enable_mamba_shared_prefix_checkpoint=True).mamba_shared_prefix_checkpoint
+
+
+def _tail_named(manager: Any) -> Any:
+    """A 100-token request whose second step ends at its tail checkpoint, 96 (inside the
+    second Mamba block): the state there is named in the block the request writes."""
+    request = replay.make_requests([BASE], [1], HASH, prefix="t")[0]
+    assert manager.allocate_slots(request, 64) is not None
+    request.num_computed_tokens = 64
+    manager.new_step_starts()
+    first = manager.take_boundary_state_offloads()  # the state at 64, a whole block
+    assert [n for _, _, n in first[request.request_id]] == [64]
+    assert manager.allocate_slots(request, 32) is not None
+    request.num_computed_tokens = 96
+    manager.new_step_starts()
+    return request
+
+
+def test_a_finished_producers_tail_is_its_running_block_once() -> None:
+    manager = _manager(use_eagle=False)
+    request = _tail_named(manager)
+    running = manager.get_block_ids(request.request_id)[1][1]
+    assert manager.take_boundary_state_offloads() == {}
+    assert manager.finalize_partial_tail_offloads(request) == [(1, running, 96)]
+    assert manager.finalize_partial_tail_offloads(request) == []
+
+
+def test_a_producer_that_ran_on_offers_the_moved_tail_instead() -> None:
+    manager = _manager(use_eagle=False)
+    request = _tail_named(manager)
+    assert manager.allocate_slots(request, 4) is not None  # the name moves off the block
+    copies, kept = manager.take_kv_cache_block_copies()
+    assert len(copies) == 1
+    offers = manager.take_boundary_state_offloads()
+    assert offers == {request.request_id: [(1, copies[0].dst_block_id, 96)]}
+    request.num_computed_tokens = 100
+    assert manager.finalize_partial_tail_offloads(request) == []
+    manager.block_pool.free_blocks(kept)
+
+
+def test_a_tail_past_the_computed_tokens_is_not_handed_over() -> None:
+    """Tokens computed past the tail (or still in flight) overwrote the running state."""
+    manager = _manager(use_eagle=False)
+    request = _tail_named(manager)
+    request.num_computed_tokens = 97
+    assert manager.finalize_partial_tail_offloads(request) == []
