@@ -196,8 +196,12 @@ class PartialHits:
         # a named tail now lives in the moved block: offered once its copy ran (the
         # offers are taken after this step's copies)
         tails = {g: n for g, _, n in self._tails.pop(rid, ())}
-        offers = [(c.group, self._vllm_id(c.group, c.dst), tails[c.group]) for c in copies]
-        self._manager._connector.offer(rid, [o for o in offers if o[0] in tails])
+        offers = [
+            (c.group, self._vllm_id(c.group, c.dst), tails[c.group])
+            for c in copies
+            if c.group in tails
+        ]
+        self._manager._connector.offer(rid, offers)
 
     def finalize(self, request: Request) -> list[tuple[int, int, int]]:
         """A finishing request's named tail states still in its running block (no later

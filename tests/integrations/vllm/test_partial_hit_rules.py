@@ -32,9 +32,9 @@ HASH, MAMBA_BLOCK = 16, 64
 BASE = list(range(1, 101))  # the shared prefix: 100 tokens
 
 
-def _manager(**kwargs: Any) -> Any:
+def _manager(attn_block: int = HASH, **kwargs: Any) -> Any:
     full = compat.FullAttentionSpec(
-        block_size=HASH, num_kv_heads=1, head_size=1, dtype=torch.float32
+        block_size=attn_block, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
     mamba = compat.MambaSpec(
         block_size=MAMBA_BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
@@ -115,8 +115,9 @@ def _tail_named(manager: Any) -> Any:
     return request
 
 
-def test_a_finished_producers_tail_is_its_running_block_once() -> None:
-    manager = _manager(use_eagle=False)
+@pytest.mark.parametrize("attn_block", [HASH, MAMBA_BLOCK])  # 64: its block is moved too
+def test_a_finished_producers_tail_is_its_running_block_once(attn_block: int) -> None:
+    manager = _manager(attn_block, use_eagle=False)
     request = _tail_named(manager)
     running = manager.get_block_ids(request.request_id)[1][1]
     assert manager.take_boundary_state_offloads() == {}
@@ -124,14 +125,16 @@ def test_a_finished_producers_tail_is_its_running_block_once() -> None:
     assert manager.finalize_partial_tail_offloads(request) == []
 
 
-def test_a_producer_that_ran_on_offers_the_moved_tail_instead() -> None:
-    manager = _manager(use_eagle=False)
+@pytest.mark.parametrize("attn_block", [HASH, MAMBA_BLOCK])
+def test_a_producer_that_ran_on_offers_the_moved_tail_instead(attn_block: int) -> None:
+    manager = _manager(attn_block, use_eagle=False)
     request = _tail_named(manager)
     assert manager.allocate_slots(request, 4) is not None  # the name moves off the block
     copies, kept = manager.take_kv_cache_block_copies()
-    assert len(copies) == 1
+    assert len(copies) == 1 + (attn_block > HASH)  # the attention block at 96 moves too
     offers = manager.take_boundary_state_offloads()
-    assert offers == {request.request_id: [(1, copies[0].dst_block_id, 96)]}
+    [(group, block, tokens)] = offers[request.request_id]
+    assert (group, tokens) == (1, 96) and block in {c.dst_block_id for c in copies}
     request.num_computed_tokens = 100
     assert manager.finalize_partial_tail_offloads(request) == []
     manager.block_pool.free_blocks(kept)
