@@ -165,6 +165,7 @@ class JengaKVCacheManager(PrefixLookup):
             self.enable_partial_hash_hits, self.speculative, kv_cache_config, shared_prefix
         )
         self._partial = partial_hits.PartialHits(self) if self.enable_partial_hash_hits else None
+        self.kv_cache_config = kv_cache_config
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._requests: dict[Hashable, _RequestState] = {}  # the live ones
@@ -180,7 +181,6 @@ class JengaKVCacheManager(PrefixLookup):
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.vmm_tensors
         self._events: list[KVCacheEvent] = []
-        self.kv_cache_config = kv_cache_config
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
         self.identity.lookahead_tokens = self.speculative.num_hash_lookahead_tokens
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -409,13 +409,18 @@ class JengaKVCacheManager(PrefixLookup):
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
-        proof = self.speculative.hit_proof(len(self.layout.groups))
+        proof = self.speculative.hit_proof(len(self.layout.groups), self._eagle_groups())
         unit = self.hash_block_size if self._partial is not None else None
         # vLLM's scheduler calls the manager from its one thread: no per-call guard
         allocator = replace(
             config, identity=identity, total_units=units, hit_proof=proof, state_unit=unit
         )
         return JengaAllocator(allocator, guard_threads=False)
+
+    def _eagle_groups(self) -> tuple[int, ...]:
+        """The groups vLLM's config marks as EAGLE's (``is_eagle_group``)."""
+        groups = () if self.kv_cache_config is None else self.kv_cache_config.kv_cache_groups
+        return tuple(g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False))
 
     def _gated_units(self) -> int:
         """The units the allocator may map: the layout's, or on a shared pool the chunks

@@ -6,6 +6,9 @@ vLLM's ``enable_mamba_shared_prefix_checkpoint`` has the scheduler end the follo
 chunk at that junction and the manager keep the state there, so the next sibling resumes
 at it. The chunk ends below are the ones vLLM's scheduler makes for these prompts.
 
+EAGLE draft groups: where the config marks the draft's groups (``is_eagle_group``) only
+they drop a block of a hit, each one of its own blocks, as vLLM's coordinator does.
+
 Partial-tail offloads: a KV producer's state named at the prompt's tail checkpoint
 inside a Mamba block is handed to its connector once: as the moved block's boundary
 offer when the request runs on, or as the running block when it finishes there.
@@ -146,3 +149,39 @@ def test_a_tail_past_the_computed_tokens_is_not_handed_over() -> None:
     request = _tail_named(manager)
     request.num_computed_tokens = 97
     assert manager.finalize_partial_tail_offloads(request) == []
+
+
+def test_only_a_marked_draft_group_drops_and_by_its_own_block() -> None:
+    """Full attention (2-token blocks), Mamba (8) and an EAGLE draft sliding window (4,
+    marked): partial hits are off (the window is off the hash grid); a 12-token prompt
+    leaves states at 8 and the draft's blocks to 12, so a longer prompt hits 8, proven
+    by the draft's block 8..12 (a proof of one prefix step, 8, would need 16)."""
+    full = compat.FullAttentionSpec(block_size=2, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    mamba = compat.MambaSpec(
+        block_size=8, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    draft = compat.SlidingWindowSpec(
+        block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=4
+    )
+    groups = [
+        KVCacheGroupSpec(["full"], full),
+        KVCacheGroupSpec(["mamba"], mamba),
+        KVCacheGroupSpec(["draft"], draft, is_eagle_group=True),
+    ]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = jenga_kv_cache_manager(
+        config, 1024, enable_caching=True, hash_block_size=2, use_eagle=True
+    )
+    assert not manager.coordinator.enable_partial_hash_hits
+    tokens = list(range(12))
+    first, second = replay.make_requests([tokens, [*tokens, 12, 13]], [1, 1], 2, prefix="w")
+    assert manager.allocate_slots(first, 8) is not None
+    first.num_computed_tokens = 8
+    manager.new_step_starts()
+    assert manager.allocate_slots(first, 4) is not None
+    first.num_computed_tokens = 12
+    manager.free(first)
+    manager.new_step_starts()
+    blocks, hit, _ = manager.get_computed_blocks(second)
+    assert hit == 8 and len(blocks.get_block_ids()[0]) == 4
+    manager.check_invariants(expensive=True)
