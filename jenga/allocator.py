@@ -357,7 +357,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         return req
 
     def _group_needs(
-        self, req: LiveRequest, new: int, upto: int, lookahead: int = 0
+        self, req: LiveRequest, new: int, upto: int, lookahead: int = 0, checkpoint: bool = False
     ) -> tuple[list[np.ndarray], list[int], list[int], list[int], list[int]]:
         """Per group, for growing ``req`` to ``new`` tokens: the blocks to release (those
         left behind at ``upto`` tokens), the first still-live block index, the Mamba
@@ -379,6 +379,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
             else:
                 length = policy.counted_length(new, lookahead)
                 grow = policy.extension(held, g in req.speculative_tails, length)
+                grow = grow.keeping_checkpoint() if checkpoint else grow
             skips.append(grow.skipped)
             moves.append(grow.moved)
             counts.append(grow.new)
@@ -391,6 +392,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         *,
         release_upto: int | None = None,
         lookahead: int = 0,
+        checkpoint: bool = False,
     ) -> Allocation | None:
         """Give the request slots for ``num_new_tokens`` more tokens in every group.
 
@@ -402,7 +404,9 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         finished, so a block that step still reads is not handed out; a later call (or
         `free`) releases it. ``lookahead``: how many of the request's tokens after this
         call are a draft's lookahead slots, which Mamba groups in step-end mode do not
-        count (no state is written for them; vLLM's ``num_tokens_main_model``). Returns
+        count (no state is written for them; vLLM's ``num_tokens_main_model``).
+        ``checkpoint``: state groups keep a block just below the running state where the
+        step would skip it (`StateExtension.keeping_checkpoint`; `cache_checkpoint`). Returns
         None ("no room") with nothing changed when any group cannot be satisfied. Raises
         `UnknownRequest`, `InvalidSize` (``num_new_tokens <= 0`` or beyond
         ``max_model_len``, ``release_upto < 0``)."""
@@ -420,7 +424,8 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
             raise InvalidSize(f"request {request_id!r}: lookahead {lookahead} not in [0, {new}]")
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
-        releases, firsts, skips, moves, counts = self._group_needs(req, new, upto, lookahead)
+        needs = self._group_needs(req, new, upto, lookahead, checkpoint)
+        releases, firsts, skips, moves, counts = needs
         cow = CopyOnWrite(req, self._core, counts, releases) if req.shared_tail else None
         quiet = not any(counts) and not any(skips) and not any(moves)
         if not cow and quiet and not any(len(r) for r in releases):

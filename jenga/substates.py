@@ -185,6 +185,25 @@ class SubBlockStates:
                 named.append((g, x))
         return tuple(named)
 
+    def checkpoint(self, req: LiveRequest, column: int, n: int) -> tuple[tuple[int, int], ...]:
+        """Name each state group's block at ``column`` by ``n`` tokens (see
+        `cache_checkpoint`); a name it had by its own boundary goes first."""
+        if n <= 0 or n % self.unit:
+            return ()
+        ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+        named = []
+        for g, policy in enumerate(self.policies):
+            table = req.tables[g]
+            if not policy.holds_state or not len(ident) or column >= len(table):
+                continue
+            if (x := int(table[column])) == NULL_BLOCK or self.core.lookup(g, ident)[0] >= 0:
+                continue  # no block kept there, or another block holds this state
+            if self.core.block_info(g, x)[2]:
+                self.core.uncache_blocks(g, [x])  # named by its boundary: not its state
+            if self.core.commit(g, [x], ident, [n]):
+                named.append((g, x))
+        return tuple(named)
+
     def move(self, rid: Hashable, req: LiveRequest, now: int) -> tuple[BlockCopy, ...]:
         """Hand each name `commit` gave a running block to a fresh block (see
         `move_state`); a name no block can take now (no room) is dropped."""
@@ -254,6 +273,25 @@ class SubStateCalls:
                 f"{req.num_tokens} allocated"
             )
         return keep.commit(request_id, req, num_tokens, states)
+
+    def cache_checkpoint(
+        self, request_id: Hashable, column: int, num_tokens: int
+    ) -> tuple[tuple[tuple[int, int], ...], MappingPlan]:
+        """Name the block each state group kept at table index ``column`` (`allocate`'s
+        ``checkpoint``) by ``num_tokens`` (a multiple of ``state_unit``): the engine's
+        step writes the state after that many tokens there, below its running state, so
+        it is never moved. Returns the (group, block) named and the plan. Raises
+        `UnknownRequest`, `InvalidSize` (no ``state_unit``, more tokens than allocated)."""
+        keep = self._require_states()
+        req = self._request(request_id)  # type: ignore[attr-defined]
+        if not 0 <= num_tokens <= req.num_tokens:
+            raise InvalidSize(
+                f"request {request_id!r}: checkpoint after {num_tokens} tokens, "
+                f"{req.num_tokens} allocated"
+            )
+        self._epoch += 1  # type: ignore[attr-defined]
+        named = keep.checkpoint(req, column, num_tokens)
+        return named, self._drain_plan()  # type: ignore[attr-defined]
 
     def move_state(self, request_id: Hashable) -> tuple[tuple[BlockCopy, ...], MappingPlan]:
         """Before the request's next step: each name `cache_state` gave its running state

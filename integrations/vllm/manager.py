@@ -164,8 +164,8 @@ class JengaKVCacheManager(PrefixLookup):
         self.mamba_shared_prefix_checkpoint = partial_hits.junctions_on(
             self.enable_partial_hash_hits, self.speculative, kv_cache_config, shared_prefix
         )
-        self._partial = partial_hits.PartialHits(self) if self.enable_partial_hash_hits else None
         self.kv_cache_config = kv_cache_config
+        self._partial = partial_hits.PartialHits(self) if self.enable_partial_hash_hits else None
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
         self._requests: dict[Hashable, _RequestState] = {}  # the live ones
@@ -304,7 +304,10 @@ class JengaKVCacheManager(PrefixLookup):
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
         ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
-        new_blocks = self._grow(request, need, target, processed, external, ahead) if room else None
+        # vLLM's internal prefill checkpoint (`partial_hits`): a state block below the running one
+        ckpt = self._partial.checkpoint_for(request, computed, cache_upto) if self._partial else 0
+        grow = (request, need, target, processed, external, ahead, bool(ckpt))
+        new_blocks = self._grow(*grow) if room else None
         if need > 0 and new_blocks is None:
             if admitted:
                 self._release(rid)
@@ -314,6 +317,8 @@ class JengaKVCacheManager(PrefixLookup):
             return None
         if self.enable_caching and not delay_cache_blocks:  # delayed: cached once loaded
             self._cache(request, state, cache_upto)
+        if ckpt and self._partial is not None:
+            self._partial.name_checkpoint(rid, ckpt, cache_upto)
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         blocks = self._blocks_of(new_blocks)
@@ -367,6 +372,7 @@ class JengaKVCacheManager(PrefixLookup):
         processed: int,
         external: int,
         lookahead: int,
+        checkpoint: bool = False,
     ) -> tuple[tuple[int, ...], ...] | None:
         """`_allocate` of ``need`` tokens, the last ``lookahead`` of ``target`` a draft's
         slots; a just-admitted request's ``external`` connector tokens first, in a call
@@ -375,10 +381,10 @@ class JengaKVCacheManager(PrefixLookup):
             return connector.external_then_new(
                 self, request, external, target, processed, lookahead
             )
-        return self._allocate(request, need, processed, lookahead)
+        return self._allocate(request, need, processed, lookahead, checkpoint)
 
     def _allocate(
-        self, request: Request, need: int, processed: int, lookahead: int = 0
+        self, request: Request, need: int, processed: int, lookahead: int = 0, ckpt: bool = False
     ) -> tuple[tuple[int, ...], ...] | None:
         """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
         the blocks out of the window as of ``processed`` tokens.
@@ -391,7 +397,9 @@ class JengaKVCacheManager(PrefixLookup):
         appends them to its block table.
         """
         rid = request.request_id
-        got = self.allocator.allocate(rid, need, release_upto=processed, lookahead=lookahead)
+        got = self.allocator.allocate(
+            rid, need, release_upto=processed, lookahead=lookahead, checkpoint=ckpt
+        )
         if got is None:
             return None
         self._apply_plan(got.plan)

@@ -35,16 +35,22 @@ Approach
     - with vLLM's ``enable_mamba_shared_prefix_checkpoint`` (`junctions_on`) the state is
       also named where the prompt chunk being computed ends at the request's shared-prefix
       junction (`junction`): the scheduler stops there, so the next sibling resumes at it;
+    - with Mamba checkpoint blocks (``num_prefill_checkpoint_blocks``) vLLM's worker
+      writes the prompt's tail checkpoint state inside the last chunk, into the entry
+      just below the running state (`checkpoint_for`): the allocator keeps a block there
+      (``allocate(checkpoint=True)``) and it is named by that position
+      (`JengaAllocator.cache_checkpoint`);
     - a state named or moved in this step is filled only by this step's forward or
       copy, so a request whose hit holds it is not admitted before the next step
       (`defers`), as vLLM defers it.
 
 Limitations
-    No internal prefill checkpoint blocks (with them vLLM's scheduler does not stop at the
-    tail checkpoint, so no state is kept there: whole-block hits), no KV events or connector
-    offloads for states or attention blocks named inside a block. With MLA, sliding-window
-    or chunked-local groups off the hash grid or VMM tensors the manager says
-    ``enable_partial_hash_hits = False`` and hits whole blocks.
+    No KV events or connector offloads for states or attention blocks named inside a
+    block (but a producer's tail state, `finalize`). No sparse retention: states at block
+    boundaries stay cached where vLLM's retention interval 0 drops them. With MLA,
+    sliding-window or chunked-local groups off the hash grid or VMM tensors the manager
+    says ``enable_partial_hash_hits = False`` and hits whole blocks; internal checkpoint
+    blocks are kept only with partial hits on.
 """
 
 from __future__ import annotations
@@ -139,6 +145,16 @@ def attention_tail(num_prompt_tokens: int, hash_block_size: int, eagle: bool) ->
     return max(0, limit // hash_block_size * hash_block_size)
 
 
+def checkpoint_alignment(config: KVCacheConfig | None) -> int | None:
+    """vLLM's internal prefill checkpoints: the alignment of the exported state, when
+    every Mamba group reserves checkpoint blocks (``num_prefill_checkpoint_blocks``)."""
+    specs = [] if config is None else [g.kv_cache_spec for g in config.kv_cache_groups]
+    mamba = [s for s in specs if hasattr(s, "num_prefill_checkpoint_blocks")]
+    if not mamba or not all(s.num_prefill_checkpoint_blocks > 0 for s in mamba):
+        return None
+    return getattr(mamba[0], "prefill_checkpoint_alignment", None)
+
+
 class PartialHits:
     """The manager's pending copies, the blocks kept for them, this step's new names."""
 
@@ -150,6 +166,35 @@ class PartialHits:
         self._fresh: set[tuple[int, int]] = set()  # (group, block) named this step
         # request -> its named tail states (group, block, tokens) a connector may offload
         self._tails: dict[str, list[tuple[int, int, int]]] = {}
+        self._align = checkpoint_alignment(manager.kv_cache_config)
+        mamba = [g.block_size for g in manager.layout.groups if g.kind is Kind.MAMBA]
+        self._state_block = mamba[0]
+
+    def checkpoint_for(self, request: Request, start: int, end: int) -> int:
+        """Where vLLM's worker exports an internal prefill checkpoint in a step computing
+        tokens ``start`` .. ``end`` (0: none): the prompt's tail checkpoint, in its last
+        chunk, at the checkpoint alignment from ``start``, in a block between the state
+        the step starts from and the one it ends at (vLLM's
+        ``is_mamba_prefill_checkpoint_valid``)."""
+        size, block, spec = (
+            self._manager.hash_block_size,
+            self._state_block,
+            self._manager.speculative,
+        )
+        if self._align is None or end < max(request.num_prompt_tokens, request.num_tokens - 1):
+            return 0
+        p = tail_checkpoint(end, size, spec.num_hash_lookahead_tokens, spec.use_eagle)
+        valid = start % size == 0 and -(-end // block) - 2 > (start - 1) // block
+        valid = valid and start + size <= p < end and (p - start) % self._align == 0
+        return p if valid else 0
+
+    def name_checkpoint(self, rid: str, position: int, end: int) -> None:
+        """Name the block `allocate` kept below the running state (index ``ceil(end /
+        block) - 2``) by the checkpoint ``position`` the step's forward writes there."""
+        column = -(-end // self._state_block) - 2
+        named, plan = self._manager.allocator.cache_checkpoint(rid, column, position)
+        self._manager._apply_plan(plan)
+        self._fresh.update(named)
 
     def cache(self, request: Request, computed: int) -> None:
         """Name the request's running state when its computed tokens end at the prompt's

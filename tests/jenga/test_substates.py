@@ -190,3 +190,32 @@ def test_an_attention_block_named_later_in_its_block_serves_a_shorter_hit() -> N
     other = [*PROMPT[:3], 9, 9, 9]
     assert alloc.prefix_match(other, digests=_digests(other)).hit == 0
     alloc.check_invariants(True)
+
+
+def test_a_checkpoint_kept_below_the_running_state_is_named_by_its_position() -> None:
+    """An engine that writes the state after 10 tokens inside a 12-token step (vLLM's
+    internal prefill checkpoint) gets a block just below the running state for it, named
+    at 10 and never at its own boundary (8: it does not hold that state)."""
+    alloc = _allocator(mamba_block=4)
+    prompt = list(range(1, 13))
+    alloc.add_request("p", prompt, digests=_digests(prompt))
+    plain = _allocator(mamba_block=4)
+    plain.add_request("p", prompt, digests=_digests(prompt))
+    assert plain.allocate("p", 12) is not None
+    assert plain.block_table("p", MAMBA)[:2] == [NULL_BLOCK, NULL_BLOCK]  # skipped
+    assert alloc.allocate("p", 12, checkpoint=True) is not None
+    kept = alloc.block_table("p", MAMBA)[1]
+    assert kept != NULL_BLOCK and alloc.block_table("p", MAMBA)[0] == NULL_BLOCK
+    alloc.cache("p", 12)
+    named, _ = alloc.cache_checkpoint("p", 1, 10)
+    assert named == ((MAMBA, kept),)
+    alloc.free("p")
+    at_10 = [*prompt[:10], 50, 51, 52]
+    match = alloc.prefix_match(at_10, digests=_digests(at_10))
+    assert match.hit == 10 and match.tables[MAMBA] == [NULL_BLOCK, NULL_BLOCK, kept]
+    at_8 = [*prompt[:8], 50, 51, 52]
+    assert alloc.prefix_match(at_8, digests=_digests(at_8)).hit == 0
+    alloc.check_invariants(True)
+    assert alloc.add_request("q", prompt, digests=_digests(prompt)) == 10  # the hit
+    with pytest.raises(InvalidSize, match="checkpoint after 14 tokens, 10 allocated"):
+        alloc.cache_checkpoint("q", 1, 14)

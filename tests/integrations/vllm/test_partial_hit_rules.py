@@ -9,6 +9,10 @@ at it. The chunk ends below are the ones vLLM's scheduler makes for these prompt
 EAGLE draft groups: where the config marks the draft's groups (``is_eagle_group``) only
 they drop a block of a hit, each one of its own blocks, as vLLM's coordinator does.
 
+Internal prefill checkpoints: with Mamba checkpoint blocks vLLM's scheduler does not stop
+at the prompt's tail checkpoint; its worker writes the state there, inside the last
+chunk, into the block just below the running one, which the manager keeps and names.
+
 Partial-tail offloads: a KV producer's state named at the prompt's tail checkpoint
 inside a Mamba block is handed to its connector once: as the moved block's boundary
 offer when the request runs on, or as the running block when it finishes there.
@@ -184,4 +188,43 @@ def test_only_a_marked_draft_group_drops_and_by_its_own_block() -> None:
     manager.new_step_starts()
     blocks, hit, _ = manager.get_computed_blocks(second)
     assert hit == 8 and len(blocks.get_block_ids()[0]) == 4
+    manager.check_invariants(expensive=True)
+
+
+@pytest.mark.parametrize(("alignment", "hit"), [(16, 112), (48, 0)])
+def test_an_internal_checkpoint_is_kept_below_the_running_state(alignment: int, hit: int) -> None:
+    """Full attention of 16-token blocks, Mamba of 32, hash 16: one 120-token step with
+    checkpoint blocks aligned at 16 writes the state at 112 (the prompt's tail
+    checkpoint) into table entry 2 (tokens 64..96), below the running state (entry 3);
+    at an alignment 112 is not a multiple of there is none."""
+    full = compat.FullAttentionSpec(
+        block_size=HASH, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    mamba = compat.MambaSpec(
+        block_size=32,
+        shapes=((1, 1),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=alignment,
+    )
+    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    manager = jenga_kv_cache_manager(config, 1024, enable_caching=True, hash_block_size=HASH)
+    tokens = list(range(120))
+    producer, replay_ = replay.make_requests([tokens, tokens], [1, 1], HASH, prefix="c")
+    assert manager.allocate_slots(producer, 120) is not None
+    states = manager.get_blocks(producer.request_id).blocks[1]
+    assert states[2].is_null is (hit == 0) and not states[3].is_null
+    producer.num_computed_tokens = 120
+    manager.free(producer)
+    manager.new_step_starts()
+    blocks, got, _ = manager.get_computed_blocks(replay_)
+    assert got == hit
+    if hit:  # the hit's state entry is the kept block, copied into the hitter's own
+        assert blocks.blocks[1][-1].block_id == states[2].block_id
+        assert manager.allocate_slots(replay_, 120 - hit, hit, blocks) is not None
+        copies, kept = manager.take_kv_cache_block_copies()
+        assert [c.src_block_id for c in copies] == [states[2].block_id]
+        manager.block_pool.free_blocks(kept)
     manager.check_invariants(expensive=True)
