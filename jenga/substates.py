@@ -158,6 +158,8 @@ class SubBlockStates:
         # request id -> {group: (table index, block, tokens)} named by `commit`
         self.entries: dict[Hashable, dict[int, tuple[int, int, int]]] = {}
         self.retained: Counter[tuple[int, int]] = Counter()  # (group, block) -> refs
+        # request id -> the groups its last `allocate` kept a checkpoint block in
+        self.kept: dict[Hashable, tuple[int, ...]] = {}
 
     def commit(
         self, rid: Hashable, req: LiveRequest, n: int, states: bool | None = None
@@ -185,16 +187,20 @@ class SubBlockStates:
                 named.append((g, x))
         return tuple(named)
 
-    def checkpoint(self, req: LiveRequest, column: int, n: int) -> tuple[tuple[int, int], ...]:
-        """Name each state group's block at ``column`` by ``n`` tokens (see
-        `cache_checkpoint`); a name it had by its own boundary goes first."""
+    def checkpoint(
+        self, rid: Hashable, req: LiveRequest, column: int, n: int
+    ) -> tuple[tuple[int, int], ...]:
+        """Name the block at ``column`` of each state group the request's last `allocate`
+        kept a checkpoint block in by ``n`` tokens (see `cache_checkpoint`); a name it had
+        by its own boundary goes first."""
+        kept = self.kept.pop(rid, ())
         if n <= 0 or n % self.unit:
             return ()
         ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
         named = []
-        for g, policy in enumerate(self.policies):
+        for g in kept:
             table = req.tables[g]
-            if not policy.holds_state or not len(ident) or column >= len(table):
+            if not len(ident) or column >= len(table):
                 continue
             if (x := int(table[column])) == NULL_BLOCK or self.core.lookup(g, ident)[0] >= 0:
                 continue  # no block kept there, or another block holds this state
@@ -203,6 +209,11 @@ class SubBlockStates:
             if self.core.commit(g, [x], ident, [n]):
                 named.append((g, x))
         return tuple(named)
+
+    def forget(self, rid: Hashable) -> None:
+        """The request left: no name awaits its move, no checkpoint block its name."""
+        self.entries.pop(rid, None)
+        self.kept.pop(rid, None)
 
     def move(self, rid: Hashable, req: LiveRequest, now: int) -> tuple[BlockCopy, ...]:
         """Hand each name `commit` gave a running block to a fresh block (see
@@ -224,10 +235,13 @@ class SubBlockStates:
             copies.append(BlockCopy(g, j, x, y, (x, y), moved=True))
         return tuple(copies)
 
-    def note(self, copies: Sequence[BlockCopy]) -> None:
-        """Count the references `allocate`'s copies kept (`CopyOnWrite`)."""
+    def allocated(self, rid: Hashable, copies: Sequence[BlockCopy], kept: list[int] | None) -> None:
+        """After an `allocate`: count the references its copies kept (`CopyOnWrite`) and
+        note the groups it kept a checkpoint block in (``kept``: it was asked to)."""
         for c in copies:
             self.retained.update((c.group, b) for b in c.retained)
+        if kept is not None:
+            self.kept[rid] = tuple(kept)
 
     def release(self, group: int, blocks: Sequence[int], now: int) -> None:
         """Drop one kept reference per block (`InvalidSize` naming one not kept; nothing
@@ -290,7 +304,7 @@ class SubStateCalls:
                 f"{req.num_tokens} allocated"
             )
         self._epoch += 1  # type: ignore[attr-defined]
-        named = keep.checkpoint(req, column, num_tokens)
+        named = keep.checkpoint(request_id, req, column, num_tokens)
         return named, self._drain_plan()  # type: ignore[attr-defined]
 
     def move_state(self, request_id: Hashable) -> tuple[tuple[BlockCopy, ...], MappingPlan]:

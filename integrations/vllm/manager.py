@@ -292,10 +292,7 @@ class JengaKVCacheManager(PrefixLookup):
         state = state or self._admit(request, num_new_computed_tokens)
         whole = min(request.num_tokens, self.max_model_len)  # checked with the hit claimed
         if full_sequence_must_fit and not self._fits(rid, whole):
-            if admitted:
-                self._release(rid)
-            self.counters["requests.rejected"] += 1
-            return None
+            return self._refused(rid, admitted)
         computed = request.num_computed_tokens + known  # hit and connector-loaded tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
@@ -304,17 +301,12 @@ class JengaKVCacheManager(PrefixLookup):
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
         ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
-        # vLLM's internal prefill checkpoint (`partial_hits`): a state block below the running one
+        # vLLM's internal prefill checkpoint (`partial_hits`): a block below the running state
         ckpt = self._partial.checkpoint_for(request, computed, cache_upto) if self._partial else 0
         grow = (request, need, target, processed, external, ahead, bool(ckpt))
         new_blocks = self._grow(*grow) if room else None
         if need > 0 and new_blocks is None:
-            if admitted:
-                self._release(rid)
-            else:  # as vLLM: skipped blocks go even when the request cannot grow
-                self._apply_plan(self.allocator.release_skipped(rid, release_upto=processed))
-            self.counters["requests.rejected"] += 1
-            return None
+            return self._refused(rid, admitted, processed)
         if self.enable_caching and not delay_cache_blocks:  # delayed: cached once loaded
             self._cache(request, state, cache_upto)
         if ckpt and self._partial is not None:
@@ -323,6 +315,19 @@ class JengaKVCacheManager(PrefixLookup):
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         blocks = self._blocks_of(new_blocks)
         return connector.record_new_for_zeroing(self, rid, blocks, _ignored, computed)
+
+    def _refused(
+        self, rid: str, admitted: bool, processed: int | None = None
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots`' "no room": a request admitted by the call is released again;
+        a running one keeps its blocks but, as vLLM frees them even when the request cannot
+        grow, those skipped as of ``processed`` tokens (None: none)."""
+        if admitted:
+            self._release(rid)
+        elif processed is not None:
+            self._apply_plan(self.allocator.release_skipped(rid, release_upto=processed))
+        self.counters["requests.rejected"] += 1
+        return None
 
     def _check_call(self, request: Request, new: int, new_computed: int, encoder: int) -> None:
         """`allocate_slots`' refusals: encoder tokens without a cross-attention group, a
