@@ -219,3 +219,29 @@ def test_a_checkpoint_kept_below_the_running_state_is_named_by_its_position() ->
     assert alloc.add_request("q", prompt, digests=_digests(prompt)) == 10  # the hit
     with pytest.raises(InvalidSize, match="checkpoint after 14 tokens, 10 allocated"):
         alloc.cache_checkpoint("q", 1, 14)
+
+
+def test_no_checkpoint_block_where_the_step_moves_scratch_states_there() -> None:
+    """With a draft's scratch state after the running one, a later step moves it past
+    the new running state instead of skipping entries: no block is kept for a checkpoint
+    and none is named (the entry below the running state is not the checkpoint's)."""
+    groups = (
+        GroupConfig("full", Kind.FULL, 2, 4, 1),
+        GroupConfig("mamba", Kind.MAMBA, 4, 2, 1, speculative_states=1),
+    )
+    config = AllocatorConfig(
+        groups,
+        64,
+        identity=BlockIdentity(digest_block_size=2),
+        mamba_step_end_only=True,
+        state_unit=2,
+    )
+    alloc = JengaAllocator(config)
+    prompt = list(range(1, 21))
+    alloc.add_request("p", prompt, digests=_digests(prompt))
+    assert alloc.allocate("p", 4) is not None  # running state 0, scratch 1
+    assert alloc.allocate("p", 16, checkpoint=True) is not None  # skips 2, moves 1
+    assert alloc.block_table("p", MAMBA)[3] == NULL_BLOCK  # below the running state
+    alloc.cache("p", 20)
+    assert alloc.cache_checkpoint("p", 3, 18)[0] == ()
+    alloc.check_invariants(True)
