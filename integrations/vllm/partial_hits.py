@@ -195,6 +195,8 @@ class PartialHits:
         named, plan = self._manager.allocator.cache_checkpoint(rid, column, position)
         self._manager._apply_plan(plan)
         self._fresh.update(named)
+        for g, block in named:  # offered to a connector by its boundary: it holds this
+            self._manager._connector.retag(rid, g, self._vllm_id(g, block), position)
 
     def cache(self, request: Request, computed: int) -> None:
         """Name the request's running state when its computed tokens end at the prompt's

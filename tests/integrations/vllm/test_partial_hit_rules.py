@@ -216,6 +216,9 @@ def test_an_internal_checkpoint_is_kept_below_the_running_state(alignment: int, 
     assert manager.allocate_slots(producer, 120) is not None
     states = manager.get_blocks(producer.request_id).blocks[1]
     assert states[2].is_null is (hit == 0) and not states[3].is_null
+    # a connector is offered the kept block with the state it holds (112, not 96)
+    offers = manager.take_boundary_state_offloads()
+    assert offers == ({producer.request_id: [(1, states[2].block_id, 112)]} if hit else {})
     producer.num_computed_tokens = 120
     manager.free(producer)
     manager.new_step_starts()
