@@ -202,8 +202,12 @@ class SubBlockStates:
             table = req.tables[g]
             if not len(ident) or column >= len(table):
                 continue
-            if (x := int(table[column])) == NULL_BLOCK or self.core.lookup(g, ident)[0] >= 0:
+            x, found = int(table[column]), int(self.core.lookup(g, ident)[0])
+            if x == NULL_BLOCK or found not in (-1, x):
                 continue  # no block kept there, or another block holds this state
+            if found == x:  # its own boundary is the position: `cache` named it
+                named.append((g, x))
+                continue
             if self.core.block_info(g, x)[2]:
                 self.core.uncache_blocks(g, [x])  # named by its boundary: not its state
             if self.core.commit(g, [x], ident, [n]):

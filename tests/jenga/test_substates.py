@@ -245,3 +245,20 @@ def test_no_checkpoint_block_where_the_step_moves_scratch_states_there() -> None
     alloc.cache("p", 20)
     assert alloc.cache_checkpoint("p", 3, 18)[0] == ()
     alloc.check_invariants(True)
+
+
+def test_a_checkpoint_on_its_blocks_own_boundary_keeps_that_name() -> None:
+    """A checkpoint at 8 in the entry covering 4..8 is that entry's own state: `cache`
+    named it, and `cache_checkpoint` reports it (the engine defers hits on it)."""
+    alloc = _allocator(mamba_block=4)
+    prompt = list(range(1, 13))
+    alloc.add_request("p", prompt, digests=_digests(prompt))
+    assert alloc.allocate("p", 12, checkpoint=True) is not None
+    kept = alloc.block_table("p", MAMBA)[1]
+    alloc.cache("p", 12)
+    assert alloc.cache_checkpoint("p", 1, 8)[0] == ((MAMBA, kept),)
+    alloc.free("p")
+    at_8 = [*prompt[:8], 50, 51, 52]
+    match = alloc.prefix_match(at_8, digests=_digests(at_8))
+    assert match.hit == 8 and match.tables[MAMBA] == [NULL_BLOCK, kept]
+    alloc.check_invariants(True)
