@@ -357,13 +357,14 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         return req
 
     def _group_needs(
-        self, req: LiveRequest, new: int, upto: int, lookahead: int = 0
+        self, req: LiveRequest, new: int, upto: int, lookahead: int, kept: list[int] | None
     ) -> tuple[list[np.ndarray], list[int], list[int], list[int], list[int]]:
         """Per group, for growing ``req`` to ``new`` tokens: the blocks to release (those
         left behind at ``upto`` tokens), the first still-live block index, the Mamba
         checkpoints skipped inside the span, the scratch states moved past the running
         one (`MambaPolicy.extension`) and the blocks to take. State groups count the
-        tokens without the ``lookahead`` slots (the draft's, which hold no state)."""
+        tokens without the ``lookahead`` slots (the draft's, which hold no state); ``kept``
+        (asked for a checkpoint block) collects the groups that keep one."""
         releases: list[np.ndarray] = []
         firsts: list[int] = []
         skips: list[int] = []
@@ -379,6 +380,9 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
             else:
                 length = policy.counted_length(new, lookahead)
                 grow = policy.extension(held, g in req.speculative_tails, length)
+                if kept is not None and (ckpt := grow.keeping_checkpoint()) is not grow:
+                    grow = ckpt
+                    kept.append(g)  # the groups that keep a checkpoint block
             skips.append(grow.skipped)
             moves.append(grow.moved)
             counts.append(grow.new)
@@ -391,6 +395,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         *,
         release_upto: int | None = None,
         lookahead: int = 0,
+        checkpoint: bool = False,
     ) -> Allocation | None:
         """Give the request slots for ``num_new_tokens`` more tokens in every group.
 
@@ -402,25 +407,20 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         finished, so a block that step still reads is not handed out; a later call (or
         `free`) releases it. ``lookahead``: how many of the request's tokens after this
         call are a draft's lookahead slots, which Mamba groups in step-end mode do not
-        count (no state is written for them; vLLM's ``num_tokens_main_model``). Returns
+        count (no state is written for them; vLLM's ``num_tokens_main_model``).
+        ``checkpoint``: state groups keep a block just below the running state where the
+        step would skip it (`StateExtension.keeping_checkpoint`; `cache_checkpoint`). Returns
         None ("no room") with nothing changed when any group cannot be satisfied. Raises
         `UnknownRequest`, `InvalidSize` (``num_new_tokens <= 0`` or beyond
         ``max_model_len``, ``release_upto < 0``)."""
         req = self._request(request_id)
-        if type(num_new_tokens) is not int:  # the message is built only when needed
-            num_new_tokens = as_count(num_new_tokens, f"request {request_id!r}: num_new_tokens")
-        if num_new_tokens <= 0:
-            raise InvalidSize(
-                f"request {request_id!r}: num_new_tokens must be > 0, got {num_new_tokens}"
-            )
-        old, new = req.num_tokens, req.num_tokens + num_new_tokens
-        self._check_length(request_id, "after allocate", new)
-        upto = release_length(request_id, old, release_upto)
-        if not 0 <= lookahead <= new:
-            raise InvalidSize(f"request {request_id!r}: lookahead {lookahead} not in [0, {new}]")
+        new = self._checked_growth(request_id, req.num_tokens, num_new_tokens, lookahead)
+        upto = release_length(request_id, req.num_tokens, release_upto)
         if req.grow_held(new):  # every slot is held and nothing leaves any window
             return Allocation(self.no_blocks, self.no_blocks, _EMPTY_PLAN, new)
-        releases, firsts, skips, moves, counts = self._group_needs(req, new, upto, lookahead)
+        kept: list[int] | None = [] if checkpoint and self._states is not None else None
+        needs = self._group_needs(req, new, upto, lookahead, kept)
+        releases, firsts, skips, moves, counts = needs
         cow = CopyOnWrite(req, self._core, counts, releases) if req.shared_tail else None
         quiet = not any(counts) and not any(skips) and not any(moves)
         if not cow and quiet and not any(len(r) for r in releases):
@@ -437,13 +437,25 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
             return None
         released = tuple(tuple(r.tolist()) for r in releases)  # before the views change
         got, copies = cow.apply(req, got) if cow else (got, ())
-        if copies and self._states is not None:
-            self._states.note(copies)
         appended = self._extend_tables(req, got, firsts, skips, moves)
+        if self._states is not None:
+            self._states.allocated(request_id, copies, kept)
         req.num_tokens = new
         req.update_quiet_span(self.policies)
         new_blocks = tuple(tuple(b.tolist()) for b in got)
         return Allocation(new_blocks, released, plan, new, copies, appended)
+
+    def _checked_growth(self, request_id: Hashable, old: int, num_new: int, lookahead: int) -> int:
+        """`allocate`'s argument checks; the request's length after it."""
+        if type(num_new) is not int:  # the message is built only when needed
+            num_new = as_count(num_new, f"request {request_id!r}: num_new_tokens")
+        if num_new <= 0:
+            raise InvalidSize(f"request {request_id!r}: num_new_tokens must be > 0, got {num_new}")
+        new = old + num_new
+        self._check_length(request_id, "after allocate", new)
+        if not 0 <= lookahead <= new:
+            raise InvalidSize(f"request {request_id!r}: lookahead {lookahead} not in [0, {new}]")
+        return new
 
     def _extend_tables(
         self,
@@ -629,7 +641,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
             self._core.release(g, live, now)
         del self._requests[request_id]
         if self._states is not None:
-            self._states.entries.pop(request_id, None)
+            self._states.forget(request_id)
         self._freed[request_id] = None
         if len(self._freed) > _FREED_IDS_KEPT:
             self._freed.popitem(last=False)
@@ -705,7 +717,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         self._check_length(request_id, "after allocate", new)
         if old <= req.quiet_until and new <= req.held_until:
             return 0
-        return pages_for(self.config.groups, self._group_needs(req, new, old)[4])
+        return pages_for(self.config.groups, self._group_needs(req, new, old, 0, None)[4])
 
     def set_total_units(self, units: int) -> MappingPlan:
         """Grow or shrink the pool to ``units`` units; returns the plan of the evictions a
@@ -745,7 +757,7 @@ class JengaAllocator(AllocatorViews, substates.SubStateCalls):
         """The one prefix lookup: what a new request with this prompt would hit.
 
         ``hit``: the longest cached prefix valid in every group; ``junction``: the longest
-        valid in any one group (``junction > hit`` means some group, typically full
+        valid in any one token group (``junction > hit`` means some group, typically full
         attention, already caches a longer shared prefix than a sparse group such as a
         Mamba state or a window can serve; an engine that ends a chunk exactly there gets
         that group's entry cached too, so the next request sharing the prefix hits all of

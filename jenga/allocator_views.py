@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jenga.requests import NULL_BLOCK, check_live_tables
-from jenga.substates import fine_group, fine_mask, fine_table
+from jenga.substates import fine_group, fine_mask, fine_table, hit_unit
 
 if TYPE_CHECKING:
     from jenga.requests import LiveRequest
@@ -205,11 +205,14 @@ class AllocatorViews:
 
     def _group_masks(self, req: LiveRequest) -> tuple[list[np.ndarray], list[np.ndarray], int]:
         """Per group the prompt's cache lookup and which prefixes (``step``, ``2*step``,
-        ...) the group alone serves, and the longest prefix any caching group serves."""
+        ...) the group alone serves, and the longest prefix any caching group that holds
+        no state serves (any caching group where none does: a state group past every
+        token group's prefix names no place a state is missing)."""
         n = len(req.tokens)
         step = self._prefix_step
         whole = n // step > 0 and n // step * step == n  # one token is always computed
         junction = 0
+        token_groups = any(p.caches_blocks and not p.holds_state for p in self.policies)
         proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
         masks: list[np.ndarray] = []
@@ -222,14 +225,38 @@ class AllocatorViews:
                 found = self._lookup(g, policy, req, n)
                 mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
             lookups.append(found)
-            if proof is not None:  # speculative decoding: hits followed by cached steps
-                mask = proof.proven(mask, policy.holds_state, whole)
+            if proof is not None and (proof.groups is None or g in proof.groups):
+                # speculative decoding: hits followed by cached steps
+                mask = self._proven(policy, found, mask, req, whole)
             elif whole:
                 mask[-1] = False
-            if policy.caches_blocks:
+            if policy.caches_blocks and not (policy.holds_state and token_groups):
                 junction = max(junction, _last_valid(mask, step))
             masks.append(mask)
         return lookups, masks, junction
+
+    def _proven(
+        self, policy: Any, found: np.ndarray, mask: np.ndarray, req: LiveRequest, whole: bool
+    ) -> np.ndarray:
+        """A group's proven hits on the prefix-step grid; with ``per_block`` proofs the
+        proof is checked on the group's own block grid (one block past the hit)."""
+        proof = self.config.hit_proof
+        assert proof is not None
+        step, n = self._prefix_step, len(req.tokens)
+        unit = self._states.unit if self._states is not None else 0
+        t = hit_unit(policy, unit)
+        if not proof.per_block or policy.holds_state or t == step:
+            return proof.proven(mask, policy.holds_state, whole)
+        if fine_group(policy, unit):
+            own = fine_mask(policy, found, t, unit, n)
+        else:
+            own = policy.valid_prefix_mask(found >= 0, t, n, req.images)
+        own = proof.proven(own, False, n % t == 0)
+        at = np.arange(1, len(mask) + 1, dtype=np.int64) * step // t - 1
+        mask = mask & own[at]
+        if whole and len(mask):
+            mask[-1] = False
+        return mask
 
 
 def _last_valid(mask: np.ndarray, step: int) -> int:

@@ -145,11 +145,16 @@ class HitProof:
     (Mamba) only the hit. ``to_prompt_end``: the proof may reach the prompt's last token
     (vLLM's hybrid coordinator), else it stays below it as the hit does (vLLM's
     single-group coordinator: a hit of the whole prompt but one block is proven by
-    nothing).
+    nothing). ``per_block``: a step of the proof is one of the group's own blocks (its
+    hit unit inside blocks, `jenga.substates`), not a prefix step (vLLM's margin: one
+    block of the group); ``groups``: the groups that need a proof (None: all; vLLM's
+    draft groups where the config marks them).
     """
 
     steps: int = 1
     to_prompt_end: bool = True
+    per_block: bool = False
+    groups: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.steps <= 0:

@@ -91,6 +91,14 @@ class StateExtension(NamedTuple):
     moved: int
     new: int
 
+    def keeping_checkpoint(self) -> StateExtension:
+        """The same growth with the entry just below the running state a block of its
+        own (an engine that writes a checkpoint state there inside the step: vLLM's
+        internal prefill checkpoint); unchanged where that entry is not a skipped one."""
+        if not self.skipped or self.moved:
+            return self
+        return StateExtension(self.skipped - 1, 0, self.new + 1)
+
 
 @dataclass(frozen=True)
 class Policy:

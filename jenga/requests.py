@@ -244,13 +244,13 @@ class LiveRequest:
 class PrefixMatch:
     """What `JengaAllocator.prefix_match` found for a prompt, kept for `add_request`.
 
-    ``hit``: the cached prefix a request with this prompt would claim; ``tables``: per
-    group the block table it would start with; ``junction``: the longest prefix any one
-    group serves. ``request`` holds the prompt's state built for the lookup (token ids,
-    hash chains); `add_request` adopts it (and sets it to None) when ``epoch`` is still
-    the allocator's, i.e. no call that can evict ran since the lookup. ``diverged``: the
-    hit runs deeper than the state groups' cached states (``restored_states``: their
-    tables hold no state at the hit, the caller restores it).
+    ``hit``: the cached prefix a request with this prompt would claim; ``tables``: per group
+    the block table it would start with; ``junction``: the longest prefix any one group
+    serves (a group holding no state, where one caches). ``request`` holds the prompt's
+    state built for the lookup (token ids, hash chains); `add_request` adopts it (and sets
+    it to None) when ``epoch`` is still the allocator's, i.e. no call that can evict ran
+    since the lookup. ``diverged``: the hit runs deeper than the state groups' cached states
+    (``restored_states``: their tables hold no state at the hit, the caller restores it).
     """
 
     hit: int

@@ -158,6 +158,8 @@ class SubBlockStates:
         # request id -> {group: (table index, block, tokens)} named by `commit`
         self.entries: dict[Hashable, dict[int, tuple[int, int, int]]] = {}
         self.retained: Counter[tuple[int, int]] = Counter()  # (group, block) -> refs
+        # request id -> the groups its last `allocate` kept a checkpoint block in
+        self.kept: dict[Hashable, tuple[int, ...]] = {}
 
     def commit(
         self, rid: Hashable, req: LiveRequest, n: int, states: bool | None = None
@@ -185,6 +187,38 @@ class SubBlockStates:
                 named.append((g, x))
         return tuple(named)
 
+    def checkpoint(
+        self, rid: Hashable, req: LiveRequest, column: int, n: int
+    ) -> tuple[tuple[int, int], ...]:
+        """Name the block at ``column`` of each state group the request's last `allocate`
+        kept a checkpoint block in by ``n`` tokens (see `cache_checkpoint`); a name it had
+        by its own boundary goes first."""
+        kept = self.kept.pop(rid, ())
+        if n <= 0 or n % self.unit:
+            return ()
+        ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+        named = []
+        for g in kept:
+            table = req.tables[g]
+            if not len(ident) or column >= len(table):
+                continue
+            x, found = int(table[column]), int(self.core.lookup(g, ident)[0])
+            if x == NULL_BLOCK or found not in (-1, x):
+                continue  # no block kept there, or another block holds this state
+            if found == x:  # its own boundary is the position: `cache` named it
+                named.append((g, x))
+                continue
+            if self.core.block_info(g, x)[2]:
+                self.core.uncache_blocks(g, [x])  # named by its boundary: not its state
+            if self.core.commit(g, [x], ident, [n]):
+                named.append((g, x))
+        return tuple(named)
+
+    def forget(self, rid: Hashable) -> None:
+        """The request left: no name awaits its move, no checkpoint block its name."""
+        self.entries.pop(rid, None)
+        self.kept.pop(rid, None)
+
     def move(self, rid: Hashable, req: LiveRequest, now: int) -> tuple[BlockCopy, ...]:
         """Hand each name `commit` gave a running block to a fresh block (see
         `move_state`); a name no block can take now (no room) is dropped."""
@@ -205,10 +239,13 @@ class SubBlockStates:
             copies.append(BlockCopy(g, j, x, y, (x, y), moved=True))
         return tuple(copies)
 
-    def note(self, copies: Sequence[BlockCopy]) -> None:
-        """Count the references `allocate`'s copies kept (`CopyOnWrite`)."""
+    def allocated(self, rid: Hashable, copies: Sequence[BlockCopy], kept: list[int] | None) -> None:
+        """After an `allocate`: count the references its copies kept (`CopyOnWrite`) and
+        note the groups it kept a checkpoint block in (``kept``: it was asked to)."""
         for c in copies:
             self.retained.update((c.group, b) for b in c.retained)
+        if kept is not None:
+            self.kept[rid] = tuple(kept)
 
     def release(self, group: int, blocks: Sequence[int], now: int) -> None:
         """Drop one kept reference per block (`InvalidSize` naming one not kept; nothing
@@ -254,6 +291,25 @@ class SubStateCalls:
                 f"{req.num_tokens} allocated"
             )
         return keep.commit(request_id, req, num_tokens, states)
+
+    def cache_checkpoint(
+        self, request_id: Hashable, column: int, num_tokens: int
+    ) -> tuple[tuple[tuple[int, int], ...], MappingPlan]:
+        """Name the block each state group kept at table index ``column`` (`allocate`'s
+        ``checkpoint``) by ``num_tokens`` (a multiple of ``state_unit``): the engine's
+        step writes the state after that many tokens there, below its running state, so
+        it is never moved. Returns the (group, block) named and the plan. Raises
+        `UnknownRequest`, `InvalidSize` (no ``state_unit``, more tokens than allocated)."""
+        keep = self._require_states()
+        req = self._request(request_id)  # type: ignore[attr-defined]
+        if not 0 <= num_tokens <= req.num_tokens:
+            raise InvalidSize(
+                f"request {request_id!r}: checkpoint after {num_tokens} tokens, "
+                f"{req.num_tokens} allocated"
+            )
+        self._epoch += 1  # type: ignore[attr-defined]
+        named = keep.checkpoint(request_id, req, column, num_tokens)
+        return named, self._drain_plan()  # type: ignore[attr-defined]
 
     def move_state(self, request_id: Hashable) -> tuple[tuple[BlockCopy, ...], MappingPlan]:
         """Before the request's next step: each name `cache_state` gave its running state

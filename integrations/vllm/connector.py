@@ -115,6 +115,20 @@ class ConnectorState:
         self.offered.pop(request_id, None)
         self.offers.pop(request_id, None)
 
+    def retag(self, request_id: Hashable, group: int, block_id: int, tokens: int) -> None:
+        """An offered block holds the state after ``tokens`` tokens, not its boundary's
+        (an internal prefill checkpoint: `integrations.vllm.partial_hits`)."""
+        entries = self.offers.get(request_id, [])
+        for i, (g, b, _) in enumerate(entries):
+            if (g, b) == (group, block_id):
+                entries[i] = (g, b, tokens)
+
+    def offer(self, request_id: Hashable, entries: list[Offer]) -> None:
+        """Offer states kept elsewhere (a sub-block tail moved off the running block:
+        `integrations.vllm.partial_hits`), taken with the boundary states."""
+        if entries:
+            self.offers.setdefault(request_id, []).extend(entries)
+
 
 def new_state(manager: JengaKVCacheManager) -> ConnectorState:
     """The connector state of a new manager; boundary states are offered in "align"

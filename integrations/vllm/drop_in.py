@@ -90,6 +90,7 @@ def jenga_kv_cache_manager(
     hash_block_size: int | None = None,
     scheduler_block_size: int | None = None,
     jenga_options: JengaVllmOptions | None = None,
+    enable_mamba_shared_prefix_checkpoint: bool = False,
     **_vllm_only: object,
 ) -> JengaKVCacheManager:
     """`JengaKVCacheManager` from the arguments vLLM's `KVCacheManager` takes.
@@ -118,4 +119,5 @@ def jenga_kv_cache_manager(
         kv_cache_config=kv_cache_config,
         hash_block_size=hash_block_size,
         speculative=speculative,
+        shared_prefix=enable_mamba_shared_prefix_checkpoint,
     )

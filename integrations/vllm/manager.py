@@ -66,8 +66,9 @@ Approach
     (`integrations.vllm.coordinator`) the engine reads.
 
 Limitations
-    KV connectors: `integrations.vllm.connector`; speculative decoding:
-    `integrations.vllm.speculative`; sub-block Mamba hits: `integrations.vllm.partial_hits`.
+    Prefix lookups and block tables: `integrations.vllm.lookup`. KV connectors:
+    `integrations.vllm.connector`; speculative decoding: `integrations.vllm.speculative`;
+    sub-block Mamba hits: `integrations.vllm.partial_hits`.
     No watermark. `get_computed_blocks` returns the hit's blocks as vLLM does (the tables
     of one prefix lookup); `allocate_slots` adopts that lookup (or looks up again when a
     call that may evict ran in between). The
@@ -82,7 +83,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from jenga.allocator import NULL_BLOCK, ImageSpan, JengaAllocator, PrefixMatch
+from jenga.allocator import NULL_BLOCK, JengaAllocator, PrefixMatch
 from jenga.pages import capacity_units
 from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
@@ -99,8 +100,9 @@ from integrations.vllm.compat import (
 )
 from integrations.vllm.coordinator import CoordinatorView
 from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
-from integrations.vllm.identity import DigestRegistry, request_salt, stable_int
+from integrations.vllm.identity import DigestRegistry, request_salt
 from integrations.vllm.layout import JengaLayout
+from integrations.vllm.lookup import PrefixLookup, digests_of
 from integrations.vllm.speculative import SpeculativeSetup
 
 if TYPE_CHECKING:
@@ -126,7 +128,7 @@ class _RequestState:
     recorded: list[int] | None = None
 
 
-class JengaKVCacheManager:
+class JengaKVCacheManager(PrefixLookup):
     """The Scheduler-facing surface of vLLM's `KVCacheManager`, on a `JengaAllocator`.
 
     Invariants: a request is in ``_requests`` exactly while the allocator holds it (a
@@ -144,6 +146,7 @@ class JengaKVCacheManager:
         kv_cache_config: KVCacheConfig | None = None,
         hash_block_size: int | None = None,
         speculative: SpeculativeSetup | None = None,
+        shared_prefix: bool = False,
     ) -> None:
         self.layout = layout
         self.speculative = speculative or SpeculativeSetup()
@@ -157,7 +160,11 @@ class JengaKVCacheManager:
         self.enable_partial_hash_hits = partial_hits.enabled(
             layout, self.hash_block_size, enable_caching, self.speculative
         )
-        self.mamba_shared_prefix_checkpoint = False  # no junction state inside a block
+        # vLLM's shared-prefix (junction) checkpoints: a state kept where a sibling resumes
+        self.mamba_shared_prefix_checkpoint = partial_hits.junctions_on(
+            self.enable_partial_hash_hits, self.speculative, kv_cache_config, shared_prefix
+        )
+        self.kv_cache_config = kv_cache_config
         self._partial = partial_hits.PartialHits(self) if self.enable_partial_hash_hits else None
         self.allocator: JengaAllocator = self._new_allocator()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in layout.groups))
@@ -174,7 +181,6 @@ class JengaKVCacheManager:
         # only VMM tensors consume plans (`JengaScheduler` ships them to the worker)
         self._queue_plans = layout.options.vmm_tensors
         self._events: list[KVCacheEvent] = []
-        self.kv_cache_config = kv_cache_config
         self.identity = DigestRegistry(layout, self.hash_block_size, enable_kv_cache_events)
         self.identity.lookahead_tokens = self.speculative.num_hash_lookahead_tokens
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -210,9 +216,6 @@ class JengaKVCacheManager:
             return None
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
-
-    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
@@ -254,80 +257,6 @@ class JengaKVCacheManager:
         out.update(self.counters)
         return out
 
-    # -- prefix lookup ----------------------------------------------------------------
-    def get_computed_blocks(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int]:
-        """(hit blocks, hit tokens, shared-prefix boundary), as vLLM's manager returns them.
-
-        Per group ``hit // block_size`` cached blocks (null where the group does not read
-        them); `allocate_slots` claims the same hit. The boundary (0 if none) is the
-        longest prefix one group alone caches past the hit (a full-attention prefix whose
-        Mamba state was never written): vLLM's scheduler ends the chunk there so the next
-        sibling hits it all. ``max_cache_hit_length`` (the routed-experts connector's
-        rows) caps the hit at the longest prefix below it valid in every group.
-        """
-        blocks, hit, boundary, _ = self._lookup(request, max_cache_hit_length, False)
-        return blocks, hit, boundary
-
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """`get_computed_blocks` plus ``hit_diverged`` for a connector that restores a
-        deeper hit's Mamba state (``supports_divergent_local_hybrid_hits``): the longest
-        prefix valid in every stateless group unless a Mamba group alone runs past it;
-        when deeper than the cached states (boundary 0), the Mamba tables hold no state
-        and the Mamba group gets a fresh block after the connector's tokens."""
-        return self._lookup(request, max_cache_hit_length, True)
-
-    def _lookup(
-        self, request: Request, max_hit: int | None, restored_states: bool
-    ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The one prefix lookup of both `get_computed_blocks` calls, kept for `_admit`:
-        (blocks, hit, shared-prefix boundary, hit diverged)."""
-        if not self.prefix_cache_lookup_enabled(request):
-            return self.empty_kv_cache_blocks, 0, 0, False
-        match = self.allocator.prefix_match(
-            request.all_token_ids,
-            images=self._images(request),
-            salt=request_salt(request),
-            request_id=request.request_id,
-            digests=_digests(request),
-            max_hit=max_hit,  # a shorter hit valid in every group below it
-            restored_states=restored_states,
-        )
-        self._last_match = (request.request_id, match)  # `_admit` adopts it
-        hit, junction = match.hit, match.junction
-        blocks = self._blocks_of(match.tables) if hit else self.empty_kv_cache_blocks
-        report = self.layout.options.junctions and junction > hit and not match.diverged
-        return blocks, hit, junction if report else 0, match.diverged
-
-    def truncate_computed_blocks(
-        self, blocks: KVCacheBlocks, num_computed_tokens: int
-    ) -> KVCacheBlocks:
-        """The hit cut at ``num_computed_tokens`` (a connector's longer hit covers the
-        rest); the next admission adopts the cut hit."""
-        last = self._last_match
-        if last is not None and last[1].hit > num_computed_tokens:
-            match = last[1]
-            tables = [
-                t[: num_computed_tokens // g.block_size]
-                for t, g in zip(match.tables, self.layout.groups, strict=True)
-            ]
-            cut = replace(match, hit=num_computed_tokens, tables=tables)
-            self._last_match = (last[0], cut)
-        return connector.truncated(self, blocks, num_computed_tokens)
-
-    def estimate_cached_tokens(self, request: Request) -> int:
-        """Tokens of the request whose blocks are committed to the prefix cache."""
-        rid = request.request_id
-        state = self._requests.get(rid)
-        if not self.enable_caching or state is None:
-            return 0
-        computed = min(request.num_computed_tokens, self.allocator.num_tokens(rid), state.num_known)
-        sizes = [g.block_size for g in self.layout.groups if g.kind is not Kind.CROSS_ATTENTION]
-        return min((computed // size * size for size in sizes), default=0)
-
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -363,10 +292,7 @@ class JengaKVCacheManager:
         state = state or self._admit(request, num_new_computed_tokens)
         whole = min(request.num_tokens, self.max_model_len)  # checked with the hit claimed
         if full_sequence_must_fit and not self._fits(rid, whole):
-            if admitted:
-                self._release(rid)
-            self.counters["requests.rejected"] += 1
-            return None
+            return self._refused(rid, admitted)
         computed = request.num_computed_tokens + known  # hit and connector-loaded tokens
         target = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         need = target - self.allocator.num_tokens(rid)
@@ -375,20 +301,33 @@ class JengaKVCacheManager:
         room = need > 0 and self._reserves_room(rid, target, reserved_blocks)
         external = num_external_computed_tokens if admitted else 0
         ahead = max(0, target - computed - num_new_tokens)  # slots that hold no Mamba state
-        new_blocks = self._grow(request, need, target, processed, external, ahead) if room else None
+        # vLLM's internal prefill checkpoint (`partial_hits`): a block below the running state
+        ckpt = self._partial.checkpoint_for(request, computed, cache_upto) if self._partial else 0
+        grow = (request, need, target, processed, external, ahead, bool(ckpt))
+        new_blocks = self._grow(*grow) if room else None
         if need > 0 and new_blocks is None:
-            if admitted:
-                self._release(rid)
-            else:  # as vLLM: skipped blocks go even when the request cannot grow
-                self._apply_plan(self.allocator.release_skipped(rid, release_upto=processed))
-            self.counters["requests.rejected"] += 1
-            return None
+            return self._refused(rid, admitted, processed)
         if self.enable_caching and not delay_cache_blocks:  # delayed: cached once loaded
             self._cache(request, state, cache_upto)
+        if ckpt and self._partial is not None:
+            self._partial.name_checkpoint(rid, ckpt, cache_upto)
         if new_blocks is None or new_blocks is self.allocator.no_blocks:
             return self.empty_kv_cache_blocks  # decode within held blocks: nothing new
         blocks = self._blocks_of(new_blocks)
         return connector.record_new_for_zeroing(self, rid, blocks, _ignored, computed)
+
+    def _refused(
+        self, rid: str, admitted: bool, processed: int | None = None
+    ) -> KVCacheBlocks | None:
+        """`allocate_slots`' "no room": a request admitted by the call is released again;
+        a running one keeps its blocks but, as vLLM frees them even when the request cannot
+        grow, those skipped as of ``processed`` tokens (None: none)."""
+        if admitted:
+            self._release(rid)
+        elif processed is not None:
+            self._apply_plan(self.allocator.release_skipped(rid, release_upto=processed))
+        self.counters["requests.rejected"] += 1
+        return None
 
     def _check_call(self, request: Request, new: int, new_computed: int, encoder: int) -> None:
         """`allocate_slots`' refusals: encoder tokens without a cross-attention group, a
@@ -438,6 +377,7 @@ class JengaKVCacheManager:
         processed: int,
         external: int,
         lookahead: int,
+        checkpoint: bool = False,
     ) -> tuple[tuple[int, ...], ...] | None:
         """`_allocate` of ``need`` tokens, the last ``lookahead`` of ``target`` a draft's
         slots; a just-admitted request's ``external`` connector tokens first, in a call
@@ -446,10 +386,10 @@ class JengaKVCacheManager:
             return connector.external_then_new(
                 self, request, external, target, processed, lookahead
             )
-        return self._allocate(request, need, processed, lookahead)
+        return self._allocate(request, need, processed, lookahead, checkpoint)
 
     def _allocate(
-        self, request: Request, need: int, processed: int, lookahead: int = 0
+        self, request: Request, need: int, processed: int, lookahead: int = 0, ckpt: bool = False
     ) -> tuple[tuple[int, ...], ...] | None:
         """Slots for ``need`` more tokens in one all-or-nothing allocator call, releasing
         the blocks out of the window as of ``processed`` tokens.
@@ -462,7 +402,9 @@ class JengaKVCacheManager:
         appends them to its block table.
         """
         rid = request.request_id
-        got = self.allocator.allocate(rid, need, release_upto=processed, lookahead=lookahead)
+        got = self.allocator.allocate(
+            rid, need, release_upto=processed, lookahead=lookahead, checkpoint=ckpt
+        )
         if got is None:
             return None
         self._apply_plan(got.plan)
@@ -480,13 +422,18 @@ class JengaKVCacheManager:
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
-        proof = self.speculative.hit_proof(len(self.layout.groups))
+        proof = self.speculative.hit_proof(len(self.layout.groups), self._eagle_groups())
         unit = self.hash_block_size if self._partial is not None else None
         # vLLM's scheduler calls the manager from its one thread: no per-call guard
         allocator = replace(
             config, identity=identity, total_units=units, hit_proof=proof, state_unit=unit
         )
         return JengaAllocator(allocator, guard_threads=False)
+
+    def _eagle_groups(self) -> tuple[int, ...]:
+        """The groups vLLM's config marks as EAGLE's (``is_eagle_group``)."""
+        groups = () if self.kv_cache_config is None else self.kv_cache_config.kv_cache_groups
+        return tuple(g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False))
 
     def _gated_units(self) -> int:
         """The units the allocator may map: the layout's, or on a shared pool the chunks
@@ -526,7 +473,7 @@ class JengaKVCacheManager:
             salt=request_salt(request),
             use_cache=use_cache,
             match=last[1] if last is not None and last[0] == rid else None,
-            digests=_digests(request),
+            digests=digests_of(request),
         )
         if hit != num_new_computed_tokens:
             self._apply_plan(self.allocator.free(rid))
@@ -544,26 +491,6 @@ class JengaKVCacheManager:
         self.counters["requests.admitted"] += 1
         self.counters["prefix.hit_tokens"] += hit
         return state
-
-    def _images(self, request: Request) -> tuple[ImageSpan, ...]:
-        """The request's multimodal inputs as jenga images, keyed by vLLM's identifiers.
-
-        Decoder-only models (LLaVA-style) have the placeholder tokens in the prompt, so
-        their positions hash by the image's identity (a different image never hits).
-        Encoder-decoder models hold the encoder input only in cross-attention groups,
-        allocated with the step that computes the first decoder token, cached and hit
-        by identity (vLLM itself never caches cross-attention blocks).
-        """
-        features = getattr(request, "mm_features", None) or ()
-        return tuple(
-            ImageSpan(
-                int(f.mm_position.offset),
-                int(f.mm_position.length),
-                stable_int(f.identifier),
-                in_text=not self._encoder_side,
-            )
-            for f in features
-        )
 
     def _release(self, rid: Hashable) -> None:
         self._apply_plan(self.allocator.free(rid))
@@ -702,49 +629,6 @@ class JengaKVCacheManager:
             self.prefix_cache_stats.reset = True
         return True
 
-    # -- queries ----------------------------------------------------------------------
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        if request_id not in self._requests:
-            return self.empty_kv_cache_blocks
-        tables = tuple(
-            self.allocator.block_table(request_id, g) for g in range(self.num_kv_cache_groups)
-        )
-        return self._blocks_of(tables)
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return self.get_blocks(request_id).get_block_ids()
-
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        ids = self.get_block_ids(request_id)
-        return tuple(
-            row[: -(-num_computed_tokens // g.block_size)]
-            for row, g in zip(ids, self.layout.groups, strict=True)
-        )
-
-    def is_cached_block(self, group: int, block_id: int) -> bool:
-        """Whether vLLM block ``block_id`` of ``group`` is committed to the prefix cache."""
-        return self.allocator.is_cached_block(
-            group, self._block_ids.allocator_block(group, block_id)
-        )
-
-    @property
-    def shares_block_ids(self) -> bool:
-        """True when block ids are vLLM's slots, unique across groups (``pages="vllm"``)."""
-        return self._block_ids.shares_block_ids
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [0] * self.num_kv_cache_groups
-
-    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
-        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
-
-    def _blocks_of(self, tables: Sequence[Sequence[int]]) -> KVCacheBlocks:
-        if not any(tables):
-            return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(self._block_ids.rows(tables))
-
     # -- per-step hand-offs -------------------------------------------------------------
     def new_step_starts(self) -> None:
         """A new step: states named in the last one are filled (`partial_hits`)."""
@@ -778,8 +662,9 @@ class JengaKVCacheManager:
         return connector.take_offers(self)
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """A KV producer's sub-block Mamba tails: none (not offered to connectors)."""
-        return []
+        """A finishing KV producer's sub-block Mamba tails still in its running blocks
+        (`partial_hits.PartialHits.finalize`): [(group, block id, tokens)], each once."""
+        return [] if self._partial is None else self._partial.finalize(request)
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Queue the blocks a failed KV load left unwritten, from ``start_token`` on."""
@@ -791,9 +676,3 @@ class JengaKVCacheManager:
         self._block_ids.check_invariants(self.allocator.usage().used_units)
         for rid in self._requests:
             self.allocator.num_tokens(rid)  # raises UnknownRequest if not live
-
-
-def _digests(request: Request) -> Sequence[bytes]:
-    """The request's vLLM block digests (``block_hashes``; none without a hasher)."""
-    hashes: Sequence[bytes] | None = getattr(request, "block_hashes", None)
-    return () if hashes is None else hashes

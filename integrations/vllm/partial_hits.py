@@ -32,17 +32,25 @@ Approach
     - the copies go to the worker through ``take_kv_cache_block_copies`` with the blocks
       kept for them; vLLM's scheduler hands those back through ``block_pool.free_blocks``
       once the copying step ran (`release`);
+    - with vLLM's ``enable_mamba_shared_prefix_checkpoint`` (`junctions_on`) the state is
+      also named where the prompt chunk being computed ends at the request's shared-prefix
+      junction (`junction`): the scheduler stops there, so the next sibling resumes at it;
+    - with Mamba checkpoint blocks (``num_prefill_checkpoint_blocks``) vLLM's worker
+      writes the prompt's tail checkpoint state inside the last chunk, into the entry
+      just below the running state (`checkpoint_for`): the allocator keeps a block there
+      (``allocate(checkpoint=True)``) and it is named by that position
+      (`JengaAllocator.cache_checkpoint`);
     - a state named or moved in this step is filled only by this step's forward or
       copy, so a request whose hit holds it is not admitted before the next step
       (`defers`), as vLLM defers it.
 
 Limitations
-    No shared-prefix (junction) checkpoint inside a block, no internal prefill checkpoint
-    blocks (with them vLLM's scheduler does not stop at the tail checkpoint, so no state
-    is kept there: whole-block hits), no KV events or connector offloads for states or
-    attention blocks named inside a block. With MLA, sliding-window or chunked-local
-    groups off the hash grid or VMM tensors the manager says ``enable_partial_hash_hits =
-    False`` and hits whole blocks.
+    No KV events or connector offloads for states or attention blocks named inside a
+    block (but a producer's tail state, `finalize`). No sparse retention: states at block
+    boundaries stay cached where vLLM's retention interval 0 drops them. With MLA,
+    sliding-window or chunked-local groups off the hash grid or VMM tensors the manager
+    says ``enable_partial_hash_hits = False`` and hits whole blocks; internal checkpoint
+    blocks are kept only with partial hits on.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from jenga.specs import Kind
 from integrations.vllm.compat import KVCacheBlock, KVCacheBlockCopy, RequestStatus
 
 if TYPE_CHECKING:
-    from integrations.vllm.compat import Request
+    from integrations.vllm.compat import KVCacheConfig, Request
     from integrations.vllm.layout import JengaLayout
     from integrations.vllm.speculative import SpeculativeSetup
 
@@ -91,6 +99,31 @@ def enabled(
     )
 
 
+def junctions_on(
+    partial: bool, speculative: SpeculativeSetup, config: KVCacheConfig | None, asked: bool
+) -> bool:
+    """Whether states are kept at shared-prefix junctions too (vLLM's
+    ``mamba_shared_prefix_checkpoint``): asked for, with sub-block hits on, a group that
+    drops EAGLE's block (every group with the drop on, or one the config marks), and no
+    multi-module MTP tail (then the computed tokens handed to the cache lag the chunk
+    end, so no state would be kept where the scheduler stopped)."""
+    groups = () if config is None else config.kv_cache_groups
+    eagle = speculative.use_eagle or any(getattr(g, "is_eagle_group", False) for g in groups)
+    return asked and partial and eagle and speculative.num_reprefillable_tokens == 0
+
+
+def junction(request: Request, computed: int) -> bool:
+    """Whether ``computed`` is the request's shared-prefix junction inside the prompt chunk
+    being computed (past the prompt, the running state changes before a sibling could
+    read it)."""
+    boundary = getattr(request, "shared_prefix_boundary", 0)
+    return (
+        bool(boundary)
+        and computed == boundary
+        and (request.num_computed_tokens < computed <= request.num_prompt_tokens)
+    )
+
+
 def tail_checkpoint(
     num_prompt_tokens: int, hash_block_size: int, lookahead: int, eagle: bool = False
 ) -> int:
@@ -112,6 +145,16 @@ def attention_tail(num_prompt_tokens: int, hash_block_size: int, eagle: bool) ->
     return max(0, limit // hash_block_size * hash_block_size)
 
 
+def checkpoint_alignment(config: KVCacheConfig | None) -> int | None:
+    """vLLM's internal prefill checkpoints: the alignment of the exported state, when
+    every Mamba group reserves checkpoint blocks (``num_prefill_checkpoint_blocks``)."""
+    specs = [] if config is None else [g.kv_cache_spec for g in config.kv_cache_groups]
+    mamba = [s for s in specs if hasattr(s, "num_prefill_checkpoint_blocks")]
+    if not mamba or not all(s.num_prefill_checkpoint_blocks > 0 for s in mamba):
+        return None
+    return getattr(mamba[0], "prefill_checkpoint_alignment", None)
+
+
 class PartialHits:
     """The manager's pending copies, the blocks kept for them, this step's new names."""
 
@@ -121,6 +164,39 @@ class PartialHits:
         # id(block object) -> (object, group, allocator block, the allocator then)
         self._retained: dict[int, tuple[KVCacheBlock, int, int, Any]] = {}
         self._fresh: set[tuple[int, int]] = set()  # (group, block) named this step
+        # request -> its named tail states (group, block, tokens) a connector may offload
+        self._tails: dict[str, list[tuple[int, int, int]]] = {}
+        self._align = checkpoint_alignment(manager.kv_cache_config)
+        mamba = [g.block_size for g in manager.layout.groups if g.kind is Kind.MAMBA]
+        self._state_block = mamba[0]
+
+    def checkpoint_for(self, request: Request, start: int, end: int) -> int:
+        """Where vLLM's worker exports an internal prefill checkpoint in a step computing
+        tokens ``start`` .. ``end`` (0: none): the prompt's tail checkpoint, in its last
+        chunk, at the checkpoint alignment from ``start``, in a block between the state
+        the step starts from and the one it ends at (vLLM's
+        ``is_mamba_prefill_checkpoint_valid``)."""
+        size, block, spec = (
+            self._manager.hash_block_size,
+            self._state_block,
+            self._manager.speculative,
+        )
+        if self._align is None or end < max(request.num_prompt_tokens, request.num_tokens - 1):
+            return 0
+        p = tail_checkpoint(end, size, spec.num_hash_lookahead_tokens, spec.use_eagle)
+        valid = start % size == 0 and -(-end // block) - 2 > (start - 1) // block
+        valid = valid and start + size <= p < end and (p - start) % self._align == 0
+        return p if valid else 0
+
+    def name_checkpoint(self, rid: str, position: int, end: int) -> None:
+        """Name the block `allocate` kept below the running state (index ``ceil(end /
+        block) - 2``) by the checkpoint ``position`` the step's forward writes there."""
+        column = -(-end // self._state_block) - 2
+        named, plan = self._manager.allocator.cache_checkpoint(rid, column, position)
+        self._manager._apply_plan(plan)
+        self._fresh.update(named)
+        for g, block in named:  # offered to a connector by its boundary: it holds this
+            self._manager._connector.retag(rid, g, self._vllm_id(g, block), position)
 
     def cache(self, request: Request, computed: int) -> None:
         """Name the request's running state when its computed tokens end at the prompt's
@@ -131,8 +207,14 @@ class PartialHits:
         prompt, rid = request.num_prompt_tokens, request.request_id
         allocator = manager.allocator
         eagle = spec.use_eagle
-        if computed == tail_checkpoint(prompt, size, spec.num_hash_lookahead_tokens, eagle):
-            self._fresh.update(allocator.cache_state(rid, computed, True))
+        at_junction = manager.mamba_shared_prefix_checkpoint and junction(request, computed)
+        if at_junction or computed == tail_checkpoint(
+            prompt, size, spec.num_hash_lookahead_tokens, eagle
+        ):
+            named = allocator.cache_state(rid, computed, True)
+            self._fresh.update(named)
+            if named:
+                self._tails[rid] = [(g, b, computed) for g, b in named]
         tail = attention_tail(prompt, size, eagle)
         if request.num_computed_tokens < tail <= min(computed, allocator.num_tokens(rid)):
             self._fresh.update(allocator.cache_state(rid, tail, False))
@@ -158,6 +240,29 @@ class PartialHits:
         self._manager._apply_plan(plan)
         self.queue(copies)
         self._fresh.update((c.group, c.dst) for c in copies)
+        # a named tail now lives in the moved block: offered once its copy ran (the
+        # offers are taken after this step's copies)
+        tails = {g: n for g, _, n in self._tails.pop(rid, ())}
+        offers = [
+            (c.group, self._vllm_id(c.group, c.dst), tails[c.group])
+            for c in copies
+            if c.group in tails
+        ]
+        self._manager._connector.offer(rid, offers)
+
+    def finalize(self, request: Request) -> list[tuple[int, int, int]]:
+        """A finishing request's named tail states still in its running block (no later
+        token computed or in flight), each as (group, vLLM block id, tokens), once."""
+        tails = self._tails.pop(request.request_id, ())
+        if getattr(request, "num_in_flight_tokens", 0):
+            return []
+        done = request.num_computed_tokens
+        return [(g, self._vllm_id(g, b), n) for g, b, n in tails if n == done]
+
+    def _vllm_id(self, group: int, block: int) -> int:
+        rows: list[list[int]] = [[] for _ in self._manager.layout.groups]
+        rows[group] = [block]
+        return int(self._manager._block_ids.rows(rows)[group][0].block_id)
 
     def queue(self, copies: Sequence[BlockCopy]) -> None:
         """Copies for the worker (run before the next step's forward)."""
@@ -170,6 +275,7 @@ class PartialHits:
     def forget(self, request: Request) -> None:
         """A running request freed in the step that named its state (preempted before
         that step's forward wrote it) leaves no name: its block does not hold the state."""
+        self._tails.pop(request.request_id, None)
         if not self._fresh or request.status != RequestStatus.RUNNING:
             return
         rid = request.request_id
@@ -221,3 +327,4 @@ class PartialHits:
         for copies still come back through `release`, and are let go)."""
         self._copies.clear()
         self._fresh.clear()
+        self._tails.clear()

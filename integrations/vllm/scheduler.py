@@ -61,6 +61,9 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         kv_cache_config=scheduler.kv_cache_config,
         hash_block_size=getattr(scheduler, "hash_block_size", None),
         speculative=speculative_setup_of(scheduler),
+        shared_prefix=bool(
+            getattr(scheduler.cache_config, "enable_mamba_shared_prefix_checkpoint", False)
+        ),
     )
     scheduler.kv_cache_manager = manager
     kv_connector = getattr(scheduler, "connector", None)
@@ -77,7 +80,9 @@ def install_jenga_manager(scheduler: Scheduler) -> JengaKVCacheManager:
         and scheduler.hash_block_size < scheduler.block_size
         and manager.enable_partial_hash_hits
     )
-    scheduler.mamba_shared_prefix_checkpoint = False
+    scheduler.mamba_shared_prefix_checkpoint = (
+        scheduler.mamba_partial_cache_hit and manager.mamba_shared_prefix_checkpoint
+    )
     return manager
 
 

@@ -70,12 +70,15 @@ class SpeculativeSetup:
         """Computed tokens multi-module MTP may recompute (not cached yet)."""
         return max(0, self.num_prefill_lookahead - 1)
 
-    def hit_proof(self, num_groups: int) -> HitProof | None:
+    def hit_proof(self, num_groups: int, marked: tuple[int, ...] = ()) -> HitProof | None:
         """The allocator's proof: vLLM's single-group coordinator matches the dropped
-        block below the prompt's last token, its hybrid one up to the prompt's end."""
+        block below the prompt's last token, its hybrid one up to the prompt's end; each
+        group drops one of its own blocks (its hash unit inside blocks), only the groups
+        the config ``marked`` as EAGLE's where it marks any (vLLM's ``is_eagle_group``)."""
         if not self.use_eagle:
             return None
-        return HitProof(steps=1, to_prompt_end=num_groups > 1)
+        groups = marked or None
+        return HitProof(steps=1, to_prompt_end=num_groups > 1, per_block=True, groups=groups)
 
     def cacheable(self, num_computed_tokens: int) -> int:
         """Of ``num_computed_tokens``, those whose KV is final (vLLM's

@@ -104,3 +104,25 @@ def test_the_proof_a_hit_used_is_kept_like_the_hit_after_it_leaves_a_window():
     order = alloc.eviction_order("swa")
     assert max(order.index(b) for b in c_blocks) < order.index(proof)
     alloc.check_invariants(expensive=True)
+
+
+def test_a_per_block_proof_is_one_block_of_the_group_and_only_where_asked():
+    """vLLM's margin: each group proves a hit with one of its own blocks (4 tokens here),
+    not a prefix step (8: the lcm with the Mamba interval); ``groups`` names the groups
+    that need a proof (a state group never does)."""
+    full = GroupConfig("full", Kind.FULL, 4, 2, 1)
+    mamba = GroupConfig("mamba", Kind.MAMBA, 8, 1, 1)
+    prompt = [*PROMPT[:28], 99, 99, 99, 99]
+
+    def hit(proof: HitProof | None) -> int:
+        alloc = JengaAllocator(AllocatorConfig((full, mamba), total_units=32, hit_proof=proof))
+        alloc.add_request("a", PROMPT[:28])  # attention to 28, states at 8, 16, 24
+        assert alloc.allocate("a", 28) is not None
+        alloc.cache("a", 28)
+        alloc.free("a")
+        return alloc.prefix_match(prompt).hit
+
+    assert hit(None) == 24
+    assert hit(HitProof()) == 16  # 24 would need 32 cached
+    assert hit(HitProof(per_block=True)) == 24  # proven by the block 24..28
+    assert hit(HitProof(groups=(1,))) == 24  # only the Mamba group: no proof needed

@@ -190,3 +190,75 @@ def test_an_attention_block_named_later_in_its_block_serves_a_shorter_hit() -> N
     other = [*PROMPT[:3], 9, 9, 9]
     assert alloc.prefix_match(other, digests=_digests(other)).hit == 0
     alloc.check_invariants(True)
+
+
+def test_a_checkpoint_kept_below_the_running_state_is_named_by_its_position() -> None:
+    """An engine that writes the state after 10 tokens inside a 12-token step (vLLM's
+    internal prefill checkpoint) gets a block just below the running state for it, named
+    at 10 and never at its own boundary (8: it does not hold that state)."""
+    alloc = _allocator(mamba_block=4)
+    prompt = list(range(1, 13))
+    alloc.add_request("p", prompt, digests=_digests(prompt))
+    plain = _allocator(mamba_block=4)
+    plain.add_request("p", prompt, digests=_digests(prompt))
+    assert plain.allocate("p", 12) is not None
+    assert plain.block_table("p", MAMBA)[:2] == [NULL_BLOCK, NULL_BLOCK]  # skipped
+    assert alloc.allocate("p", 12, checkpoint=True) is not None
+    kept = alloc.block_table("p", MAMBA)[1]
+    assert kept != NULL_BLOCK and alloc.block_table("p", MAMBA)[0] == NULL_BLOCK
+    alloc.cache("p", 12)
+    named, _ = alloc.cache_checkpoint("p", 1, 10)
+    assert named == ((MAMBA, kept),)
+    alloc.free("p")
+    at_10 = [*prompt[:10], 50, 51, 52]
+    match = alloc.prefix_match(at_10, digests=_digests(at_10))
+    assert match.hit == 10 and match.tables[MAMBA] == [NULL_BLOCK, NULL_BLOCK, kept]
+    at_8 = [*prompt[:8], 50, 51, 52]
+    assert alloc.prefix_match(at_8, digests=_digests(at_8)).hit == 0
+    alloc.check_invariants(True)
+    assert alloc.add_request("q", prompt, digests=_digests(prompt)) == 10  # the hit
+    with pytest.raises(InvalidSize, match="checkpoint after 14 tokens, 10 allocated"):
+        alloc.cache_checkpoint("q", 1, 14)
+
+
+def test_no_checkpoint_block_where_the_step_moves_scratch_states_there() -> None:
+    """With a draft's scratch state after the running one, a later step moves it past
+    the new running state instead of skipping entries: no block is kept for a checkpoint
+    and none is named (the entry below the running state is not the checkpoint's)."""
+    groups = (
+        GroupConfig("full", Kind.FULL, 2, 4, 1),
+        GroupConfig("mamba", Kind.MAMBA, 4, 2, 1, speculative_states=1),
+    )
+    config = AllocatorConfig(
+        groups,
+        64,
+        identity=BlockIdentity(digest_block_size=2),
+        mamba_step_end_only=True,
+        state_unit=2,
+    )
+    alloc = JengaAllocator(config)
+    prompt = list(range(1, 21))
+    alloc.add_request("p", prompt, digests=_digests(prompt))
+    assert alloc.allocate("p", 4) is not None  # running state 0, scratch 1
+    assert alloc.allocate("p", 16, checkpoint=True) is not None  # skips 2, moves 1
+    assert alloc.block_table("p", MAMBA)[3] == NULL_BLOCK  # below the running state
+    alloc.cache("p", 20)
+    assert alloc.cache_checkpoint("p", 3, 18)[0] == ()
+    alloc.check_invariants(True)
+
+
+def test_a_checkpoint_on_its_blocks_own_boundary_keeps_that_name() -> None:
+    """A checkpoint at 8 in the entry covering 4..8 is that entry's own state: `cache`
+    named it, and `cache_checkpoint` reports it (the engine defers hits on it)."""
+    alloc = _allocator(mamba_block=4)
+    prompt = list(range(1, 13))
+    alloc.add_request("p", prompt, digests=_digests(prompt))
+    assert alloc.allocate("p", 12, checkpoint=True) is not None
+    kept = alloc.block_table("p", MAMBA)[1]
+    alloc.cache("p", 12)
+    assert alloc.cache_checkpoint("p", 1, 8)[0] == ((MAMBA, kept),)
+    alloc.free("p")
+    at_8 = [*prompt[:8], 50, 51, 52]
+    match = alloc.prefix_match(at_8, digests=_digests(at_8))
+    assert match.hit == 8 and match.tables[MAMBA] == [NULL_BLOCK, kept]
+    alloc.check_invariants(True)

@@ -125,9 +125,11 @@ def test_blocks_are_named_by_vllms_digests_never_shared_across_lora_or_salt(
     cache salt are other blocks even with the core's salt forced equal (old: the core
     keyed token ids and salt, and a Python registry re-checked vLLM's digest)."""
     manager = _scheduler(model_dir).kv_cache_manager
+    import integrations.vllm.lookup as lookup_module
     import integrations.vllm.manager as manager_module
 
-    monkeypatch.setattr(manager_module, "request_salt", lambda request: 0, raising=False)
+    for module in (manager_module, lookup_module):  # the admission's and the lookup's
+        monkeypatch.setattr(module, "request_salt", lambda request: 0, raising=False)
     a = _request("a", PROMPT, lora_request=compat.lora_request("ad0", 1))
     b = _request("b", PROMPT, lora_request=compat.lora_request("ad1", 2))
     c = _request("c", PROMPT, cache_salt="tenant")
