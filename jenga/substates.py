@@ -284,13 +284,18 @@ class SubStateCalls:
         (group, block) named. Raises `UnknownRequest`, `InvalidSize` (no
         ``state_unit``, more tokens than allocated)."""
         keep = self._require_states()
+        req = self._allocated(request_id, "state", num_tokens)
+        return keep.commit(request_id, req, num_tokens, states)
+
+    def _allocated(self, request_id: Hashable, what: str, num_tokens: int) -> LiveRequest:
+        """The live request, checked to hold ``num_tokens`` (`InvalidSize` otherwise)."""
         req = self._request(request_id)  # type: ignore[attr-defined]
         if not 0 <= num_tokens <= req.num_tokens:
             raise InvalidSize(
-                f"request {request_id!r}: state after {num_tokens} tokens, "
+                f"request {request_id!r}: {what} after {num_tokens} tokens, "
                 f"{req.num_tokens} allocated"
             )
-        return keep.commit(request_id, req, num_tokens, states)
+        return req
 
     def cache_checkpoint(
         self, request_id: Hashable, column: int, num_tokens: int
@@ -301,12 +306,7 @@ class SubStateCalls:
         it is never moved. Returns the (group, block) named and the plan. Raises
         `UnknownRequest`, `InvalidSize` (no ``state_unit``, more tokens than allocated)."""
         keep = self._require_states()
-        req = self._request(request_id)  # type: ignore[attr-defined]
-        if not 0 <= num_tokens <= req.num_tokens:
-            raise InvalidSize(
-                f"request {request_id!r}: checkpoint after {num_tokens} tokens, "
-                f"{req.num_tokens} allocated"
-            )
+        req = self._allocated(request_id, "checkpoint", num_tokens)
         self._epoch += 1  # type: ignore[attr-defined]
         named = keep.checkpoint(request_id, req, column, num_tokens)
         return named, self._drain_plan()  # type: ignore[attr-defined]
