@@ -65,6 +65,12 @@ from jenga.requests import NULL_BLOCK, BlockCopy, LiveRequest
 _APPEND_ONLY = (FullAttentionPolicy,)
 
 
+def append_only(policy_type: type[Policy]) -> bool:
+    """Whether a group of this policy class is append-only attention: a block holding
+    the tokens up to a point inside it serves a hit there (copied on write)."""
+    return policy_type in _APPEND_ONLY
+
+
 def fine_group(policy: Policy, unit: int | None) -> bool:
     """Whether group ``policy`` is hit every ``unit`` tokens: a state group, or a full
     attention group with larger blocks (its KV is append-only: a block holding the
@@ -73,7 +79,7 @@ def fine_group(policy: Policy, unit: int | None) -> bool:
         return False
     if policy.holds_state:
         return True
-    return type(policy) in _APPEND_ONLY and policy.tokens_per_block > unit
+    return append_only(type(policy)) and policy.tokens_per_block > unit
 
 
 def check_state_unit(unit: int, policies: Sequence[Policy], digest_block_size: int | None) -> None:

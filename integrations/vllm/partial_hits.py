@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from jenga.policies import POLICY_BY_KIND
 from jenga.requests import BlockCopy
 from jenga.specs import Kind
+from jenga.substates import append_only
 
 from integrations.vllm.compat import KVCacheBlock, KVCacheBlockCopy, RequestStatus
 
@@ -68,8 +69,6 @@ if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig, Request
     from integrations.vllm.layout import JengaLayout
     from integrations.vllm.speculative import SpeculativeSetup
-
-_FINE_ATTENTION = (Kind.FULL,)  # append-only KV: a hit inside a block copies it
 
 JengaKVCacheManager = Any
 """The `integrations.vllm.manager.JengaKVCacheManager` served (not imported: it imports
@@ -94,7 +93,7 @@ def enabled(
         g.kind is Kind.MAMBA
         or not POLICY_BY_KIND[g.kind].caches_blocks  # never hit (a circular buffer)
         or g.block_size == hash_block_size
-        or (g.kind in _FINE_ATTENTION and g.block_size % hash_block_size == 0)
+        or (append_only(POLICY_BY_KIND[g.kind]) and g.block_size % hash_block_size == 0)
         for g in groups
     )
 
