@@ -85,6 +85,15 @@ class UnsupportedLayout(JengaVllmError, NotImplementedError):
 class ScheduledCache:
     """How a worker-side KV cache follows the scheduler: plans, else block ids."""
 
+    @staticmethod
+    def check_pool(pool: vmm.ChunkPool, layout: JengaLayout) -> None:
+        """Refuse a pool whose chunk is not the layout's exchange unit (`UnsupportedLayout`)."""
+        if pool.granularity != layout.options.chunk_bytes:
+            raise UnsupportedLayout(
+                f"pool granularity {pool.granularity} B != jenga chunk_bytes "
+                f"{layout.options.chunk_bytes} B"
+            )
+
     def apply_plan(self, plan: MappingPlan) -> None:
         raise NotImplementedError
 
@@ -137,11 +146,7 @@ class VmmKVCache(ScheduledCache):
                 "the layout uses pages='vllm' (vLLM's shared block "
                 "slots); VMM tensors need pages='vmm' (set kv_tensors='vmm')"
             )
-        if pool.granularity != layout.options.chunk_bytes:
-            raise UnsupportedLayout(
-                f"pool granularity {pool.granularity} B != jenga chunk_bytes "
-                f"{layout.options.chunk_bytes} B"
-            )
+        self.check_pool(pool, layout)
         per_group = geometry is TensorGeometry.PER_GROUP
         if per_group and not kv_cache_layout.is_block_compact:
             raise UnsupportedLayout(

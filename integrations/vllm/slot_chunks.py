@@ -96,14 +96,19 @@ class SlotChunks:
             anchors.append(Anchor(0, slot, slot))
         return cls(anchors, chunk_bytes, memory)
 
-    def chunks(self, slot: int) -> list[int]:
-        """The chunk indices slot ``slot`` touches (sorted, distinct)."""
+    def runs(self, slot: int) -> list[range]:
+        """Per layer run (`Anchor`), the chunk indices slot ``slot`` touches there (a
+        chunk two runs touch is in both)."""
         c = self.chunk_bytes
-        out: set[int] = set()
+        out = []
         for a in self.anchors:
             start = a.offset + slot * a.stride
-            out.update(range(start // c, (start + a.page - 1) // c + 1))
-        return sorted(out)
+            out.append(range(start // c, (start + a.page - 1) // c + 1))
+        return out
+
+    def chunks(self, slot: int) -> list[int]:
+        """The chunk indices slot ``slot`` touches (sorted, distinct)."""
+        return sorted({c for run in self.runs(slot) for c in run})
 
     def footprint(self, num_slots: int) -> int:
         """Chunks touched by slots ``0 .. num_slots - 1`` together."""
@@ -179,10 +184,9 @@ class ChunkRefs:
         its layer runs touches gains or loses one reference (a chunk two runs of one
         slot touch counts twice, so a count is positive exactly while a mapped slot
         touches the chunk; no per-call set, this runs on every slot the plans move)."""
-        refs, record, size = self.refs, self.record, self.slot_chunks.chunk_bytes
-        for a in self.slot_chunks.anchors:
-            start = a.offset + slot * a.stride
-            for c in range(start // size, (start + a.page - 1) // size + 1):
+        refs, record = self.refs, self.record
+        for run in self.slot_chunks.runs(slot):
+            for c in run:
                 n = refs[c] = refs[c] + delta
                 if n < 0:
                     raise AssertionError(f"chunk {c}: reference count {n} after slot {slot}")
@@ -201,11 +205,9 @@ class ChunkRefs:
     def check(self, mapped_slots: Iterable[int]) -> None:
         """Raise AssertionError unless the counts are those of ``mapped_slots`` + slot 0."""
         want = array("i", bytes(4 * len(self.refs)))
-        size = self.slot_chunks.chunk_bytes
         for slot in (0, *mapped_slots):
-            for a in self.slot_chunks.anchors:
-                start = a.offset + slot * a.stride
-                for c in range(start // size, (start + a.page - 1) // size + 1):
+            for run in self.slot_chunks.runs(slot):
+                for c in run:
                     want[c] += 1
         assert want == self.refs, "chunk reference counts disagree with the mapped slots"
         assert self.num_mapped == sum(1 for n in want if n > 0)

@@ -71,11 +71,7 @@ class SlotVmmKVCache(ScheduledCache):
                 f"{layout.options.tensor_geometry}"
             )
         assert layout.slot_chunks is not None
-        if pool.granularity != layout.options.chunk_bytes:
-            raise UnsupportedLayout(
-                f"pool granularity {pool.granularity} B != jenga chunk_bytes "
-                f"{layout.options.chunk_bytes} B"
-            )
+        self.check_pool(pool, layout)
         self.layout = layout
         self.pool = pool
         self.slot_chunks = layout.slot_chunks
