@@ -259,9 +259,14 @@ class PartialHits:
         return [(g, self._vllm_id(g, b), n) for g, b, n in tails if n == done]
 
     def _vllm_id(self, group: int, block: int) -> int:
+        (vllm_id,) = self._vllm_ids(group, [block])
+        return vllm_id
+
+    def _vllm_ids(self, group: int, blocks: list[int]) -> list[int]:
+        """vLLM block ids of allocator blocks of one group."""
         rows: list[list[int]] = [[] for _ in self._manager.layout.groups]
-        rows[group] = [block]
-        return int(self._manager._block_ids.rows(rows)[group][0].block_id)
+        rows[group] = blocks
+        return [int(b.block_id) for b in self._manager._block_ids.rows(rows)[group]]
 
     def queue(self, copies: Sequence[BlockCopy]) -> None:
         """Copies for the worker (run before the next step's forward)."""
@@ -293,15 +298,12 @@ class PartialHits:
         copies, self._copies = self._copies, []
         if not copies:
             return [], []
-        ids = self._manager._block_ids
         pairs, kept = [], []
         for c in copies:
-            rows: list[list[int]] = [[] for _ in self._manager.layout.groups]
-            rows[c.group] = [c.src, c.dst]
-            src, dst = ids.rows(rows)[c.group]
-            pairs.append(KVCacheBlockCopy(src.block_id, dst.block_id))
+            src, dst = self._vllm_ids(c.group, [c.src, c.dst])
+            pairs.append(KVCacheBlockCopy(src, dst))
             for b in c.retained:
-                obj = KVCacheBlock(src.block_id if b == c.src else dst.block_id)
+                obj = KVCacheBlock(src if b == c.src else dst)
                 obj.ref_cnt = 1
                 self._retained[id(obj)] = (obj, c.group, b, self._manager.allocator)
                 kept.append(obj)
