@@ -51,6 +51,11 @@ class AllocatorViews:
     def num_groups(self) -> int:
         return len(self._group_index)
 
+    @property
+    def _state_unit(self) -> int:
+        """Tokens between the positions states are hit at inside an interval (0: none)."""
+        return self.config.state_unit or 0
+
     def _group(self, group: int | str) -> int:
         if isinstance(group, str):
             if group not in self._group_index:
@@ -170,7 +175,7 @@ class AllocatorViews:
             valid[:] = False  # no group keeps anything a hit could reuse
         hit = _last_valid(valid & states, step)
         deep = _last_valid(valid, step) if restored_states else hit
-        unit = self._states.unit if self._states is not None else 0
+        unit = self._state_unit
         diverged = deep > hit and deepest_state <= deep and not unit  # whole states only
         hit = deep if diverged else hit
         tables: list[list[int]] = []
@@ -216,14 +221,11 @@ class AllocatorViews:
         proof = self.config.hit_proof
         lookups: list[np.ndarray] = []
         masks: list[np.ndarray] = []
-        unit = self._states.unit if self._states is not None else 0
+        unit = self._state_unit
         for g, policy in enumerate(self.policies):
-            if fine_group(policy, unit):  # hits inside its blocks (`jenga.substates`)
-                found = self._lookup(g, policy, req, n, unit)
-                mask = fine_mask(policy, found, step, unit, n)
-            else:
-                found = self._lookup(g, policy, req, n)
-                mask = policy.valid_prefix_mask(found >= 0, step, n, req.images)
+            # a fine group is hit inside its blocks (`jenga.substates`)
+            found = self._lookup(g, policy, req, n, unit if fine_group(policy, unit) else None)
+            mask = _alone(policy, found, step, unit, req)
             lookups.append(found)
             if proof is not None and (proof.groups is None or g in proof.groups):
                 # speculative decoding: hits followed by cached steps
@@ -243,20 +245,25 @@ class AllocatorViews:
         proof = self.config.hit_proof
         assert proof is not None
         step, n = self._prefix_step, len(req.tokens)
-        unit = self._states.unit if self._states is not None else 0
+        unit = self._state_unit
         t = hit_unit(policy, unit)
         if not proof.per_block or policy.holds_state or t == step:
             return proof.proven(mask, policy.holds_state, whole)
-        if fine_group(policy, unit):
-            own = fine_mask(policy, found, t, unit, n)
-        else:
-            own = policy.valid_prefix_mask(found >= 0, t, n, req.images)
-        own = proof.proven(own, False, n % t == 0)
+        own = proof.proven(_alone(policy, found, t, unit, req), False, n % t == 0)
         at = np.arange(1, len(mask) + 1, dtype=np.int64) * step // t - 1
         mask = mask & own[at]
         if whole and len(mask):
             mask[-1] = False
         return mask
+
+
+def _alone(policy: Any, found: np.ndarray, step: int, unit: int, req: LiveRequest) -> np.ndarray:
+    """Which prefixes ``step``, ``2*step``, ... the group alone serves, from its lookup
+    ``found`` (per unit for a fine group, `jenga.substates.fine_mask`; else per block)."""
+    n = len(req.tokens)
+    if fine_group(policy, unit):
+        return fine_mask(policy, found, step, unit, n)
+    return policy.valid_prefix_mask(found >= 0, step, n, req.images)
 
 
 def _last_valid(mask: np.ndarray, step: int) -> int:

@@ -167,6 +167,10 @@ class SubBlockStates:
         # request id -> the groups its last `allocate` kept a checkpoint block in
         self.kept: dict[Hashable, tuple[int, ...]] = {}
 
+    def _ident(self, req: LiveRequest, n: int) -> np.ndarray:
+        """The identity a state (or a block named inside) after ``n`` tokens is cached by."""
+        return req.identities(self.unit, n // self.unit - 1, n // self.unit)
+
     def commit(
         self, rid: Hashable, req: LiveRequest, n: int, states: bool | None = None
     ) -> tuple[tuple[int, int], ...]:
@@ -174,7 +178,7 @@ class SubBlockStates:
         ``states``: only the state groups, or only the attention groups)."""
         if n <= 0 or n % self.unit:
             return ()
-        ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+        ident = self._ident(req, n)
         named = []
         for g, policy in enumerate(self.policies):
             t = policy.tokens_per_block
@@ -202,7 +206,7 @@ class SubBlockStates:
         kept = self.kept.pop(rid, ())
         if n <= 0 or n % self.unit:
             return ()
-        ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+        ident = self._ident(req, n)
         named = []
         for g in kept:
             table = req.tables[g]
@@ -233,7 +237,7 @@ class SubBlockStates:
             table = req.tables[g]
             if j >= len(table) or int(table[j]) != x or not self.core.block_info(g, x)[2]:
                 continue  # released, or the name was dropped (evicted, uncached)
-            ident = req.identities(self.unit, n // self.unit - 1, n // self.unit)
+            ident = self._ident(req, n)
             got = self.core.allocate_blocks(g, 1, req.internal_id, now)
             self.core.uncache_blocks(g, [x])  # x stays the request's, unnamed
             if got is None:
