@@ -169,7 +169,8 @@ class PrefixLookup:
 
     @property
     def shares_block_ids(self) -> bool:
-        """True when block ids are vLLM's slots, unique across groups (``pages="vllm"``)."""
+        """True when block ids are vLLM's slots, unique across groups (``pages="vllm"`` and
+        the "slots" VMM geometry)."""
         return self._block_ids.shares_block_ids
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:

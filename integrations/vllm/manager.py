@@ -103,7 +103,7 @@ from integrations.vllm.errors import JengaVllmError, UnsupportedFeature
 from integrations.vllm.identity import DigestRegistry, request_salt
 from integrations.vllm.layout import JengaLayout
 from integrations.vllm.lookup import PrefixLookup, digests_of
-from integrations.vllm.speculative import SpeculativeSetup
+from integrations.vllm.speculative import SpeculativeSetup, marked_eagle_groups
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig
@@ -422,18 +422,15 @@ class JengaKVCacheManager(PrefixLookup):
         config = self.layout.allocator_config
         identity = replace(config.identity, digest_block_size=self.hash_block_size)
         units = self._gated_units()
-        proof = self.speculative.hit_proof(len(self.layout.groups), self._eagle_groups())
+        proof = self.speculative.hit_proof(
+            len(self.layout.groups), marked_eagle_groups(self.kv_cache_config)
+        )
         unit = self.hash_block_size if self._partial is not None else None
         # vLLM's scheduler calls the manager from its one thread: no per-call guard
         allocator = replace(
             config, identity=identity, total_units=units, hit_proof=proof, state_unit=unit
         )
         return JengaAllocator(allocator, guard_threads=False)
-
-    def _eagle_groups(self) -> tuple[int, ...]:
-        """The groups vLLM's config marks as EAGLE's (``is_eagle_group``)."""
-        groups = () if self.kv_cache_config is None else self.kv_cache_config.kv_cache_groups
-        return tuple(g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False))
 
     def _gated_units(self) -> int:
         """The units the allocator may map: the layout's, or on a shared pool the chunks

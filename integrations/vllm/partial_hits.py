@@ -64,6 +64,7 @@ from jenga.specs import Kind
 from jenga.substates import append_only
 
 from integrations.vllm.compat import KVCacheBlock, KVCacheBlockCopy, RequestStatus
+from integrations.vllm.speculative import marked_eagle_groups
 
 if TYPE_CHECKING:
     from integrations.vllm.compat import KVCacheConfig, Request
@@ -106,8 +107,7 @@ def junctions_on(
     drops EAGLE's block (every group with the drop on, or one the config marks), and no
     multi-module MTP tail (then the computed tokens handed to the cache lag the chunk
     end, so no state would be kept where the scheduler stopped)."""
-    groups = () if config is None else config.kv_cache_groups
-    eagle = speculative.use_eagle or any(getattr(g, "is_eagle_group", False) for g in groups)
+    eagle = speculative.use_eagle or bool(marked_eagle_groups(config))
     return asked and partial and eagle and speculative.num_reprefillable_tokens == 0
 
 

@@ -104,3 +104,10 @@ def speculative_setup_of(scheduler: Any) -> SpeculativeSetup:
         num_prefill_lookahead=int(getattr(scheduler, "num_prefill_lookahead", 0) or 0),
         num_hash_lookahead_tokens=int(getattr(scheduler, "num_hash_lookahead_tokens", 0) or 0),
     )
+
+
+def marked_eagle_groups(kv_cache_config: Any) -> tuple[int, ...]:
+    """The KV-cache groups vLLM's config marks as EAGLE's (``is_eagle_group``; none
+    without a config)."""
+    groups = () if kv_cache_config is None else kv_cache_config.kv_cache_groups
+    return tuple(g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False))
