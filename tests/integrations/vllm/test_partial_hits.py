@@ -23,13 +23,12 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-import torch
 from integrations.vllm.harness import replay
 from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.scheduler import JengaScheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 from integrations.vllm import compat
+from tests.integrations.vllm.align_hybrid import align_hybrid_config
 
 HASH = 16  # attention block = vLLM's hash block
 MAMBA_BLOCK = 64
@@ -41,14 +40,7 @@ GEOMETRIES = [(HASH, 1), (64, 1), (32, 2)]
 
 def _scheduler(model_dir: Path, jenga: bool, geometry: tuple[int, int], eagle: bool) -> Any:
     attn_block, dcp = geometry
-    full = compat.FullAttentionSpec(
-        block_size=attn_block, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    mamba = compat.MambaSpec(
-        block_size=MAMBA_BLOCK, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
-    )
-    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
-    kv_config = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=groups)
+    kv_config = align_hybrid_config(attn_block, MAMBA_BLOCK, num_blocks=200)
     # EAGLE (the tiny model as its own draft): 0.32 drops a hit's last hash block,
     # 0.33 hashes each block with the token after it instead
     draft = {"method": "eagle", "model": str(model_dir), "num_speculative_tokens": 2}
@@ -208,14 +200,7 @@ def test_partial_hits_with_eagle_serve_what_recompute_gives(
 def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
     from integrations.vllm.drop_in import jenga_kv_cache_manager
 
-    full = compat.FullAttentionSpec(
-        block_size=attn_block, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    mamba = compat.MambaSpec(
-        block_size=mamba_block, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"
-    )
-    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
-    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    config = align_hybrid_config(attn_block, mamba_block)
     kwargs.setdefault("hash_block_size", HASH)
     return jenga_kv_cache_manager(config, 1024, enable_caching=True, **kwargs)
 
