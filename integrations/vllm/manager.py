@@ -89,7 +89,7 @@ from jenga.plan import OP_UNMAP, MappingPlan
 from jenga.specs import Kind
 
 from integrations.vllm import connector, partial_hits
-from integrations.vllm.block_ids import new_block_ids
+from integrations.vllm.block_ids import VmmSlotBlockIds, new_block_ids
 from integrations.vllm.compat import (
     AllBlocksCleared,
     KVCacheBlock,
@@ -210,6 +210,17 @@ class JengaKVCacheManager(PrefixLookup):
         return (
             used * self.layout.total_units / (self.layout.memory_bytes * self.allocator.total_units)
         )
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes the KV tensors back now: on VMM pages the chunks mapped (per group / per
+        layer: the allocator's mapped units; the slots geometry: the chunks its mapped
+        slots and the null slot touch), on vLLM's own tensors vLLM's whole buffer."""
+        if isinstance(self._block_ids, VmmSlotBlockIds):
+            return self._block_ids.committed_bytes
+        if not self.layout.options.tensor_geometry.on_vmm_ranges:
+            return self.layout.memory_bytes
+        return self.allocator.usage().used_units * self.layout.options.chunk_bytes
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         if not self.log_stats:

@@ -62,6 +62,7 @@ from vmm.bench.stats import percentile
 
 from integrations.vllm.harness import cases, replay, sweep
 from integrations.vllm.harness.pinning import PinningTally, chunk_pinning
+from integrations.vllm.options import TensorGeometry
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,8 @@ class PeakCommitted:
     Ours on VMM ranges: the allocator's mapped units (what the worker's ranges map)
     after each step, at its peak, and the chunk pinning of every step (`pinning`); on
     the slots geometry the chunks its mapped slots touch (`integrations.vllm.block_ids.
-    VmmSlotBlockIds.committed_bytes`), no pinning figures.
+    VmmSlotBlockIds.committed_bytes`, read through the manager's `committed_bytes`), no
+    pinning figures.
     vLLM's manager and ours on vLLM's tensors: the whole KV buffer vLLM allocates up
     front (no pinning figures). ``pinning`` False: the mapped units alone (no per-block
     walk). ``observer``: called last after every step, with the scheduler and its output.
@@ -257,10 +259,9 @@ class PeakCommitted:
         self.measure_pinning = pinning
         self.pinning = PinningTally()
         self.on_vmm = manager.startswith("jenga-vmm")
-        # the slots geometry: chunk counts kept beside the block ids (no per-page pinning)
-        self.slot_chunks = getattr(self.kv, "_block_ids", None) if self.on_vmm else None
-        if not hasattr(self.slot_chunks, "committed_bytes"):
-            self.slot_chunks = None
+        # the slots geometry maps chunks per slot: no per-page pinning to count
+        geometry = self.kv.layout.options.tensor_geometry if self.on_vmm else None
+        self.slot_pages = geometry is TensorGeometry.VMM_SLOTS
         if self.on_vmm:
             self.bytes = 0
         else:
@@ -270,12 +271,12 @@ class PeakCommitted:
 
     def __call__(self, scheduler: Any, out: Any) -> None:
         step: dict[str, Any] = {}
-        if self.slot_chunks is not None:
-            self.bytes = max(self.bytes, self.slot_chunks.committed_bytes)
-            step = {"mapped_chunks": self.slot_chunks.chunks.num_mapped}
+        if self.slot_pages:
+            committed = self.kv.committed_bytes
+            self.bytes = max(self.bytes, committed)
+            step = {"mapped_chunks": committed // self.kv.layout.options.chunk_bytes}
         elif self.on_vmm and not self.measure_pinning:
-            mapped = self.kv.allocator.usage().used_units
-            self.bytes = max(self.bytes, mapped * self.kv.layout.options.chunk_bytes)
+            self.bytes = max(self.bytes, self.kv.committed_bytes)
         elif self.on_vmm:
             running = [r.request_id for r in scheduler.running]
             mapped, single, packable = chunk_pinning(self.kv, running)

@@ -107,21 +107,20 @@ def test_the_manager_counts_the_chunks_its_mapped_slots_touch(model_dir: Path) -
     layout = _layout(model_dir, "ministral", 64 << 20)
     manager = JengaKVCacheManager(layout)
     assert manager.shares_block_ids
-    ids = manager._block_ids
-    assert ids.committed_bytes == 2 * CHUNK  # the null slot's chunk in each layer region
+    assert manager.committed_bytes == 2 * CHUNK  # the null slot's chunk in each layer region
     requests = replay.make_requests([[i + 1] * 600 for i in range(3)], [1] * 3, 16)
     for r in requests:
         assert manager.allocate_slots(r, 600) is not None
     manager.check_invariants()
     used = {b for r in requests for row in manager.get_block_ids(r.request_id) for b in row}
     want = {c for s in used | {0} for c in layout.slot_chunks.chunks(s)}
-    assert ids.committed_bytes == len(want) * CHUNK <= layout.memory_bytes
+    assert manager.committed_bytes == len(want) * CHUNK <= layout.memory_bytes
     for r in requests:
         manager.free(r)
     manager.check_invariants()  # freed blocks stay cached: their chunks stay mapped
-    assert ids.committed_bytes == len(want) * CHUNK
+    assert manager.committed_bytes == len(want) * CHUNK
     assert manager.reset_prefix_cache()
-    assert ids.committed_bytes == 2 * CHUNK
+    assert manager.committed_bytes == 2 * CHUNK
 
 
 @pytest.fixture
@@ -224,7 +223,7 @@ def test_the_worker_follows_the_managers_plans(slot_cache: Any) -> None:
         cache.check_invariants()
         manager.check_invariants()
         assert cache.slots.state() == manager._block_ids.slots.state()
-        assert cache.mapped_bytes() == manager._block_ids.committed_bytes
+        assert cache.mapped_bytes() == manager.committed_bytes
         assert cache.mapped_bytes() <= layout.memory_bytes
 
     for r in requests[:3]:  # 128 of the 511 slots each
@@ -283,7 +282,7 @@ def test_bytes_survive_a_real_scheduler_run_on_the_slots_range(
     assert checker.verified > 1000
     assert checker.unmapped_pages > 0  # slots were evicted and reused
     assert checker.peak <= layout.memory_bytes
-    assert cache.mapped_bytes() == scheduler.kv_cache_manager._block_ids.committed_bytes
+    assert cache.mapped_bytes() == scheduler.kv_cache_manager.committed_bytes
     cache.close()
     pool.close()
 
@@ -306,5 +305,5 @@ def test_a_capacity_change_reaches_the_worker_as_slot_evictions(slot_cache: Any)
         cache.apply_plan(plan)
     cache.check_invariants()
     assert cache.slots.state() == manager._block_ids.slots.state()
-    assert cache.mapped_bytes() == manager._block_ids.committed_bytes < before
+    assert cache.mapped_bytes() == manager.committed_bytes < before
     assert cache.pool.budget_bytes == budget
