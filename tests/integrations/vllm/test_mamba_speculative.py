@@ -21,32 +21,22 @@ from tests.integrations.vllm.conftest import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-import torch
 from integrations.vllm.drop_in import jenga_kv_cache_manager
 from integrations.vllm.harness import engine, replay
 from jenga.specs import Kind
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 from integrations.vllm import compat
+from tests.integrations.vllm.mamba_hybrid import mamba_hybrid_config
 
 ATTN_BLOCK = 32
 MAMBA = 1  # the Mamba group's index
 
 
 def _config(mamba_block: int, num_speculative_blocks: int, mode: str = "align") -> Any:
-    full = compat.FullAttentionSpec(
-        block_size=ATTN_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32
+    return mamba_hybrid_config(
+        ATTN_BLOCK, mamba_block, 400, mode, num_speculative_blocks=num_speculative_blocks
     )
-    mamba = compat.MambaSpec(
-        block_size=mamba_block,
-        shapes=((1, 1),),
-        dtypes=(torch.float32,),
-        mamba_cache_mode=mode,
-        num_speculative_blocks=num_speculative_blocks,
-    )
-    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["mixer"], mamba)]
-    return KVCacheConfig(num_blocks=400, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 def _managers(config: Any, enable_caching: bool = True) -> tuple[Any, Any]:

@@ -34,14 +34,14 @@ from integrations.vllm.harness import replay
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 from integrations.vllm import compat
-from tests.integrations.vllm.align_hybrid import align_hybrid_config
+from tests.integrations.vllm.mamba_hybrid import mamba_hybrid_config
 
 HASH, MAMBA_BLOCK = 16, 64
 BASE = list(range(1, 101))  # the shared prefix: 100 tokens
 
 
 def _manager(attn_block: int = HASH, **kwargs: Any) -> Any:
-    config = align_hybrid_config(attn_block, MAMBA_BLOCK)
+    config = mamba_hybrid_config(attn_block, MAMBA_BLOCK)
     kwargs.setdefault("hash_block_size", HASH)
     kwargs.setdefault("use_eagle", True)
     return jenga_kv_cache_manager(config, 1024, enable_caching=True, **kwargs)
@@ -191,7 +191,7 @@ def test_an_internal_checkpoint_is_kept_below_the_running_state(alignment: int, 
     checkpoint blocks aligned at 16 writes the state at 112 (the prompt's tail
     checkpoint) into table entry 2 (tokens 64..96), below the running state (entry 3);
     at an alignment 112 is not a multiple of there is none."""
-    config = align_hybrid_config(
+    config = mamba_hybrid_config(
         HASH, 32, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=alignment
     )
     manager = jenga_kv_cache_manager(config, 1024, enable_caching=True, hash_block_size=HASH)

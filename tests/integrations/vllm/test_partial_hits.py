@@ -28,7 +28,7 @@ from integrations.vllm.manager import JengaKVCacheManager
 from integrations.vllm.scheduler import JengaScheduler
 
 from integrations.vllm import compat
-from tests.integrations.vllm.align_hybrid import align_hybrid_config
+from tests.integrations.vllm.mamba_hybrid import mamba_hybrid_config
 
 HASH = 16  # attention block = vLLM's hash block
 MAMBA_BLOCK = 64
@@ -40,7 +40,7 @@ GEOMETRIES = [(HASH, 1), (64, 1), (32, 2)]
 
 def _scheduler(model_dir: Path, jenga: bool, geometry: tuple[int, int], eagle: bool) -> Any:
     attn_block, dcp = geometry
-    kv_config = align_hybrid_config(attn_block, MAMBA_BLOCK, num_blocks=200)
+    kv_config = mamba_hybrid_config(attn_block, MAMBA_BLOCK, num_blocks=200)
     # EAGLE (the tiny model as its own draft): 0.32 drops a hit's last hash block,
     # 0.33 hashes each block with the token after it instead
     draft = {"method": "eagle", "model": str(model_dir), "num_speculative_tokens": 2}
@@ -200,7 +200,7 @@ def test_partial_hits_with_eagle_serve_what_recompute_gives(
 def _manager(attn_block: int, mamba_block: int, **kwargs: Any) -> Any:
     from integrations.vllm.drop_in import jenga_kv_cache_manager
 
-    config = align_hybrid_config(attn_block, mamba_block)
+    config = mamba_hybrid_config(attn_block, mamba_block)
     kwargs.setdefault("hash_block_size", HASH)
     return jenga_kv_cache_manager(config, 1024, enable_caching=True, **kwargs)
 
